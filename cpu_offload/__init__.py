@@ -1,0 +1,41 @@
+"""cpu_offload: move activations saved for backward to pinned CPU memory and back, overlapped
+with compute, for any ``nn.Module`` stack.
+
+Public API (see README.md)::
+
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n)
+    for layer in layers:
+        with ctx:
+            x = layer(x)
+        x = sync(x)
+
+Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``,
+``cpu_offload.v1``).
+"""
+from .device import CudaDevice, OffloadDevice
+from .errors import OffloadConfigError, OffloadUsageError
+from .facade import (
+    get_cpu_offload_context,
+    is_cpu_offload_enabled,
+    mark_activation_offload,
+    start_offload,
+)
+from .markers import mark_not_offload, mark_weight, offload_opt_out
+from .simulated import SimulatedDevice
+
+__all__ = [
+    "CudaDevice",
+    "OffloadConfigError",
+    "OffloadDevice",
+    "OffloadUsageError",
+    "SimulatedDevice",
+    "get_cpu_offload_context",
+    "is_cpu_offload_enabled",
+    "mark_activation_offload",
+    "mark_not_offload",
+    "mark_weight",
+    "offload_opt_out",
+    "start_offload",
+]
+
+__version__ = "0.1.0"

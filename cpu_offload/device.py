@@ -1,0 +1,141 @@
+"""The only place where offloading touches streams, events and memory.
+
+The schedulers (``synchronizer.py``, ``v1``) speak to an ``OffloadDevice``; ``CudaDevice`` issues real
+CUDA work, ``SimulatedDevice`` (``simulated.py``) replays the same calls on the CPU and records them,
+so every schedule decision is testable without a GPU.
+
+Rules every implementation follows:
+
+- All device memory is allocated on the compute stream. Work on the side stream that touches it is
+  fenced with events, never with ``record_stream``, so freed memory is reusable at once.
+- Nothing here blocks the host, except ``synchronize``.
+- Copies move flat ``uint8`` views of whole storages: one DMA per storage, no kernels.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional
+
+import torch
+
+Stream = Any
+Event = Any
+
+
+class OffloadDevice(abc.ABC):
+    """Streams, events, allocation and copies for one accelerator (or a simulation of one)."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in the memory this device offloads from."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream compute is issued on right now."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A side stream for copies."""
+
+    @abc.abstractmethod
+    def record_event(self, stream: Stream) -> Event:
+        """An event marking all work queued on ``stream`` so far."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Make future work on ``stream`` wait for ``event`` (device side, host not blocked)."""
+
+    def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
+        """Make future work on ``waiter`` wait for everything queued on ``waitee`` so far."""
+        self.wait_event(waiter, self.record_event(waitee))
+
+    @abc.abstractmethod
+    def event_done(self, event: Event) -> bool:
+        """Non-blocking: has the device passed ``event``?"""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until all queued work is done (tests and teardown only)."""
+
+    @abc.abstractmethod
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host buffer the device can copy to and from asynchronously (pinned)."""
+
+    @abc.abstractmethod
+    def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A flat uint8 device buffer, allocated on the current (compute) stream."""
+
+    @abc.abstractmethod
+    def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` (both flat uint8 of equal size)."""
+
+    def will_free(self, t: torch.Tensor) -> None:
+        """The scheduler is about to drop its last reference to device buffer ``t``.
+
+        A real device needs nothing; the simulation checks that no queued copy still reads it.
+        """
+
+    def trace(self, what: str, layer: int) -> None:
+        """Schedule milestones ('fwd', 'bwd', 'release', 'reload', ...); recorded by simulations."""
+
+
+class CudaDevice(OffloadDevice):
+    """CUDA streams, events, pinned host memory; the caching allocator for device memory."""
+
+    name = "cuda"
+
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def current_stream(self) -> Stream:
+        return torch.cuda.current_stream()
+
+    def new_stream(self) -> Stream:
+        return torch.cuda.Stream()
+
+    def record_event(self, stream: Stream) -> Event:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        stream.wait_event(event)
+
+    def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
+        if waiter != waitee:
+            waiter.wait_stream(waitee)
+
+    def event_done(self, event: Event) -> bool:
+        return event.query()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+
+_default_device: Optional[OffloadDevice] = None
+
+
+def default_device() -> OffloadDevice:
+    """The CUDA device; a clear error on machines without CUDA."""
+    global _default_device
+    if _default_device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "cpu_offload: CUDA is not available. Offloading moves activations from a CUDA GPU; "
+                "on a CPU-only machine pass device=cpu_offload.SimulatedDevice() to "
+                "get_cpu_offload_context to run the schedule in simulation."
+            )
+        _default_device = CudaDevice()
+    return _default_device

@@ -1,0 +1,105 @@
+"""Per-tensor and per-module marks that steer which saved tensors are offloaded.
+
+Marks are plain attributes on tensors, so they survive being passed through user code and cost one
+attribute lookup in the saved-tensor hook. Both backends read them:
+
+- ``activation_offloading`` -- the legacy V1 tag: V1 offloads exactly the tensors carrying it.
+- ``_cpu_offload_skip`` -- ``mark_not_offload``: never offload this tensor (both backends).
+- ``_cpu_offload_weight`` / ``is_weight`` -- a weight that is not an ``nn.Parameter``; V2 treats it
+  like a parameter (offloaded only with ``offload_weights=True``).
+- ``_cpu_offload_ready_event`` -- set by ``start_offload``: the point on the compute stream after
+  which the tensor is final, so its copy may start before it is saved for backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from .compat import is_traceable_wrapper_subclass
+
+SKIP_ATTR = "_cpu_offload_skip"
+WEIGHT_ATTR = "_cpu_offload_weight"
+V1_TAG_ATTR = "activation_offloading"
+READY_EVENT_ATTR = "_cpu_offload_ready_event"
+
+
+def component_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` and, for wrapper subclasses (``__tensor_flatten__``), every inner tensor, recursively."""
+    out = [t]
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                out.extend(component_tensors(inner))
+    return out
+
+
+def _set_on_components(tensors: tuple, attr: str, value: object) -> None:
+    for t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected torch.Tensor or None, got {type(t).__name__}")
+        for c in component_tensors(t):
+            setattr(c, attr, value)
+
+
+def mark_not_offload(*tensors: Optional[torch.Tensor]) -> None:
+    """Exclude these tensors (and the inner tensors of wrapper subclasses) from offloading."""
+    _set_on_components(tensors, SKIP_ATTR, True)
+
+
+def mark_weight(*tensors: Optional[torch.Tensor]) -> None:
+    """Declare tensors as weights: V2 offloads them only when ``offload_weights=True``."""
+    _set_on_components(tensors, WEIGHT_ATTR, True)
+
+
+def tag_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = True) -> None:
+    """Set the V1 ``activation_offloading`` tag (``offload=False`` clears it)."""
+    _set_on_components(tensors, V1_TAG_ATTR, offload)
+
+
+def is_marked_not_offload(t: torch.Tensor) -> bool:
+    return getattr(t, SKIP_ATTR, False)
+
+
+def is_weight(t: torch.Tensor) -> bool:
+    return (
+        isinstance(t, torch.nn.Parameter)
+        or getattr(t, WEIGHT_ATTR, False)
+        or getattr(t, "is_weight", False)
+    )
+
+
+# --- per-module opt-out (seed 001): tensors saved while such a module runs are not offloaded ---
+
+_opt_out_depth = 0
+
+
+def module_opt_out_active() -> bool:
+    """True while the forward of a module opted out with ``set_activation_offloading`` runs."""
+    return _opt_out_depth > 0
+
+
+@contextlib.contextmanager
+def offload_opt_out() -> Iterator[None]:
+    """Inside this block, no saved tensor is offloaded (both backends)."""
+    global _opt_out_depth
+    _opt_out_depth += 1
+    try:
+        yield
+    finally:
+        _opt_out_depth -= 1
+
+
+def _enter_opt_out() -> None:
+    global _opt_out_depth
+    _opt_out_depth += 1
+
+
+def _exit_opt_out() -> None:
+    global _opt_out_depth
+    _opt_out_depth = max(0, _opt_out_depth - 1)

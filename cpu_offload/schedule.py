@@ -1,0 +1,157 @@
+"""Pure scheduling logic of V2: which layers are offloaded, when each is released, when reloaded.
+
+No tensors, no streams: positions are counted in "layer starts" of one training step. Forward
+start of layer ``j`` is position ``j + 1``; the ``c``-th backward start (layer ``n - c``) is
+position ``n + c``. A ``synchronization_dict`` entry ``i -> (offload_fwd, offload_num, reload_fwd,
+reload_num)`` (seed 003) says: layer ``i`` finishes offloading (and its GPU memory is released) when
+``offload_num`` layers have begun their forward (``offload_fwd``) or backward pass, and its reload
+starts when ``reload_num`` layers have begun their forward (``reload_fwd``) or backward pass.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .errors import OffloadConfigError
+
+SyncEntry = tuple  # (offload_fwd: bool, offload_num: int, reload_fwd: bool, reload_num: int)
+
+
+def position(fwd: bool, num: int, model_layers: int) -> int:
+    """Position of "``num`` layers have begun their forward/backward"."""
+    return num if fwd else model_layers + num
+
+
+def default_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, SyncEntry]:
+    """Seed 003: offload the first ``k`` of ``n`` layers; layer ``i`` is released before the
+    forward of layer ``n-k+i`` and reloaded after the backward of layer ``n-k+i``."""
+    n, k = model_layers, num_layers
+    return {i: (True, n - k + i + 1, False, k - i + 1) for i in range(k)}
+
+
+def validate_synchronization_dict(
+    sync: Mapping[int, SyncEntry], model_layers: int
+) -> dict[int, SyncEntry]:
+    """Check every entry can be executed in a forward-then-backward step; return a clean copy."""
+    if not isinstance(sync, Mapping):
+        raise OffloadConfigError(
+            f"synchronization_dict must be a dict {{layer_id: (offload_fwd, offload_num, "
+            f"reload_fwd, reload_num)}}, got {type(sync).__name__}"
+        )
+    n = model_layers
+    clean: dict[int, SyncEntry] = {}
+    for layer, entry in sync.items():
+        where = f"synchronization_dict[{layer!r}]"
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise OffloadConfigError(
+                f"{where}: layer ids must be ints in [0, model_layers={n}); fix the key"
+            )
+        if not isinstance(entry, (tuple, list)) or len(entry) != 4:
+            raise OffloadConfigError(
+                f"{where} = {entry!r}: expected a 4-tuple "
+                "(offload_fwd: bool, offload_num: int, reload_fwd: bool, reload_num: int)"
+            )
+        off_fwd, off_num, rel_fwd, rel_num = entry
+        for name, v in (("offload_fwd", off_fwd), ("reload_fwd", rel_fwd)):
+            if not isinstance(v, bool):
+                raise OffloadConfigError(f"{where}: {name} must be a bool, got {v!r}")
+        for name, v in (("offload_num", off_num), ("reload_num", rel_num)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= n:
+                raise OffloadConfigError(
+                    f"{where}: {name} must be an int in [1, model_layers={n}], got {v!r}"
+                )
+        off_pos, rel_pos = position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
+        own_fwd_end, own_bwd_start = layer + 2, position(False, n - layer, n)
+        if off_pos < own_fwd_end:
+            raise OffloadConfigError(
+                f"{where}: offload of layer {layer} would have to finish before its own forward "
+                f"ends; use offload_num >= {layer + 2} with offload_fwd=True, or offload_fwd=False"
+            )
+        if rel_pos < off_pos:
+            raise OffloadConfigError(
+                f"{where}: reload would start before the offload finishes; move reload_num later"
+            )
+        if rel_pos > own_bwd_start:
+            raise OffloadConfigError(
+                f"{where}: reload would start after layer {layer}'s backward began; use "
+                f"reload_fwd=False and reload_num <= {n - layer}"
+            )
+        clean[layer] = (off_fwd, off_num, rel_fwd, rel_num)
+    return clean
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Actions per position, derived once from a validated synchronization dict."""
+
+    model_layers: int
+    sync: Mapping[int, SyncEntry]
+
+    def __post_init__(self) -> None:
+        releases: dict[int, list[int]] = defaultdict(list)
+        reloads: dict[int, list[int]] = defaultdict(list)
+        for layer, (off_fwd, off_num, rel_fwd, rel_num) in sorted(self.sync.items()):
+            releases[position(off_fwd, off_num, self.model_layers)].append(layer)
+            reloads[position(rel_fwd, rel_num, self.model_layers)].append(layer)
+        object.__setattr__(self, "_releases", dict(releases))
+        object.__setattr__(self, "_reloads", dict(reloads))
+
+    @classmethod
+    def default(cls, num_layers: int, model_layers: int) -> "Schedule":
+        return cls(model_layers, default_synchronization_dict(num_layers, model_layers))
+
+    def is_offloaded(self, layer: int) -> bool:
+        return layer in self.sync
+
+    def releases_at(self, pos: int) -> list[int]:
+        return self._releases.get(pos, [])  # type: ignore[attr-defined]
+
+    def reloads_at(self, pos: int) -> list[int]:
+        return self._reloads.get(pos, [])  # type: ignore[attr-defined]
+
+    def resident_profile(self) -> list[int]:
+        """Layers whose activations are on the device while each position's layer runs.
+
+        Layer ``j`` holds memory from its forward start to the start of the backward after its
+        own; an offloaded layer is absent between its release and its reload.
+        """
+        n = self.model_layers
+        out = []
+        for pos in range(1, 2 * n + 1):
+            count = 0
+            for j in range(n):
+                start, end = j + 1, position(False, n - j, n) + 1
+                if not start <= pos < end:
+                    continue
+                if j in self.sync:
+                    off_fwd, off_num, rel_fwd, rel_num = self.sync[j]
+                    if position(off_fwd, off_num, n) <= pos < position(rel_fwd, rel_num, n):
+                        continue
+                count += 1
+            out.append(count)
+        return out
+
+
+def check_default_arguments(num_layers: Optional[int], model_layers: int) -> list[str]:
+    """Validate ``num_layers``/``model_layers`` for the default schedule; return warnings."""
+    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
+        raise OffloadConfigError(
+            f"model_layers must be the total number of layers (an int >= 1), got {model_layers!r}"
+        )
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise OffloadConfigError(
+            f"num_layers must be the number of layers to offload (an int >= 0), got {num_layers!r}"
+        )
+    if num_layers >= model_layers:
+        raise OffloadConfigError(
+            f"num_layers={num_layers} must be smaller than model_layers={model_layers}: at least "
+            f"one layer's activations stay on the GPU; use num_layers <= {model_layers - 2} "
+            "for full overlap"
+        )
+    if model_layers > 1 and num_layers == model_layers - 1:
+        return [
+            f"num_layers=model_layers-1={num_layers} leaves one activation set on the GPU, so "
+            "compute and transfers cannot overlap; use num_layers <= model_layers-2 for overlap"
+        ]
+    return []

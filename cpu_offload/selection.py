@@ -1,0 +1,37 @@
+"""Which saved tensors V2 offloads, and why the others are kept: one predicate, used by the hooks
+and by the migration audit, so the audit can never disagree with what actually happens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import markers
+
+
+@dataclass(frozen=True)
+class SelectionPolicy:
+    """V2's automatic activation detection, parametrised as in ``get_cpu_offload_context``."""
+
+    offload_activations: bool = True
+    offload_weights: bool = False
+    min_tensor_size_to_offload: int = 1024 * 1024  # elements, as in the reference API
+    is_device_tensor: Callable[[torch.Tensor], bool] = staticmethod(lambda t: t.is_cuda)
+
+    def skip_reason(self, t: torch.Tensor) -> Optional[str]:
+        """``None`` if ``t`` is offloaded, else a short reason why it stays where it is."""
+        if markers.module_opt_out_active():
+            return "module opted out"
+        if markers.is_marked_not_offload(t):
+            return "mark_not_offload"
+        if not self.is_device_tensor(t):
+            return "not on the offload device"
+        if markers.is_weight(t):
+            if not self.offload_weights:
+                return "parameter" if isinstance(t, torch.nn.Parameter) else "weight mark"
+        elif not self.offload_activations:
+            return "activations not selected"
+        if t.numel() < self.min_tensor_size_to_offload:
+            return "too small"
+        return None

@@ -1,0 +1,141 @@
+"""A CPU stand-in for the accelerator: same calls as ``CudaDevice``, recorded and checked.
+
+"Device" tensors are ordinary CPU tensors. The compute stream runs eagerly (the model's ops have
+already happened when the scheduler sees them); side streams *defer* their work until something
+waits on it. So a scheduler that forgets to wait for a reload hands autograd an unwritten buffer
+(filled with a poison pattern) and gradients come out wrong, and one that frees a buffer while a
+copy still reads it trips ``will_free``. Every call is appended to ``log`` for schedule assertions.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .device import OffloadDevice
+
+POISON = 0xA5
+
+
+class SimulatedHazard(AssertionError):
+    """The scheduler did something that would corrupt memory on a real device."""
+
+
+@dataclass
+class SimStream:
+    name: str
+    eager: bool = False
+    queued: int = 0
+    done: int = 0
+    pending: deque = field(default_factory=deque)  # (seq, fn, reads: list[int])
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name})"
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    stream: SimStream
+    seq: int
+
+
+class SimulatedDevice(OffloadDevice):
+    """Records stream/event/copy operations and holds "device" memory in CPU tensors."""
+
+    name = "simulated"
+
+    def __init__(self, defer: bool = True) -> None:
+        self.defer = defer
+        self.compute = SimStream("compute", eager=True)
+        self.streams: list[SimStream] = [self.compute]
+        self.log: list[tuple] = []
+        self.host_allocs = 0
+        self.host_bytes_allocated = 0
+        self.device_allocs = 0
+
+    # -- streams and events -------------------------------------------------------------------
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu"
+
+    def current_stream(self) -> SimStream:
+        return self.compute
+
+    def new_stream(self) -> SimStream:
+        s = SimStream(f"side{len(self.streams)}", eager=not self.defer)
+        self.streams.append(s)
+        return s
+
+    def record_event(self, stream: SimStream) -> SimEvent:
+        return SimEvent(stream, stream.queued)
+
+    def wait_event(self, stream: SimStream, event: SimEvent) -> None:
+        self.log.append(("wait", stream.name, event.stream.name, event.seq))
+        if event.stream is stream:
+            return
+        if stream.eager:
+            self._run_until(event.stream, event.seq)
+        else:
+            self._enqueue(stream, lambda: self._run_until(event.stream, event.seq), [])
+
+    def event_done(self, event: SimEvent) -> bool:
+        return event.stream.done >= event.seq
+
+    def synchronize(self) -> None:
+        for s in self.streams:
+            self._run_until(s, s.queued)
+
+    # -- memory -------------------------------------------------------------------------------
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        self.host_allocs += 1
+        self.host_bytes_allocated += nbytes
+        self.log.append(("alloc_host", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        self.device_allocs += 1
+        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+
+    def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.numel() != src.numel():
+            raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
+        self.log.append(("copy", stream.name, src.numel()))
+        self._enqueue(stream, lambda: dst.copy_(src), [src.data_ptr()])
+
+    def will_free(self, t: torch.Tensor) -> None:
+        ptr = t.data_ptr()
+        for s in self.streams:
+            for _, _, reads in s.pending:
+                if ptr in reads:
+                    raise SimulatedHazard(
+                        f"device buffer freed while a copy queued on {s.name} still reads it"
+                    )
+
+    def trace(self, what: str, layer: int) -> None:
+        self.log.append((what, layer))
+
+    # -- helpers for tests ----------------------------------------------------------------------
+    def milestones(self, kinds: Optional[set] = None) -> list[tuple]:
+        """The ('fwd'|'bwd'|'release'|'reload'|..., layer) entries of the log, in order."""
+        keep = kinds or {"fwd", "bwd", "release", "reload", "offload", "end_bwd"}
+        return [e for e in self.log if len(e) == 2 and e[0] in keep]
+
+    def pending_ops(self) -> int:
+        return sum(len(s.pending) for s in self.streams)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _enqueue(self, stream: SimStream, fn: Callable[[], None], reads: list) -> None:
+        stream.queued += 1
+        if stream.eager:
+            fn()
+            stream.done = stream.queued
+        else:
+            stream.pending.append((stream.queued, fn, reads))
+
+    def _run_until(self, stream: SimStream, seq: int) -> None:
+        while stream.pending and stream.pending[0][0] <= seq:
+            s, fn, _ = stream.pending.popleft()
+            fn()
+            stream.done = s
+        stream.done = max(stream.done, min(seq, stream.queued))
