@@ -74,32 +74,36 @@ def is_weight(t: torch.Tensor) -> bool:
     )
 
 
-# --- per-module opt-out (seed 001): tensors saved while such a module runs are not offloaded ---
+# --- per-module opt-out (seed 001): a stack of per-module policies; the innermost module with an
+# explicit setting decides whether tensors saved while it runs may be offloaded.
 
-_opt_out_depth = 0
+_module_policy: list[bool] = []
 
 
 def module_opt_out_active() -> bool:
-    """True while the forward of a module opted out with ``set_activation_offloading`` runs."""
-    return _opt_out_depth > 0
+    """True while the innermost module with an explicit offload setting has it switched off."""
+    return bool(_module_policy) and not _module_policy[-1]
+
+
+def push_module_policy(enabled: bool) -> None:
+    _module_policy.append(bool(enabled))
+
+
+def pop_module_policy() -> None:
+    if _module_policy:
+        _module_policy.pop()
 
 
 @contextlib.contextmanager
-def offload_opt_out() -> Iterator[None]:
-    """Inside this block, no saved tensor is offloaded (both backends)."""
-    global _opt_out_depth
-    _opt_out_depth += 1
+def offload_policy(enabled: bool) -> Iterator[None]:
+    """Inside this block, saved tensors are offloaded only if ``enabled`` (both backends)."""
+    push_module_policy(enabled)
     try:
         yield
     finally:
-        _opt_out_depth -= 1
+        pop_module_policy()
 
 
-def _enter_opt_out() -> None:
-    global _opt_out_depth
-    _opt_out_depth += 1
-
-
-def _exit_opt_out() -> None:
-    global _opt_out_depth
-    _opt_out_depth = max(0, _opt_out_depth - 1)
+def offload_opt_out() -> contextlib.AbstractContextManager:
+    """Inside this block no saved tensor is offloaded (both backends)."""
+    return offload_policy(False)
