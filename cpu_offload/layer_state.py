@@ -1,0 +1,298 @@
+"""What V2 holds for one layer of one step: its offloaded storages and their transfer state.
+
+Ownership is arranged so that offloading never extends or shortens a tensor's life:
+
+- autograd's graph holds a ``SavedRef`` per saved tensor (what the pack hook returns);
+- a ``SavedRef`` holds its ``Entry`` (one per storage, shared by views and duplicates);
+- an ``Entry`` holds the host copy while any ``SavedRef`` to it is alive, the device storage
+  until the schedule releases it, and the reloaded storage until its last unpack in a backward.
+
+When the graph frees a saved variable, its ``SavedRef`` dies and, with the last one, the entry
+gives its host buffer back to the pool. Nothing here refers to a tensor with a ``grad_fn``, so no
+reference cycle can form (memory returns to baseline with ``gc.disable()``).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+import torch
+
+from .device import Event, OffloadDevice
+from .errors import OffloadUsageError
+from .markers import READY_EVENT_ATTR
+from .pinned_pool import PinnedPool
+from .storage import ViewMeta, restore_view, storage_bytes, storage_key
+
+
+class Runtime:
+    """Step-independent pieces shared by all layers of one offload context."""
+
+    __slots__ = ("device", "stream", "pool", "retain")
+
+    def __init__(self, device: OffloadDevice, stream: Any, pool: PinnedPool, retain: bool) -> None:
+        self.device = device
+        self.stream = stream
+        self.pool = pool
+        self.retain = retain
+
+
+class Entry:
+    """One device storage saved during one layer's forward, offloaded once."""
+
+    __slots__ = (
+        "layer", "key", "slot", "nbytes", "device", "gpu", "cpu", "reloaded", "ready_event",
+        "reload_event", "waited", "watch", "live", "pops", "error",
+    )
+
+    def __init__(self, layer: "LayerState", key: int, slot: int, gpu: torch.Tensor) -> None:
+        self.layer = layer
+        self.key = key
+        self.slot = slot
+        self.nbytes = gpu.numel()
+        self.device = gpu.device
+        self.gpu: Optional[torch.Tensor] = gpu  # flat uint8 over the original storage
+        self.cpu: Optional[torch.Tensor] = None
+        self.reloaded: Optional[torch.Tensor] = None
+        self.ready_event: Optional[Event] = None
+        self.reload_event: Optional[Event] = None
+        self.waited = False
+        self.watch: Optional[list] = []  # (detached tensor, version at save) for in-place checks
+        self.live = 0  # SavedRefs alive
+        self.pops = 0  # unpacks in the current backward
+        self.error: Optional[str] = None
+
+    def check_versions(self) -> None:
+        for t, version in self.watch or ():
+            if t._version != version:
+                self.error = (
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                    f"expected version {version} instead. Hint: the tensor was saved for backward "
+                    "inside a cpu_offload context and modified in place afterwards; clone it before "
+                    "modifying it, or exclude it with cpu_offload.mark_not_offload."
+                )
+                return
+
+
+class SavedRef:
+    """What autograd stores instead of an offloaded tensor: its storage entry and geometry."""
+
+    __slots__ = ("entry", "meta", "cls")
+
+    def __init__(self, entry: Entry, meta: ViewMeta, cls: type) -> None:
+        self.entry = entry
+        self.meta = meta
+        self.cls = cls
+        entry.live += 1
+
+    def __del__(self) -> None:
+        entry = self.entry
+        entry.live -= 1
+        if entry.live == 0:
+            entry.layer.dispose(entry)
+
+    def unpack(self) -> torch.Tensor:
+        entry = self.entry
+        if entry.error is not None:
+            raise RuntimeError(entry.error)
+        flat = entry.layer.device_bytes_for_unpack(entry)
+        t = restore_view(flat, self.meta)
+        if self.cls is not torch.Tensor:
+            t = t.as_subclass(self.cls)
+        entry.pops += 1
+        if entry.pops >= entry.live and entry.gpu is None:
+            # Last unpack of this backward: autograd now owns the only reference, so the
+            # reloaded memory is freed as soon as the backward node is done with it.
+            entry.reloaded = None
+            entry.pops = 0
+            entry.waited = False
+        return t
+
+
+class SavedSubclassRef:
+    """A wrapper subclass (``__tensor_flatten__``) whose inner tensors were offloaded."""
+
+    __slots__ = ("cls", "ctx", "inner", "size", "stride")
+
+    def __init__(self, t: torch.Tensor, ctx: Any, inner: dict) -> None:
+        self.cls = type(t)
+        self.ctx = ctx
+        self.inner = inner
+        self.size = t.size()
+        self.stride = t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        inner = {name: unpack(v) for name, v in self.inner.items()}
+        return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
+
+
+def unpack(packed: Any) -> Any:
+    """Inverse of ``LayerState.push`` / the synchronizer's push: tensors pass through."""
+    if type(packed) is SavedRef or type(packed) is SavedSubclassRef:
+        return packed.unpack()
+    return packed
+
+
+class LayerState:
+    """Storages saved by one offloaded layer, and where they are: device, host, or both."""
+
+    __slots__ = (
+        "index", "rt", "entries", "by_key", "eager", "offload_event", "released", "reload_started",
+        "aborted",
+    )
+
+    def __init__(self, index: int, rt: Runtime, eager: bool) -> None:
+        self.index = index
+        self.rt = rt
+        self.entries: list[Entry] = []
+        self.by_key: dict[int, Entry] = {}
+        self.eager = eager  # copy at save time (default schedule) or on start_offload (manual)
+        self.offload_event: Optional[Event] = None
+        self.released = False
+        self.reload_started = False
+        self.aborted = False
+
+    # -- forward ---------------------------------------------------------------------------------
+    def push(self, t: torch.Tensor) -> SavedRef:
+        """Register a saved tensor; its storage's copy to the host starts now (eager mode)."""
+        key = storage_key(t)
+        entry = self.by_key.get(key)
+        if entry is None or entry.gpu is None or entry.nbytes != t.untyped_storage().nbytes():
+            entry = Entry(self, key, len(self.entries), storage_bytes(t))
+            self.by_key[key] = entry
+            self.entries.append(entry)
+            ready = getattr(t, READY_EVENT_ATTR, None)
+            if self.eager:
+                self._copy_out(entry, ready)
+            else:
+                entry.ready_event = ready or self.rt.device.record_event(
+                    self.rt.device.current_stream()
+                )
+        entry.watch.append((t.detach(), t._version))
+        cls = torch.Tensor if type(t) is torch.nn.Parameter else type(t)
+        return SavedRef(entry, ViewMeta.of(t), cls)
+
+    def finish_forward(self) -> None:
+        """End of this layer's forward: mark where its offload copies end on the copy stream."""
+        if self.eager and self.entries:
+            self.offload_event = self.rt.device.record_event(self.rt.stream)
+
+    def start_offload(self) -> None:
+        """Manual mode: queue the copies of every entry not copied yet."""
+        for entry in self.entries:
+            if entry.cpu is None and entry.gpu is not None:
+                self._copy_out(entry, entry.ready_event)
+        if self.entries:
+            self.offload_event = self.rt.device.record_event(self.rt.stream)
+        self.rt.device.trace("offload", self.index)
+
+    def release(self) -> None:
+        """Free the device storages once their copies are done (device-side wait, host free)."""
+        if self.released:
+            return
+        live = [e for e in self.entries if e.gpu is not None]
+        if live and self.offload_event is None:
+            raise OffloadUsageError(
+                f"release_activation_forward_gpu_memory({self.index}) before "
+                f"start_offload_layer({self.index}): start the offload first"
+            )
+        dev = self.rt.device
+        if live:
+            dev.wait_event(dev.current_stream(), self.offload_event)
+        for entry in live:
+            entry.check_versions()
+            dev.will_free(entry.gpu)
+            entry.gpu = None
+            entry.watch = None
+        self.released = True
+        dev.trace("release", self.index)
+
+    # -- backward --------------------------------------------------------------------------------
+    def start_reload(self) -> None:
+        """Allocate device storages on the compute stream and queue the copies back."""
+        if not self.released or self.reload_started:
+            return
+        self.reload_started = True
+        todo = [e for e in reversed(self.entries) if e.live and e.reloaded is None and e.cpu is not None]
+        if todo:
+            self._copy_in(todo)
+        self.rt.device.trace("reload", self.index)
+
+    def device_bytes_for_unpack(self, entry: Entry) -> torch.Tensor:
+        """The device storage to rebuild a saved tensor from, waiting (device-side) for it."""
+        if entry.gpu is not None:
+            return entry.gpu
+        if entry.reloaded is None:
+            if entry.cpu is None:
+                raise OffloadUsageError(
+                    "a saved tensor was used after its offload state was discarded (its forward "
+                    "was aborted by an exception); run the forward pass again"
+                )
+            self._copy_in([entry])  # not scheduled (custom schedule / partial backward): now
+        if not entry.waited:
+            dev = self.rt.device
+            dev.wait_event(dev.current_stream(), entry.reload_event)
+            entry.waited = True
+        return entry.reloaded
+
+    def end_backward(self) -> None:
+        """After a backward pass: drop reloads nobody unpacked; allow another reload."""
+        self.reload_started = False
+        for entry in self.entries:
+            entry.reloaded = None
+            entry.pops = 0
+            entry.waited = False
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def dispose(self, entry: Entry) -> None:
+        """The last SavedRef of ``entry`` died: give everything back."""
+        if entry.cpu is not None:
+            self.rt.pool.release(entry.cpu, self._pool_key(entry))
+        entry.cpu = entry.gpu = entry.reloaded = entry.watch = None
+        if self.by_key.get(entry.key) is entry:
+            del self.by_key[entry.key]
+
+    def abort(self) -> None:
+        """The forward was interrupted: hold nothing any more (pending copies are fenced)."""
+        dev = self.rt.device
+        dev.wait_stream(dev.current_stream(), self.rt.stream)
+        for entry in self.entries:
+            entry.error = (
+                "this saved tensor belongs to a forward pass interrupted by an exception inside "
+                "the cpu_offload context; run the forward pass again"
+            )
+            if entry.cpu is not None:
+                self.rt.pool.release(entry.cpu, self._pool_key(entry))
+            entry.cpu = entry.gpu = entry.reloaded = entry.watch = None
+        self.by_key.clear()
+        self.aborted = True
+
+    def held_device_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.gpu is not None or e.reloaded is not None)
+
+    def held_host_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.cpu is not None)
+
+    # -- copies ----------------------------------------------------------------------------------
+    def _pool_key(self, entry: Entry) -> Optional[Hashable]:
+        return (self.index, entry.slot) if self.rt.retain else None
+
+    def _copy_out(self, entry: Entry, ready: Optional[Event]) -> None:
+        dev, stream = self.rt.device, self.rt.stream
+        if ready is not None:
+            dev.wait_event(stream, ready)
+        else:
+            dev.wait_stream(stream, dev.current_stream())
+        entry.cpu = self.rt.pool.acquire(entry.nbytes, self._pool_key(entry))
+        dev.copy(stream, entry.cpu, entry.gpu)
+
+    def _copy_in(self, entries: list[Entry]) -> None:
+        dev, stream = self.rt.device, self.rt.stream
+        for entry in entries:
+            entry.reloaded = dev.alloc_device(entry.nbytes, entry.device)
+        # The new buffers were allocated on the compute stream: copy only once compute got there.
+        dev.wait_stream(stream, dev.current_stream())
+        for entry in entries:
+            dev.copy(stream, entry.reloaded, entry.cpu)
+            entry.reload_event = dev.record_event(stream)
+            entry.waited = False

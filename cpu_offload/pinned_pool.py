@@ -1,0 +1,67 @@
+"""Host buffers reused across training steps.
+
+Steady-state training saves the same storages every step, so the pool hands back buffers of the
+exact byte size it handed out last step: no pinned allocation (``cudaHostAlloc``) after the first
+step, and no power-of-two rounding. ``trim`` (called at each step start) frees what the last step
+did not use, so the pool tracks the working set instead of growing with shape changes.
+
+With ``retain`` (CUDA graphs), buffers are bound to a stable key (layer, slot) and never returned:
+a captured graph replays copies into fixed addresses.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Hashable, Optional
+
+import torch
+
+from .device import OffloadDevice
+
+
+class PinnedPool:
+    """Exact-size free lists of host buffers, trimmed to the last step's working set."""
+
+    def __init__(self, device: OffloadDevice) -> None:
+        self._device = device
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._used: dict[int, int] = defaultdict(int)  # buffers of each size acquired since trim
+        self._retained: dict[Hashable, torch.Tensor] = {}
+        self.allocations = 0
+
+    def acquire(self, nbytes: int, key: Optional[Hashable] = None) -> torch.Tensor:
+        """A host buffer of exactly ``nbytes`` (a prefix of a retained buffer when ``key``)."""
+        if key is not None:
+            buf = self._retained.get(key)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._allocate(nbytes)
+                self._retained[key] = buf
+            return buf[:nbytes]
+        self._used[nbytes] += 1
+        free = self._free.get(nbytes)
+        return free.pop() if free else self._allocate(nbytes)
+
+    def release(self, buf: torch.Tensor, key: Optional[Hashable] = None) -> None:
+        """Give a buffer back (no-op for retained buffers, which stay bound to their key)."""
+        if key is None:
+            self._free[buf.numel()].append(buf)
+
+    def trim(self) -> None:
+        """Free cached buffers beyond what the last step used, size by size."""
+        for nbytes in list(self._free):
+            keep = self._used.get(nbytes, 0)
+            free = self._free[nbytes]
+            del free[keep:]
+            if not free:
+                del self._free[nbytes]
+        self._used.clear()
+
+    def cached_bytes(self) -> int:
+        """Bytes sitting in free lists (not counting retained or in-use buffers)."""
+        return sum(n * len(bufs) for n, bufs in self._free.items())
+
+    def retained_bytes(self) -> int:
+        return sum(b.numel() for b in self._retained.values())
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        self.allocations += 1
+        return self._device.alloc_host(nbytes)

@@ -1,0 +1,271 @@
+"""The V2 per-step state machine (seed 003): ``fwd_step``/``bwd_step`` drive the schedule,
+``push``/``pop`` are the saved-tensor hooks.
+
+A *step* is one forward over ``model_layers`` layers and the backward passes that follow. Each
+step gets its own ``Step`` object, referenced by the backward triggers registered on its layers'
+outputs, so a graph kept alive (``retain_graph=True``, gradient accumulation) keeps its own
+schedule while the next forward starts a fresh one.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import markers
+from .compat import is_traceable_wrapper_subclass, queue_backward_callback
+from .device import OffloadDevice
+from .errors import OffloadUsageError
+from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
+from .pinned_pool import PinnedPool
+from .schedule import Schedule
+from .selection import SelectionPolicy
+
+
+class Step:
+    """Layers of one forward pass and the schedule positions reached so far."""
+
+    __slots__ = ("rt", "schedule", "model_layers", "layers", "fwd_count", "bwd_layers", "callback_queued")
+
+    def __init__(self, rt: Runtime, schedule: Optional[Schedule], model_layers: int) -> None:
+        self.rt = rt
+        self.schedule = schedule  # None: manual synchronization
+        self.model_layers = model_layers
+        self.layers: list[Optional[LayerState]] = []
+        self.fwd_count = 0
+        self.bwd_layers: set[int] = set()
+        self.callback_queued = False
+
+    def begin_forward(self) -> Optional[LayerState]:
+        index = self.fwd_count
+        self.fwd_count += 1
+        self.rt.device.trace("fwd", index)
+        self._apply(self.fwd_count)
+        manual = self.schedule is None
+        layer = LayerState(index, self.rt, eager=not manual) if (
+            manual or self.schedule.is_offloaded(index)
+        ) else None
+        self.layers.append(layer)
+        return layer
+
+    def begin_backward(self, index: int) -> None:
+        if not self.callback_queued:
+            queue_backward_callback(self.end_backward)
+            self.callback_queued = True
+        if index in self.bwd_layers:
+            return
+        if self.schedule is not None and self.fwd_count != self.model_layers:
+            raise OffloadUsageError(
+                f"backward started after {self.fwd_count} offload-context layers in forward, but "
+                f"get_cpu_offload_context(model_layers={self.model_layers}); set model_layers to "
+                "the number of `with ctx:` blocks in one forward pass"
+            )
+        self.bwd_layers.add(index)
+        self.rt.device.trace("bwd", index)
+        self._apply(self.model_layers + len(self.bwd_layers))
+
+    def end_backward(self) -> None:
+        """Runs when the autograd engine finishes a backward pass through this step."""
+        dev = self.rt.device
+        # Join the copy stream: no transfer of ours outlives the backward (CUDA-graph safe).
+        dev.wait_stream(dev.current_stream(), self.rt.stream)
+        for layer in self.layers:
+            if layer is not None:
+                layer.end_backward()
+        self.bwd_layers.clear()
+        self.callback_queued = False
+        dev.trace("end_bwd", -1)
+
+    def abort(self) -> None:
+        for layer in self.layers:
+            if layer is not None:
+                layer.abort()
+
+    def _apply(self, pos: int) -> None:
+        if self.schedule is None:
+            return
+        for i in self.schedule.releases_at(pos):
+            if i < len(self.layers) and self.layers[i] is not None:
+                self.layers[i].release()
+        for i in self.schedule.reloads_at(pos):
+            if i < len(self.layers) and self.layers[i] is not None:
+                self.layers[i].start_reload()
+
+
+class BackwardTrigger:
+    """Pre-hook on a layer's output ``grad_fn``: that layer's backward is about to start."""
+
+    __slots__ = ("step", "index")
+
+    def __init__(self, step: Step, index: int) -> None:
+        self.step = step
+        self.index = index
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.step.begin_backward(self.index)
+
+
+class OffloadSynchronizer:
+    """Drives steps for one offload context: forward entry/exit, the sync function, the hooks."""
+
+    def __init__(
+        self,
+        model_layers: int,
+        schedule: Optional[Schedule],
+        device: OffloadDevice,
+        stream: Any,
+        policy: SelectionPolicy,
+        retain_pinned_cpu_buffers: bool = False,
+    ) -> None:
+        self.model_layers = model_layers
+        self.schedule = schedule
+        self.policy = policy
+        self.rt = Runtime(device, stream, PinnedPool(device), retain_pinned_cpu_buffers)
+        self.step: Optional[Step] = None
+        self.current: Optional[LayerState] = None
+        self.current_index = -1
+        self.inside = False
+        self.awaiting_sync = False
+
+    @property
+    def device(self) -> OffloadDevice:
+        return self.rt.device
+
+    @property
+    def offload_stream(self) -> Any:
+        return self.rt.stream
+
+    # -- forward ---------------------------------------------------------------------------------
+    def fwd_step(self) -> int:
+        """A layer's forward begins: apply the schedule, return the layer's index in its step."""
+        if self.inside:
+            raise OffloadUsageError(
+                "the offload context was entered while already inside it; use one `with ctx:` "
+                "block per layer, not nested ones"
+            )
+        if self.awaiting_sync:
+            raise OffloadUsageError(
+                f"the offload context was entered twice without calling the sync function: pass "
+                f"layer {self.current_index}'s output through it (`x = sync_function(x)`) after "
+                "each `with ctx:` block"
+            )
+        if self.step is None or self.step.fwd_count >= self.model_layers:
+            self.step = Step(self.rt, self.schedule, self.model_layers)
+            self.rt.pool.trim()
+        self.current = self.step.begin_forward()
+        self.current_index = self.step.fwd_count - 1
+        self.inside = True
+        return self.current_index
+
+    def end_fwd_layer(self) -> None:
+        self.inside = False
+        self.awaiting_sync = True
+        if self.current is not None:
+            self.current.finish_forward()
+        self.current = None
+
+    def sync(self, tensor: Any) -> Any:
+        """The sync function: marks the end of a layer; its backward start triggers the schedule."""
+        if self.inside:
+            raise OffloadUsageError(
+                "the sync function was called inside the offload context; call it on the layer's "
+                "output after the `with ctx:` block"
+            )
+        self.awaiting_sync = False
+        if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None and self.step is not None:
+            tensor.grad_fn.register_prehook(BackwardTrigger(self.step, self.current_index))
+        return tensor
+
+    def abort(self) -> None:
+        """An exception escaped a layer: drop the step and everything it held."""
+        if self.step is not None:
+            self.step.abort()
+        self.step = None
+        self.current = None
+        self.inside = False
+        self.awaiting_sync = False
+
+    # -- saved-tensor hooks ------------------------------------------------------------------------
+    def push(self, t: torch.Tensor) -> Any:
+        layer = self.current
+        if layer is None:
+            return t
+        if is_traceable_wrapper_subclass(t):
+            return self._push_subclass(t, layer)
+        if self.policy.skip_reason(t) is not None or t.untyped_storage().nbytes() == 0:
+            return t
+        return layer.push(t)
+
+    pop = staticmethod(unpack)
+
+    def _push_subclass(self, t: torch.Tensor, layer: LayerState) -> Any:
+        if markers.module_opt_out_active() or markers.is_marked_not_offload(t) or (
+            markers.is_weight(t) and not self.policy.offload_weights
+        ):
+            return t
+        names, ctx = t.__tensor_flatten__()
+        inner = {name: self.push(getattr(t, name)) for name in names}
+        if all(isinstance(v, torch.Tensor) for v in inner.values()):
+            return t  # nothing inside was offloaded
+        return SavedSubclassRef(t, ctx, inner)
+
+    # -- introspection (tests, audit, demo) --------------------------------------------------------
+    def held_device_bytes(self) -> int:
+        layers = self.step.layers if self.step else []
+        return sum(l.held_device_bytes() for l in layers if l is not None)
+
+    def held_host_bytes(self) -> int:
+        layers = self.step.layers if self.step else []
+        return sum(l.held_host_bytes() for l in layers if l is not None)
+
+
+class ManualOffloadSynchronizer:
+    """Explicit control of offload, release and reload per layer (seed 000, "Manual
+    Synchronization"). Layer ids are the positions of the `with ctx:` blocks in the current
+    forward pass; a layer for which none of these is called is simply not offloaded.
+    For several micro-batches in flight (pipeline schedules), create one context per micro-batch;
+    they may share one ``offload_stream``."""
+
+    def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        self._sync = synchronizer
+
+    @property
+    def offload_stream(self) -> Any:
+        return self._sync.offload_stream
+
+    def start_offload_layer(self, layer_id: int) -> None:
+        """Queue the copies of layer ``layer_id``'s saved tensors on the offload stream."""
+        self._layer(layer_id).start_offload()
+
+    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
+        """Make compute wait for the layer's offload, then free its device memory."""
+        self._layer(layer_id).release()
+
+    def start_reload_layer(self, layer_id: int) -> None:
+        """Queue the copies back; each tensor's unpack waits for its own copy."""
+        self._layer(layer_id).start_reload()
+
+    def _layer(self, layer_id: int) -> LayerState:
+        step = self._sync.step
+        count = len(step.layers) if step else 0
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < count:
+            raise OffloadUsageError(
+                f"layer_id={layer_id!r} does not name a layer of the current forward pass "
+                f"({count} layers entered so far; ids are 0..{count - 1})"
+            )
+        return step.layers[layer_id]
+
+
+class DisabledManualSynchronizer:
+    """What ``enabled=False`` returns in manual mode: the same methods, offloading nothing."""
+
+    offload_stream = None
+
+    def start_offload_layer(self, layer_id: int) -> None:
+        """Offloading is disabled: nothing to do."""
+
+    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
+        """Offloading is disabled: nothing to do."""
+
+    def start_reload_layer(self, layer_id: int) -> None:
+        """Offloading is disabled: nothing to do."""

@@ -1,0 +1,180 @@
+"""The V2 backend's public surface: the re-enterable offload context and its construction.
+
+``get_cpu_offload_context`` validates arguments (every misuse named with its fix), builds an
+``OffloadSynchronizer`` and returns the per-layer context plus the sync function (and the manual
+synchronizer in manual mode). The context installs the saved-tensor hooks for exactly one layer's
+forward; an exception inside it removes them and drops everything the step held.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, ContextManager, Optional, Tuple, Union
+
+import torch
+
+from . import markers
+from .compat import saved_tensors_hooks
+from .device import OffloadDevice, default_device
+from .errors import OffloadConfigError
+from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
+from .selection import SelectionPolicy
+from .synchronizer import (
+    DisabledManualSynchronizer,
+    ManualOffloadSynchronizer,
+    OffloadSynchronizer,
+)
+
+_active: list[OffloadSynchronizer] = []
+
+
+class OffloadContext:
+    """``with ctx:`` around one layer's forward. Re-entered once per layer, never nested."""
+
+    def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        self.synchronizer = synchronizer
+        self._hooks: Optional[saved_tensors_hooks] = None
+
+    def __enter__(self) -> "OffloadContext":
+        sync = self.synchronizer
+        sync.fwd_step()
+        hooks = saved_tensors_hooks(sync.push, sync.pop)
+        try:
+            hooks.__enter__()
+        except BaseException:
+            sync.abort()
+            raise
+        self._hooks = hooks
+        _active.append(sync)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        sync = self.synchronizer
+        if _active and _active[-1] is sync:
+            _active.pop()
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            sync.abort()
+        else:
+            sync.end_fwd_layer()
+        return False
+
+
+def is_cpu_offload_enabled() -> bool:
+    """True while a layer runs inside an enabled V2 offload context."""
+    return bool(_active)
+
+
+def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = False) -> None:
+    """Record that these tensors are final now, so their copy may start before they are saved
+    for backward. Outside an offload context there is nothing to offload: no-op."""
+    if not _active:
+        return
+    dev = _active[-1].device
+    event = dev.record_event(dev.current_stream())
+    for t in tensors:
+        if t is None:
+            continue
+        if offload_base_tensor and t._base is not None:
+            t = t._base
+        for c in markers.component_tensors(t):
+            setattr(c, markers.READY_EVENT_ATTR, event)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: Optional[int] = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: Optional[Any] = None,
+    min_tensor_size_to_offload: int = 1024 * 1024,
+    synchronization_dict: Optional[dict] = None,
+    device: Optional[OffloadDevice] = None,
+) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
+    """V2 implementation of ``cpu_offload.get_cpu_offload_context`` (see the facade)."""
+    if not offload_activations and not offload_weights:
+        raise OffloadConfigError(
+            "neither activations nor weights are selected for offloading: set "
+            "offload_activations=True (the usual choice) or offload_weights=True"
+        )
+    if offload_stream is not None and not manual_synchronization:
+        raise OffloadConfigError(
+            "offload_stream is only used with manual synchronization: pass "
+            "manual_synchronization=True, or drop offload_stream to let the default schedule "
+            "create its own stream"
+        )
+    if manual_synchronization and synchronization_dict is not None:
+        raise OffloadConfigError(
+            "synchronization_dict configures the automatic schedule and cannot be combined with "
+            "manual_synchronization=True; choose one"
+        )
+    if (
+        isinstance(min_tensor_size_to_offload, bool)
+        or not isinstance(min_tensor_size_to_offload, int)
+        or min_tensor_size_to_offload < 0
+    ):
+        raise OffloadConfigError(
+            f"min_tensor_size_to_offload must be an int >= 0 (elements), got "
+            f"{min_tensor_size_to_offload!r}"
+        )
+    if not enabled:
+        # Nothing is scheduled, so the layer counts are not checked (the defaults 1/1 must work).
+        if manual_synchronization:
+            return contextlib.nullcontext(), _identity, DisabledManualSynchronizer()
+        return contextlib.nullcontext(), _identity
+    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
+        raise OffloadConfigError(
+            f"model_layers must be the total number of layers (an int >= 1), got {model_layers!r}"
+        )
+    if manual_synchronization:
+        schedule = None
+    elif synchronization_dict is not None:
+        schedule = Schedule(model_layers, validate_synchronization_dict(synchronization_dict, model_layers))
+    else:
+        for message in check_default_arguments(num_layers, model_layers):
+            warnings.warn(message, UserWarning, stacklevel=3)
+        schedule = Schedule.default(num_layers, model_layers)
+    if double_buffering:
+        warnings.warn(
+            "double_buffering has no effect in the V2 backend: reload buffers are allocated on "
+            "the compute stream, which avoids the fragmentation double buffering worked around",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if offload_weights:
+        warnings.warn(
+            "offload_weights=True copies weights saved for backward to the CPU, but the module "
+            "still holds them, so no GPU memory is freed; prefer offload_weights=False",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    device = device or default_device()
+    policy = SelectionPolicy(
+        offload_activations=offload_activations,
+        offload_weights=offload_weights,
+        min_tensor_size_to_offload=min_tensor_size_to_offload,
+        is_device_tensor=device.is_device_tensor,
+    )
+    synchronizer = OffloadSynchronizer(
+        model_layers=model_layers,
+        schedule=schedule,
+        device=device,
+        stream=offload_stream if offload_stream is not None else device.new_stream(),
+        policy=policy,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+    )
+    context = OffloadContext(synchronizer)
+    if manual_synchronization:
+        return context, synchronizer.sync, ManualOffloadSynchronizer(synchronizer)
+    return context, synchronizer.sync
