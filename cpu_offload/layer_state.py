@@ -37,17 +37,20 @@ class Runtime:
 
 
 class Entry:
-    """One device storage saved during one layer's forward, offloaded once."""
+    """One device storage saved during one layer's forward, offloaded once.
+
+    It refers to the step-independent ``Runtime`` only, never back to its ``LayerState``, so
+    entries and layers form no cycle.
+    """
 
     __slots__ = (
-        "layer", "key", "slot", "nbytes", "device", "gpu", "cpu", "reloaded", "ready_event",
+        "rt", "pool_key", "nbytes", "device", "gpu", "cpu", "reloaded", "ready_event",
         "reload_event", "waited", "watch", "live", "pops", "error",
     )
 
-    def __init__(self, layer: "LayerState", key: int, slot: int, gpu: torch.Tensor) -> None:
-        self.layer = layer
-        self.key = key
-        self.slot = slot
+    def __init__(self, rt: Runtime, pool_key: Optional[Hashable], gpu: torch.Tensor) -> None:
+        self.rt = rt
+        self.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
         self.nbytes = gpu.numel()
         self.device = gpu.device
         self.gpu: Optional[torch.Tensor] = gpu  # flat uint8 over the original storage
@@ -64,14 +67,54 @@ class Entry:
     def check_versions(self) -> None:
         for t, version in self.watch or ():
             if t._version != version:
-                self.error = (
-                    "one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-                    f"expected version {version} instead. Hint: the tensor was saved for backward "
-                    "inside a cpu_offload context and modified in place afterwards; clone it before "
-                    "modifying it, or exclude it with cpu_offload.mark_not_offload."
-                )
+                self.error = inplace_error(t, version)
                 return
+
+    def device_bytes_for_unpack(self) -> torch.Tensor:
+        """The device storage to rebuild a saved tensor from, waiting (device-side) for it."""
+        if self.gpu is not None:
+            return self.gpu
+        if self.reloaded is None:
+            if self.cpu is None:
+                raise OffloadUsageError(
+                    "a saved tensor was used after its offload state was discarded (its forward "
+                    "was aborted by an exception); run the forward pass again"
+                )
+            copy_in(self.rt, [self])  # not scheduled (custom schedule / partial backward): now
+        if not self.waited:
+            dev = self.rt.device
+            dev.wait_event(dev.current_stream(), self.reload_event)
+            self.waited = True
+        return self.reloaded
+
+    def copy_out(self, ready: Optional[Event]) -> None:
+        """Queue the device-to-host copy once the storage is final (``ready`` or now)."""
+        dev, stream = self.rt.device, self.rt.stream
+        if ready is not None:
+            dev.wait_event(stream, ready)
+        else:
+            dev.wait_stream(stream, dev.current_stream())
+        self.cpu = self.rt.pool.acquire(self.nbytes, self.pool_key)
+        dev.copy(stream, self.cpu, self.gpu)
+
+    def drop(self) -> None:
+        """Give the host buffer back and forget every buffer."""
+        if self.cpu is not None:
+            self.rt.pool.release(self.cpu, self.pool_key)
+        self.cpu = self.gpu = self.reloaded = self.watch = None
+
+
+def copy_in(rt: Runtime, entries: list) -> None:
+    """Allocate device storages on the compute stream and queue the host-to-device copies."""
+    dev, stream = rt.device, rt.stream
+    for entry in entries:
+        entry.reloaded = dev.alloc_device(entry.nbytes, entry.device)
+    # The new buffers were allocated on the compute stream: copy only once compute got there.
+    dev.wait_stream(stream, dev.current_stream())
+    for entry in entries:
+        dev.copy(stream, entry.reloaded, entry.cpu)
+        entry.reload_event = dev.record_event(stream)
+        entry.waited = False
 
 
 class SavedRef:
@@ -89,13 +132,13 @@ class SavedRef:
         entry = self.entry
         entry.live -= 1
         if entry.live == 0:
-            entry.layer.dispose(entry)
+            entry.drop()
 
     def unpack(self) -> torch.Tensor:
         entry = self.entry
         if entry.error is not None:
             raise RuntimeError(entry.error)
-        flat = entry.layer.device_bytes_for_unpack(entry)
+        flat = entry.device_bytes_for_unpack()
         t = restore_view(flat, self.meta)
         if self.cls is not torch.Tensor:
             t = t.as_subclass(self.cls)
@@ -107,6 +150,39 @@ class SavedRef:
             entry.pops = 0
             entry.waited = False
         return t
+
+
+class KeptRef:
+    """A saved tensor that stays on the device, stored detached.
+
+    Returning the tensor itself from a pack hook makes autograd keep a node alive through its own
+    saved output (node -> saved variable -> tensor -> grad_fn -> node): an uncollectable cycle in
+    C++. A detached alias shares storage and version counter but has no ``grad_fn``; the version
+    check autograd skips for hooked tensors is done here instead.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(inplace_error(t, self.version))
+        return t
+
+
+def inplace_error(t: torch.Tensor, version: int) -> str:
+    """Autograd's message for a saved tensor modified in place, plus the offload-specific fix."""
+    return (
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+        f"expected version {version} instead. Hint: the tensor was saved for backward "
+        "inside a cpu_offload context and modified in place afterwards; clone it before "
+        "modifying it, or exclude it with cpu_offload.mark_not_offload."
+    )
 
 
 class SavedSubclassRef:
@@ -127,10 +203,8 @@ class SavedSubclassRef:
 
 
 def unpack(packed: Any) -> Any:
-    """Inverse of ``LayerState.push`` / the synchronizer's push: tensors pass through."""
-    if type(packed) is SavedRef or type(packed) is SavedSubclassRef:
-        return packed.unpack()
-    return packed
+    """Inverse of the synchronizer's push."""
+    return packed.unpack()
 
 
 class LayerState:
@@ -158,12 +232,13 @@ class LayerState:
         key = storage_key(t)
         entry = self.by_key.get(key)
         if entry is None or entry.gpu is None or entry.nbytes != t.untyped_storage().nbytes():
-            entry = Entry(self, key, len(self.entries), storage_bytes(t))
+            pool_key = (self.index, len(self.entries)) if self.rt.retain else None
+            entry = Entry(self.rt, pool_key, storage_bytes(t))
             self.by_key[key] = entry
             self.entries.append(entry)
             ready = getattr(t, READY_EVENT_ATTR, None)
             if self.eager:
-                self._copy_out(entry, ready)
+                entry.copy_out(ready)
             else:
                 entry.ready_event = ready or self.rt.device.record_event(
                     self.rt.device.current_stream()
@@ -174,6 +249,7 @@ class LayerState:
 
     def finish_forward(self) -> None:
         """End of this layer's forward: mark where its offload copies end on the copy stream."""
+        self.by_key = {}  # deduplication is per forward; entries must not stay reachable here
         if self.eager and self.entries:
             self.offload_event = self.rt.device.record_event(self.rt.stream)
 
@@ -181,7 +257,7 @@ class LayerState:
         """Manual mode: queue the copies of every entry not copied yet."""
         for entry in self.entries:
             if entry.cpu is None and entry.gpu is not None:
-                self._copy_out(entry, entry.ready_event)
+                entry.copy_out(entry.ready_event)
         if self.entries:
             self.offload_event = self.rt.device.record_event(self.rt.stream)
         self.rt.device.trace("offload", self.index)
@@ -215,25 +291,8 @@ class LayerState:
         self.reload_started = True
         todo = [e for e in reversed(self.entries) if e.live and e.reloaded is None and e.cpu is not None]
         if todo:
-            self._copy_in(todo)
+            copy_in(self.rt, todo)
         self.rt.device.trace("reload", self.index)
-
-    def device_bytes_for_unpack(self, entry: Entry) -> torch.Tensor:
-        """The device storage to rebuild a saved tensor from, waiting (device-side) for it."""
-        if entry.gpu is not None:
-            return entry.gpu
-        if entry.reloaded is None:
-            if entry.cpu is None:
-                raise OffloadUsageError(
-                    "a saved tensor was used after its offload state was discarded (its forward "
-                    "was aborted by an exception); run the forward pass again"
-                )
-            self._copy_in([entry])  # not scheduled (custom schedule / partial backward): now
-        if not entry.waited:
-            dev = self.rt.device
-            dev.wait_event(dev.current_stream(), entry.reload_event)
-            entry.waited = True
-        return entry.reloaded
 
     def end_backward(self) -> None:
         """After a backward pass: drop reloads nobody unpacked; allow another reload."""
@@ -244,14 +303,6 @@ class LayerState:
             entry.waited = False
 
     # -- lifetime ------------------------------------------------------------------------------
-    def dispose(self, entry: Entry) -> None:
-        """The last SavedRef of ``entry`` died: give everything back."""
-        if entry.cpu is not None:
-            self.rt.pool.release(entry.cpu, self._pool_key(entry))
-        entry.cpu = entry.gpu = entry.reloaded = entry.watch = None
-        if self.by_key.get(entry.key) is entry:
-            del self.by_key[entry.key]
-
     def abort(self) -> None:
         """The forward was interrupted: hold nothing any more (pending copies are fenced)."""
         dev = self.rt.device
@@ -261,10 +312,8 @@ class LayerState:
                 "this saved tensor belongs to a forward pass interrupted by an exception inside "
                 "the cpu_offload context; run the forward pass again"
             )
-            if entry.cpu is not None:
-                self.rt.pool.release(entry.cpu, self._pool_key(entry))
-            entry.cpu = entry.gpu = entry.reloaded = entry.watch = None
-        self.by_key.clear()
+            entry.drop()
+        self.by_key = {}
         self.aborted = True
 
     def held_device_bytes(self) -> int:
@@ -272,27 +321,3 @@ class LayerState:
 
     def held_host_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e.cpu is not None)
-
-    # -- copies ----------------------------------------------------------------------------------
-    def _pool_key(self, entry: Entry) -> Optional[Hashable]:
-        return (self.index, entry.slot) if self.rt.retain else None
-
-    def _copy_out(self, entry: Entry, ready: Optional[Event]) -> None:
-        dev, stream = self.rt.device, self.rt.stream
-        if ready is not None:
-            dev.wait_event(stream, ready)
-        else:
-            dev.wait_stream(stream, dev.current_stream())
-        entry.cpu = self.rt.pool.acquire(entry.nbytes, self._pool_key(entry))
-        dev.copy(stream, entry.cpu, entry.gpu)
-
-    def _copy_in(self, entries: list[Entry]) -> None:
-        dev, stream = self.rt.device, self.rt.stream
-        for entry in entries:
-            entry.reloaded = dev.alloc_device(entry.nbytes, entry.device)
-        # The new buffers were allocated on the compute stream: copy only once compute got there.
-        dev.wait_stream(stream, dev.current_stream())
-        for entry in entries:
-            dev.copy(stream, entry.reloaded, entry.cpu)
-            entry.reload_event = dev.record_event(stream)
-            entry.waited = False

@@ -67,8 +67,10 @@ def is_marked_not_offload(t: torch.Tensor) -> bool:
 
 
 def is_weight(t: torch.Tensor) -> bool:
+    """Parameters, views of parameters (``F.linear`` saves ``weight.t()``), and marked weights."""
     return (
         isinstance(t, torch.nn.Parameter)
+        or isinstance(t._base, torch.nn.Parameter)
         or getattr(t, WEIGHT_ATTR, False)
         or getattr(t, "is_weight", False)
     )

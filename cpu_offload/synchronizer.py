@@ -16,7 +16,7 @@ from . import markers
 from .compat import is_traceable_wrapper_subclass, queue_backward_callback
 from .device import OffloadDevice
 from .errors import OffloadUsageError
-from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
+from .layer_state import KeptRef, LayerState, Runtime, SavedSubclassRef, unpack
 from .pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy
@@ -25,7 +25,10 @@ from .selection import SelectionPolicy
 class Step:
     """Layers of one forward pass and the schedule positions reached so far."""
 
-    __slots__ = ("rt", "schedule", "model_layers", "layers", "fwd_count", "bwd_layers", "callback_queued")
+    __slots__ = (
+        "rt", "schedule", "model_layers", "layers", "fwd_count", "bwd_layers", "callback_queued",
+        "aborted",
+    )
 
     def __init__(self, rt: Runtime, schedule: Optional[Schedule], model_layers: int) -> None:
         self.rt = rt
@@ -35,12 +38,13 @@ class Step:
         self.fwd_count = 0
         self.bwd_layers: set[int] = set()
         self.callback_queued = False
+        self.aborted = False
 
     def begin_forward(self) -> Optional[LayerState]:
         index = self.fwd_count
         self.fwd_count += 1
-        self.rt.device.trace("fwd", index)
         self._apply(self.fwd_count)
+        self.rt.device.trace("fwd", index)
         manual = self.schedule is None
         layer = LayerState(index, self.rt, eager=not manual) if (
             manual or self.schedule.is_offloaded(index)
@@ -49,6 +53,8 @@ class Step:
         return layer
 
     def begin_backward(self, index: int) -> None:
+        if self.aborted:
+            return  # unpacking its tensors raises a clear error instead
         if not self.callback_queued:
             queue_backward_callback(self.end_backward)
             self.callback_queued = True
@@ -61,8 +67,8 @@ class Step:
                 "the number of `with ctx:` blocks in one forward pass"
             )
         self.bwd_layers.add(index)
-        self.rt.device.trace("bwd", index)
         self._apply(self.model_layers + len(self.bwd_layers))
+        self.rt.device.trace("bwd", index)
 
     def end_backward(self) -> None:
         """Runs when the autograd engine finishes a backward pass through this step."""
@@ -77,6 +83,7 @@ class Step:
         dev.trace("end_bwd", -1)
 
     def abort(self) -> None:
+        self.aborted = True
         for layer in self.layers:
             if layer is not None:
                 layer.abort()
@@ -186,14 +193,19 @@ class OffloadSynchronizer:
         self.awaiting_sync = False
 
     # -- saved-tensor hooks ------------------------------------------------------------------------
+    @property
+    def hooks_needed(self) -> bool:
+        """Only offloaded layers get saved-tensor hooks; the others run exactly as without us."""
+        return self.current is not None
+
     def push(self, t: torch.Tensor) -> Any:
         layer = self.current
         if layer is None:
-            return t
+            return KeptRef(t)
         if is_traceable_wrapper_subclass(t):
             return self._push_subclass(t, layer)
         if self.policy.skip_reason(t) is not None or t.untyped_storage().nbytes() == 0:
-            return t
+            return KeptRef(t)
         return layer.push(t)
 
     pop = staticmethod(unpack)
@@ -202,11 +214,11 @@ class OffloadSynchronizer:
         if markers.module_opt_out_active() or markers.is_marked_not_offload(t) or (
             markers.is_weight(t) and not self.policy.offload_weights
         ):
-            return t
+            return KeptRef(t)
         names, ctx = t.__tensor_flatten__()
         inner = {name: self.push(getattr(t, name)) for name in names}
-        if all(isinstance(v, torch.Tensor) for v in inner.values()):
-            return t  # nothing inside was offloaded
+        if all(type(v) is KeptRef for v in inner.values()):
+            return KeptRef(t)  # nothing inside was offloaded
         return SavedSubclassRef(t, ctx, inner)
 
     # -- introspection (tests, audit, demo) --------------------------------------------------------

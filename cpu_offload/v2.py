@@ -38,13 +38,14 @@ class OffloadContext:
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
         sync.fwd_step()
-        hooks = saved_tensors_hooks(sync.push, sync.pop)
-        try:
-            hooks.__enter__()
-        except BaseException:
-            sync.abort()
-            raise
-        self._hooks = hooks
+        if sync.hooks_needed:
+            hooks = saved_tensors_hooks(sync.push, sync.pop)
+            try:
+                hooks.__enter__()
+            except BaseException:
+                sync.abort()
+                raise
+            self._hooks = hooks
         _active.append(sync)
         return self
 
