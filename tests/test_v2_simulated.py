@@ -1,0 +1,507 @@
+"""V2 on the simulated device: numerics, schedule, memory lifetime, error paths.
+
+The simulated device defers side-stream copies until something waits for them and fills fresh
+"device" buffers with a poison pattern, so a missing wait shows up here as wrong gradients.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpu_offload import (
+    OffloadUsageError,
+    SimulatedDevice,
+    get_cpu_offload_context,
+    is_cpu_offload_enabled,
+    mark_not_offload,
+    start_offload,
+)
+from cpu_offload.models import GPTBlock
+from cpu_offload.schedule import Schedule
+
+HIDDEN, HEADS = 32, 4
+
+
+def make_layers(n: int, seed: int = 0) -> torch.nn.ModuleList:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList([GPTBlock(HIDDEN, HEADS) for _ in range(n)])
+
+
+def run_step(layers, x0, ctx, sync, loss_fn=lambda y: y.square().sum()):
+    """One training step with the library's usage pattern; returns output and all grads."""
+    for p in layers.parameters():
+        p.grad = None
+    x = x0.clone().requires_grad_()
+    h = x
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    loss_fn(h).backward()
+    return h.detach(), x.grad, [p.grad for p in layers.parameters()]
+
+
+def assert_same(a, b):
+    out_a, xg_a, grads_a = a
+    out_b, xg_b, grads_b = b
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(xg_a, xg_b)
+    assert len(grads_a) == len(grads_b)
+    for ga, gb in zip(grads_a, grads_b):
+        assert torch.equal(ga, gb)
+
+
+def offload_ctx(sim, k, n, **kw):
+    kw.setdefault("min_tensor_size_to_offload", 0)
+    return get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, device=sim, **kw)
+
+
+@pytest.fixture
+def x0():
+    torch.manual_seed(1)
+    return torch.randn(2, 16, HIDDEN)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_gradients_bit_identical_to_no_offload(sim, x0, k):
+    layers = make_layers(5)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    ctx, sync = offload_ctx(sim, k, 5)
+    for _ in range(3):
+        assert_same(run_step(layers, x0, ctx, sync), ref)
+    copies = [e for e in sim.log if e[0] == "copy"]
+    assert bool(copies) == (k > 0)
+
+
+def test_missing_reload_wait_would_corrupt_gradients(sim, x0, monkeypatch):
+    """The simulation can fail: without the per-tensor wait at unpack, reloads are unwritten."""
+    from cpu_offload import layer_state
+
+    layers = make_layers(4)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+
+    def no_wait(entry):
+        if entry.gpu is not None:
+            return entry.gpu
+        if entry.reloaded is None:
+            layer_state.copy_in(entry.rt, [entry])
+        return entry.reloaded
+
+    monkeypatch.setattr(layer_state.Entry, "device_bytes_for_unpack", no_wait)
+    out = run_step(layers, x0, *offload_ctx(sim, 2, 4))
+    assert not all(torch.equal(a, b) for a, b in zip(out[2], ref[2]))
+
+
+def milestones_to_residency(milestones):
+    """Replay the recorded fwd/bwd/release/reload order; count layers resident at each start."""
+    resident, counts = set(), []
+    for kind, layer in milestones:
+        if kind == "fwd":
+            resident.add(layer)
+            counts.append(len(resident))
+        elif kind == "release":
+            resident.discard(layer)
+        elif kind == "reload":
+            resident.add(layer)
+        elif kind == "bwd":
+            resident.discard(layer + 1)  # the previous backward finished
+            counts.append(len(resident | {layer}))
+    return counts
+
+
+@pytest.mark.parametrize("n, k", [(5, 2), (5, 3), (6, 4), (4, 1), (8, 6)])
+def test_recorded_schedule_matches_seed_003(sim, n, k):
+    layers = make_layers(n)
+    run_step(layers, torch.randn(2, 8, HIDDEN), *offload_ctx(sim, k, n))
+    ms = sim.milestones({"fwd", "bwd", "release", "reload"})
+    # Layer i is released just before forward of layer n-k+i starts...
+    for i in range(k):
+        assert ms[ms.index(("fwd", n - k + i)) - 1] == ("release", i)
+    # ...and its reload starts once backward of layer n-k+i is over (before the next one).
+    for i in range(k):
+        assert ms[ms.index(("bwd", n - k + i - 1)) - 1] == ("reload", i)
+    residency = milestones_to_residency(ms)
+    assert max(residency) == n - k
+    assert residency == Schedule.default(k, n).resident_profile()
+
+
+def test_memory_returns_to_baseline_without_gc(sim, x0):
+    layers = make_layers(4)
+    ctx, sync = offload_ctx(sim, 2, 4)
+    run_step(layers, x0, ctx, sync)
+    pool = ctx.synchronizer.rt.pool
+    allocations, cached = pool.allocations, pool.cached_bytes()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(200):
+            run_step(layers, x0, ctx, sync)
+            assert ctx.synchronizer.held_device_bytes() == 0
+            assert ctx.synchronizer.held_host_bytes() == 0
+            assert sim.pending_ops() == 0
+        assert pool.allocations == allocations  # host buffers reused, none allocated per step
+        assert pool.cached_bytes() == cached
+        assert gc.collect() == 0  # nothing was waiting for the cycle collector
+    finally:
+        gc.enable()
+
+
+def test_saved_tensors_die_with_the_graph(sim, x0):
+    """Tensors that never reach backward: dropping the graph frees their host copies."""
+    layers = make_layers(3)
+    ctx, sync = offload_ctx(sim, 1, 3)
+    h = x0.clone().requires_grad_()
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    assert ctx.synchronizer.held_host_bytes() > 0
+    del h
+    assert ctx.synchronizer.held_host_bytes() == 0
+    assert ctx.synchronizer.held_device_bytes() == 0
+
+
+def test_exception_inside_context_leaves_no_hooks_and_no_tensors(sim, x0):
+    layers = make_layers(3)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    ctx, sync = offload_ctx(sim, 1, 3)
+    h = x0.clone().requires_grad_()
+    with ctx:
+        h = layers[0](h)
+    h = sync(h)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ctx:
+            layers[1](h)
+            raise RuntimeError("boom")
+    assert not is_cpu_offload_enabled()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert ctx.synchronizer.held_device_bytes() == 0
+    assert ctx.synchronizer.held_host_bytes() == 0
+    # The partial graph from the aborted step says what happened if used...
+    with pytest.raises(RuntimeError, match="interrupted by an exception"):
+        h.sum().backward()
+    del h
+    # ...and the next step works and is exact.
+    assert_same(run_step(layers, x0, ctx, sync), ref)
+
+
+def test_out_of_memory_inside_context_is_cleaned_up_like_any_error(sim, x0):
+    layers = make_layers(2)
+    ctx, sync = offload_ctx(sim, 1, 2)
+    with pytest.raises(torch.OutOfMemoryError):
+        with ctx:
+            layers[0](x0.requires_grad_())
+            raise torch.OutOfMemoryError("simulated OOM")
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert ctx.synchronizer.held_host_bytes() == 0
+    run_step(layers, x0.detach(), ctx, sync)
+
+
+def test_retain_graph_double_backward(sim, x0):
+    layers = make_layers(4)
+    ctx, sync = offload_ctx(sim, 2, 4)
+    x = x0.clone().requires_grad_()
+    h = x
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    loss = h.square().sum()
+    (g1,) = torch.autograd.grad(loss, x, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, x)
+    assert torch.equal(g1, g2)
+    x_ref = x0.clone().requires_grad_()
+    h = x_ref
+    for layer in layers:
+        h = layer(h)
+    (g_ref,) = torch.autograd.grad(h.square().sum(), x_ref)
+    assert torch.equal(g1, g_ref)
+    assert sum(1 for e in sim.log if e == ("reload", 0)) == 2  # reloaded once per backward
+
+
+def test_no_grad_forward_saves_nothing_and_training_still_works(sim, x0):
+    layers = make_layers(3)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    ctx, sync = offload_ctx(sim, 1, 3)
+    with torch.no_grad():
+        h = x0
+        for layer in layers:
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+    assert not [e for e in sim.log if e[0] == "copy"]
+    assert_same(run_step(layers, x0, ctx, sync), ref)
+
+
+def test_partial_backward_with_autograd_grad(sim, x0):
+    """Backward to an intermediate tensor only: unreached layers keep their state, none leaks."""
+    layers = make_layers(4)
+    ctx, sync = offload_ctx(sim, 2, 4)
+    h = x0.clone().requires_grad_()
+    outs = []
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        outs.append(h)
+    (g,) = torch.autograd.grad(outs[-1].sum(), outs[1])
+    ref_h = outs[1].detach().requires_grad_()
+    r = ref_h
+    for layer in layers[2:]:
+        r = layer(r)
+    (g_ref,) = torch.autograd.grad(r.sum(), ref_h)
+    assert torch.equal(g, g_ref)
+    del outs, h
+    assert ctx.synchronizer.held_host_bytes() == 0
+
+
+def test_views_share_a_base_and_keep_geometry(sim):
+    """q, k, v views of one qkv storage are offloaded once and restored as views of one base."""
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            ctx.save_for_backward(*ts)
+            return ts[0].sum() + sum(t.sum() for t in ts[1:])
+
+        @staticmethod
+        def backward(ctx, g):
+            saved = ctx.saved_tensors
+            seen["saved"] = saved
+            return tuple(torch.ones_like(t) * g for t in saved)
+
+    base = torch.randn(2, 8, 3 * 16, requires_grad=True)
+    qkv = base * 1.0
+    q, k, v = qkv.view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4)
+    merged = q.transpose(1, 2).reshape(2, 8, 16)  # still a view of qkv: heads*dim merge
+    weird = qkv.transpose(0, 2)[1::2]  # non-contiguous, offset view
+    own = (qkv + 1).transpose(1, 2)  # another storage
+    tensors = (q, k, v, q, merged, weird, own)
+    ctx, sync = offload_ctx(sim, 1, 2)
+    with ctx:
+        y = Probe.apply(*tensors)
+    y = sync(y)
+    with ctx:
+        y = y * 2
+    y = sync(y)
+    copies = [e for e in sim.log if e[0] == "copy"]
+    assert len(copies) == 2  # the qkv storage once for six views, the other storage once
+    y.backward()
+    restored = seen["saved"]
+    for orig, back in zip(tensors, restored):
+        assert back.shape == orig.shape and back.stride() == orig.stride()
+        assert back.storage_offset() == orig.storage_offset() and back.dtype == orig.dtype
+        assert torch.equal(back, orig)
+    storages = {t.untyped_storage().data_ptr() for t in restored[:6]}
+    assert len(storages) == 1
+    assert restored[0].untyped_storage().data_ptr() != qkv.untyped_storage().data_ptr()
+
+
+def test_contiguous_view_of_non_contiguous_base_round_trips(sim):
+    """SDPA output -> transpose().reshape(): the case a reference implementation gets wrong."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def block(q, k, v):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        flat = a.transpose(1, 2).reshape(2, 8, 64)  # a view of a permuted-contiguous output
+        return (flat @ w).tanh()
+
+    ref = torch.autograd.grad(block(q, k, v).sum(), (q, k, v, w))
+    ctx, sync = offload_ctx(sim, 1, 2)
+    with ctx:
+        y = block(q, k, v)
+    y = sync(y)
+    with ctx:
+        y = y * 1
+    y = sync(y)
+    got = torch.autograd.grad(y.sum(), (q, k, v, w))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+     torch.float8_e4m3fn, torch.int8, torch.bool, torch.uint8, torch.int64],
+)
+def test_any_dtype_restores_exactly(sim, dtype):
+    captured = {}
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, payload):
+            ctx.save_for_backward(payload)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (captured["back"],) = ctx.saved_tensors
+            return g * 2, None
+
+    payload = (torch.randn(4, 6) * 10).to(dtype).t()
+    x = torch.randn(3, requires_grad=True)
+    ctx, sync = offload_ctx(sim, 1, 2)
+    with ctx:
+        y = Keep.apply(x, payload)
+    y = sync(y)
+    with ctx:
+        y = y + 0
+    y = sync(y)
+    y.sum().backward()
+    back = captured["back"]
+    assert back.dtype == dtype and back.stride() == payload.stride()
+    assert torch.equal(back.contiguous().view(torch.uint8), payload.contiguous().view(torch.uint8))
+
+
+def test_mark_not_offload_parameters_and_small_tensors_stay(sim, x0):
+    layer = torch.nn.Linear(HIDDEN, HIDDEN)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=2, device=sim, min_tensor_size_to_offload=100
+    )
+    a = torch.randn(4, HIDDEN, requires_grad=True) * 1  # 128 elements: offloaded
+    b = torch.randn(4, HIDDEN, requires_grad=True) * 1  # marked: kept
+    c = torch.randn(2, 4, requires_grad=True) * 1  # 8 elements: too small
+    mark_not_offload(b)
+    with ctx:
+        y = (layer(a) * b).sum() + (c * c).sum()  # Linear saves a and its weight (a Parameter)
+    y = sync(y)
+    with ctx:
+        y = y * 1
+    sync(y)
+    sizes = sorted(e[2] for e in sim.log if e[0] == "copy")
+    assert sizes == [4 * HIDDEN * 4, 4 * HIDDEN * 4]  # a, and layer(a) saved by the multiply
+
+
+def test_start_offload_lets_copy_wait_on_an_earlier_point(sim):
+    ctx, sync = offload_ctx(sim, 1, 2)
+    x = torch.randn(64, requires_grad=True)
+    with ctx:
+        h = x * 3
+        start_offload(h)
+        event = h._cpu_offload_ready_event
+        y = h.sin()
+    assert ("wait", "side1", "compute", event.seq) in sim.log
+    y = sync(y)
+    with ctx:
+        y = y * 1
+    sync(y).sum().backward()
+    assert torch.equal(x.grad, 3 * (x * 3).cos())
+
+
+def test_in_place_change_after_save_raises_like_autograd(sim):
+    ctx, sync = offload_ctx(sim, 1, 3)
+    x = torch.randn(16, requires_grad=True)
+    with ctx:
+        h = x * 2
+        y = h.exp()  # saves its output
+        y.mul_(3)  # autograd would refuse this in backward
+    y = sync(y)
+    for _ in range(2):
+        with ctx:
+            y = y * 1
+        y = sync(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_manual_synchronization(sim, x0):
+    layers = make_layers(4)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    stream = sim.new_stream()
+    ctx, sync, manual = get_cpu_offload_context(
+        enabled=True, model_layers=4, manual_synchronization=True, offload_stream=stream,
+        min_tensor_size_to_offload=0, device=sim,
+    )
+    assert manual.offload_stream is stream
+    for p in layers.parameters():
+        p.grad = None
+    x = x0.clone().requires_grad_()
+    h = x
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        if i < 2:  # layers 2 and 3 are simply not offloaded
+            manual.start_offload_layer(i)
+    for i in range(2):
+        manual.release_activation_forward_gpu_memory(i)
+    assert ctx.synchronizer.step.layers[0].held_device_bytes() == 0
+    for i in range(2):
+        manual.start_reload_layer(i)
+    h.square().sum().backward()
+    assert_same((h.detach(), x.grad, [p.grad for p in layers.parameters()]), ref)
+    with pytest.raises(OffloadUsageError, match="does not name a layer"):
+        manual.start_reload_layer(7)
+
+
+def test_manual_release_before_offload_is_refused(sim, x0):
+    layers = make_layers(2)
+    ctx, sync, manual = get_cpu_offload_context(
+        enabled=True, model_layers=2, manual_synchronization=True, min_tensor_size_to_offload=0,
+        device=sim,
+    )
+    with ctx:
+        h = layers[0](x0.requires_grad_())
+    sync(h)
+    with pytest.raises(OffloadUsageError, match="start_offload_layer"):
+        manual.release_activation_forward_gpu_memory(0)
+
+
+def test_custom_synchronization_dict(sim, x0):
+    """Layer 1 only; released when layer 3 starts forward, reloaded at the first backward."""
+    layers = make_layers(4)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, model_layers=4, synchronization_dict={1: (True, 4, False, 1)},
+        min_tensor_size_to_offload=0, device=sim,
+    )
+    assert_same(run_step(layers, x0, ctx, sync), ref)
+    ms = sim.milestones({"fwd", "bwd", "release", "reload"})
+    assert ms == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("release", 1), ("fwd", 3), ("reload", 1),
+                  ("bwd", 3), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
+
+
+def test_retained_pinned_buffers_are_stable_across_steps(sim, x0):
+    layers = make_layers(3)
+    ctx, sync = offload_ctx(sim, 1, 3, retain_pinned_cpu_buffers=True)
+    pool = ctx.synchronizer.rt.pool
+    run_step(layers, x0, ctx, sync)
+    first = {k: v.data_ptr() for k, v in pool._retained.items()}
+    for _ in range(3):
+        run_step(layers, x0, ctx, sync)
+    assert {k: v.data_ptr() for k, v in pool._retained.items()} == first
+    assert pool.cached_bytes() == 0
+
+
+def test_model_layers_mismatch_is_reported(sim, x0):
+    layers = make_layers(3)
+    ctx, sync = offload_ctx(sim, 1, 4)
+    h = x0.clone().requires_grad_()
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    with pytest.raises(OffloadUsageError, match="model_layers=4"):
+        h.sum().backward()
+
+
+def test_entering_twice_without_sync_and_nesting_are_refused(sim):
+    ctx, sync = offload_ctx(sim, 1, 3)
+    with ctx:
+        pass
+    with pytest.raises(OffloadUsageError, match="without calling the sync function"):
+        with ctx:
+            pass
+    ctx, sync = offload_ctx(sim, 1, 3)
+    with ctx:
+        with pytest.raises(OffloadUsageError, match="nested"):
+            with ctx:
+                pass
+        with pytest.raises(OffloadUsageError, match="after the `with ctx:` block"):
+            sync(torch.zeros(1))
