@@ -222,6 +222,19 @@ class OffloadSynchronizer:
         return SavedSubclassRef(t, ctx, inner)
 
     # -- introspection (tests, audit, demo) --------------------------------------------------------
+    def layer_summary(self) -> list[dict]:
+        """Per layer of the current step: whether it is offloaded, storages and bytes saved."""
+        out = []
+        for i, layer in enumerate(self.step.layers if self.step else []):
+            entries = layer.entries if layer is not None else []
+            out.append({
+                "layer": i,
+                "offloaded": layer is not None,
+                "storages": len(entries),
+                "bytes": sum(e.nbytes for e in entries),
+            })
+        return out
+
     def held_device_bytes(self) -> int:
         layers = self.step.layers if self.step else []
         return sum(l.held_device_bytes() for l in layers if l is not None)
