@@ -1,0 +1,214 @@
+"""Pieces shared by the benchmark scripts: device abstraction (real CUDA or the simulated device),
+clocks, memory statistics, backend selection and JSON output.
+
+Every script runs the same code path on a CUDA GPU (real numbers) and on the CPU with
+``cpu_offload.SimulatedDevice`` (a smoke test of the script: timings there mean nothing).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+# Let ``python benchmarks/<script>.py`` work from a checkout without installing the package.
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import torch  # noqa: E402
+
+import cpu_offload  # noqa: E402
+
+V1_ENV = "NVTE_CPU_OFFLOAD_V1"
+
+
+@dataclass
+class BenchDevice:
+    """Where the benchmark runs: ``cuda`` (real GPU) or ``sim`` (CPU + ``SimulatedDevice``)."""
+
+    kind: str
+    last_offload_device: Optional[Any] = None  # the latest SimulatedDevice handed out (sim only)
+
+    @staticmethod
+    def from_flag(flag: str) -> "BenchDevice":
+        if flag == "auto":
+            flag = "cuda" if torch.cuda.is_available() else "sim"
+        if flag == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: CUDA is not available here; use --device sim")
+        return BenchDevice(flag)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
+
+    def offload_device(self) -> Optional[Any]:
+        """``device=`` for ``get_cpu_offload_context``: the library default on CUDA, a fresh
+        simulated device (one per context, so its log stays small) on the CPU."""
+        if self.is_cuda:
+            return None
+        self.last_offload_device = cpu_offload.SimulatedDevice()
+        return self.last_offload_device
+
+    def take_copy_count(self) -> Optional[int]:
+        """Copies the latest simulated device performed (proof that something was offloaded)."""
+        dev, self.last_offload_device = self.last_offload_device, None
+        return None if dev is None else sum(1 for e in dev.log if e[0] == "copy")
+
+    def describe(self) -> str:
+        if self.is_cuda:
+            return torch.cuda.get_device_name()
+        return f"CPU ({platform.processor() or platform.machine()}) with SimulatedDevice"
+
+    # -- time ----------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def mark(self) -> Any:
+        """A point in time on the compute stream (CUDA event) or on the host (perf_counter)."""
+        if self.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two marks; call after ``synchronize``."""
+        if self.is_cuda:
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    # -- memory --------------------------------------------------------------------------------
+    def memory_allocated(self) -> Optional[int]:
+        return torch.cuda.memory_allocated() if self.is_cuda else None
+
+    def reset_peak(self) -> None:
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def max_memory_allocated(self) -> Optional[int]:
+        return torch.cuda.max_memory_allocated() if self.is_cuda else None
+
+    def free_memory(self) -> None:
+        """Drop garbage and cached blocks so the next method starts from a clean allocator."""
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+def prepare_determinism(device: BenchDevice) -> None:
+    """Allow ``deterministic_algorithms`` later in the run: cuBLAS reads its workspace config
+    once, when its first handle is created, so it is set at start-up. ``:4096:8`` (32 MiB) is
+    also the default on Hopper, so timings are unaffected."""
+    if device.is_cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Deterministic kernels for a bit-exactness step, restored afterwards.
+
+    Timed steps run without it (realistic training kernels): flash-attention backward then
+    accumulates dQ with atomics and is not bit-reproducible, so exactness is checked in a separate
+    step. Not ``warn_only``: with it, flash attention silently stays non-deterministic.
+    ``fill_uninitialized_memory`` is kept off: it would fill every ``torch.empty`` (pinned host
+    buffers included) and make the step differ from the timed ones.
+    """
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    det = getattr(torch.utils, "deterministic", None)
+    prev_fill = getattr(det, "fill_uninitialized_memory", None)
+    torch.use_deterministic_algorithms(True)
+    if det is not None:
+        det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+        if det is not None:
+            det.fill_uninitialized_memory = prev_fill
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Select the library backend for the duration of a method: ``v1`` sets
+    ``NVTE_CPU_OFFLOAD_V1=1`` (read by ``get_cpu_offload_context`` *and* by
+    ``mark_activation_offload`` on every call, so it must stay set while the method runs)."""
+    old = os.environ.get(V1_ENV)
+    if name == "v1":
+        os.environ[V1_ENV] = "1"
+    else:
+        os.environ.pop(V1_ENV, None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(V1_ENV, None)
+        else:
+            os.environ[V1_ENV] = old
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect once, then keep the cyclic GC out of timed loops (it adds random pauses)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def median(values: Sequence[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def environment_info(device: BenchDevice) -> dict:
+    return {
+        "device": device.describe(),
+        "device_kind": device.kind,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpu_offload": getattr(cpu_offload, "__version__", "?"),
+    }
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width table (no extra dependency)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
