@@ -12,6 +12,8 @@ Public API (see README.md)::
 Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``,
 ``cpu_offload.v1``).
 """
+from .audit import AuditReport, audit_offload_selection
+from .config import ActivationOffloadConfig, build_offload_context
 from .device import CudaDevice, OffloadDevice
 from .errors import OffloadConfigError, OffloadUsageError
 from .facade import (
@@ -21,20 +23,32 @@ from .facade import (
     start_offload,
 )
 from .markers import mark_not_offload, mark_weight, offload_opt_out
+from .module_control import (
+    get_activation_offloading,
+    maybe_mark_activation_offload,
+    set_activation_offloading,
+)
 from .simulated import SimulatedDevice
 
 __all__ = [
+    "ActivationOffloadConfig",
+    "AuditReport",
+    "audit_offload_selection",
+    "build_offload_context",
     "CudaDevice",
     "OffloadConfigError",
     "OffloadDevice",
     "OffloadUsageError",
     "SimulatedDevice",
+    "get_activation_offloading",
     "get_cpu_offload_context",
     "is_cpu_offload_enabled",
     "mark_activation_offload",
     "mark_not_offload",
     "mark_weight",
+    "maybe_mark_activation_offload",
     "offload_opt_out",
+    "set_activation_offloading",
     "start_offload",
 ]
 

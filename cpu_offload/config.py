@@ -1,0 +1,165 @@
+"""Megatron-style activation-offloading config (seed 004) and the offload context built from it.
+
+Training frameworks configure offloading with flat flags (``cpu_offloading``,
+``cpu_offloading_num_layers``, ...) next to model-parallel settings that decide whether offloading
+can work at all. ``ActivationOffloadConfig`` carries both, ``validate()`` rejects the combinations
+seed 004 lists (each message names the fix), and ``build_offload_context`` turns a valid config
+into ``get_cpu_offload_context(...)``.
+
+Where this library differs from seed 004, on purpose:
+
+- Pipeline parallelism works with ``manual_synchronization=True`` (the pipeline schedule drives
+  ``ManualOffloadSynchronizer``); only PP > 1 with the default schedule is rejected.
+- CUDA graphs work when pinned buffers are retained (``cpu_offloading_retain_pinned_cpu_buffers``),
+  because a captured graph replays its copies into fixed host addresses; without it they are
+  rejected, naming that flag.
+- ``cpu_offloading_num_layers`` must lie in ``[0, num_layers - 1)``, seed 004's documented range:
+  ``num_layers - 1`` would leave a single activation set on the GPU, so no transfer could overlap
+  compute. Call ``get_cpu_offload_context`` directly to accept that (it only warns). ``0`` (offload
+  nothing) is always accepted. With ``manual_synchronization`` the count is unused, not checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from .errors import OffloadConfigError
+from .facade import get_cpu_offload_context
+
+_CONFIG_DERIVED = (
+    "enabled", "num_layers", "model_layers", "offload_activations", "offload_weights",
+    "double_buffering", "retain_pinned_cpu_buffers", "manual_synchronization",
+)
+
+
+@dataclass
+class ActivationOffloadConfig:
+    """Seed 004's activation-offloading fields plus the model settings they are checked against."""
+
+    num_layers: int  # transformer layers of the model (on this pipeline stage)
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_activations: bool = True
+    cpu_offloading_weights: bool = False
+    cpu_offloading_double_buffering: bool = False
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    pipeline_model_parallel_size: int = 1
+    recompute_granularity: Optional[str] = None
+    cuda_graph_impl: str = "none"
+    fine_grained_activation_offloading: bool = False
+    manual_synchronization: bool = False
+
+    @classmethod
+    def from_object(cls, source: Any, **overrides: Any) -> "ActivationOffloadConfig":
+        """Pick this config's fields by name from a framework config (attributes or a mapping),
+        e.g. a Megatron ``TransformerConfig``; fields it lacks keep their defaults."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if isinstance(source, Mapping):
+                if f.name in source:
+                    values[f.name] = source[f.name]
+            elif hasattr(source, f.name):
+                values[f.name] = getattr(source, f.name)
+        values.update(overrides)
+        if "num_layers" not in values:
+            raise OffloadConfigError(
+                "num_layers (the model's layer count) is missing from the source config; pass "
+                "num_layers=... as an override"
+            )
+        return cls(**values)
+
+    def problems(self) -> list[str]:
+        """Every violated constraint, each with its fix (empty: valid)."""
+        out: list[str] = []
+        n = self.num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            out.append(f"num_layers must be the model's layer count (an int >= 1), got {n!r}")
+        if not self.cpu_offloading:
+            return out
+        k = self.cpu_offloading_num_layers
+        if self.fine_grained_activation_offloading:
+            out.append(
+                "fine_grained_activation_offloading cannot be combined with cpu_offloading: set "
+                "one of them to False"
+            )
+        if not self.cpu_offloading_activations and not self.cpu_offloading_weights:
+            out.append(
+                "cpu_offloading is on but neither cpu_offloading_activations nor "
+                "cpu_offloading_weights is set: set cpu_offloading_activations=True (or "
+                "cpu_offloading_weights=True), or cpu_offloading=False"
+            )
+        pp = self.pipeline_model_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            out.append(f"pipeline_model_parallel_size must be an int >= 1, got {pp!r}")
+        elif pp > 1 and not self.manual_synchronization:
+            out.append(
+                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} needs "
+                "manual_synchronization=True (the default schedule assumes all forwards, then all "
+                "backwards); drive ManualOffloadSynchronizer from the pipeline schedule, or set "
+                "pipeline_model_parallel_size=1"
+            )
+        if self.recompute_granularity is not None:
+            out.append(
+                f"recompute_granularity={self.recompute_granularity!r} cannot be combined with "
+                "cpu_offloading (both decide what is kept for backward, and recomputation's "
+                "saved-tensor hooks would bypass the offload hooks): set "
+                "recompute_granularity=None, or cpu_offloading=False"
+            )
+        graphs = self.cuda_graph_impl not in ("none", None)
+        if graphs and not self.cpu_offloading_retain_pinned_cpu_buffers:
+            out.append(
+                f"cuda_graph_impl={self.cuda_graph_impl!r} with cpu_offloading needs "
+                "cpu_offloading_retain_pinned_cpu_buffers=True (a captured graph replays copies "
+                "into fixed pinned buffers), or set cuda_graph_impl='none'"
+            )
+        if isinstance(k, bool) or not isinstance(k, int):
+            out.append(f"cpu_offloading_num_layers must be an int, got {k!r}")
+        elif not self.manual_synchronization and isinstance(n, int) and n >= 1:
+            # Offloading no layer (k = 0) is always allowed, even for a one-layer model.
+            if k != 0 and not 0 <= k < n - 1:
+                out.append(
+                    f"cpu_offloading_num_layers={k} must be in [0, num_layers-1) for "
+                    f"num_layers={n}: at least two layers' activations must stay on the GPU for "
+                    "transfers to overlap compute; set cpu_offloading_num_layers <= "
+                    f"{max(n - 2, 0)}"
+                )
+        return out
+
+    def validate(self) -> "ActivationOffloadConfig":
+        """Raise ``OffloadConfigError`` listing every violated constraint; return ``self``."""
+        problems = self.problems()
+        if len(problems) == 1:
+            raise OffloadConfigError(f"invalid activation offload config: {problems[0]}")
+        if problems:
+            raise OffloadConfigError(
+                "invalid activation offload config:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+        return self
+
+
+def build_offload_context(cfg: ActivationOffloadConfig, **kwargs: Any) -> Any:
+    """``get_cpu_offload_context`` for a validated ``cfg``.
+
+    ``kwargs`` pass through (``device``, ``offload_stream``, ``min_tensor_size_to_offload``, ...);
+    arguments the config decides cannot be overridden here. Returns what the facade returns:
+    ``(context, sync)``, or with ``manual_synchronization`` also the ``ManualOffloadSynchronizer``.
+    """
+    cfg.validate()
+    clash = sorted(set(kwargs) & set(_CONFIG_DERIVED))
+    if clash:
+        raise OffloadConfigError(
+            f"{', '.join(clash)} come from the config; set the corresponding "
+            "ActivationOffloadConfig field instead of passing them to build_offload_context"
+        )
+    return get_cpu_offload_context(
+        enabled=cfg.cpu_offloading,
+        num_layers=cfg.cpu_offloading_num_layers,
+        model_layers=cfg.num_layers,
+        offload_activations=cfg.cpu_offloading_activations,
+        offload_weights=cfg.cpu_offloading_weights,
+        double_buffering=cfg.cpu_offloading_double_buffering,
+        retain_pinned_cpu_buffers=cfg.cpu_offloading_retain_pinned_cpu_buffers,
+        manual_synchronization=cfg.manual_synchronization,
+        **kwargs,
+    )
