@@ -1,0 +1,94 @@
+"""``get_cpu_offload_context`` of the V1 backend: argument checks and wiring."""
+from __future__ import annotations
+
+import sys
+import warnings
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional, Tuple
+
+import torch
+
+from ..device import OffloadDevice
+from ..errors import OffloadConfigError
+from .async_handler import AsyncDoubleBufferGroupOffloadHandler
+from .commit import group_prefetch_offload_commit
+from .hooks import CpuOffloadHookWithOffloadHandler
+from .marking import tensor_need_offloading_checker_activations
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _stacklevel_outside_package() -> int:
+    """``stacklevel`` that attributes a warning to the first caller outside ``cpu_offload``."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("cpu_offload"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _check_layers(num_layers: object, model_layers: object) -> None:
+    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
+        raise OffloadConfigError(
+            f"model_layers must be the number of layers wrapped in the offload context (an int "
+            f">= 1), got {model_layers!r}"
+        )
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise OffloadConfigError(
+            f"num_layers must be the number of layers to offload (an int >= 0), got {num_layers!r}"
+        )
+    if num_layers >= model_layers:
+        raise OffloadConfigError(
+            f"num_layers={num_layers} must be smaller than model_layers={model_layers}: the V1 "
+            "layer-window schedule keeps at least one layer's activations on the device; pass "
+            f"num_layers <= {model_layers - 1}, and model_layers = the total number of layers"
+        )
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    *,
+    device: Optional[OffloadDevice] = None,
+) -> Tuple[ContextManager, Callable[[torch.Tensor], torch.Tensor]]:
+    """Return ``(context, group_prefetch_offload_commit_async)``.
+
+    Wrap each layer's forward in ``context`` and pass its output through the second element. Of
+    the first ``num_layers`` of ``model_layers`` layers, the saved tensors tagged with
+    ``mark_activation_offload`` are offloaded. ``device`` defaults to CUDA.
+    """
+    if not offload_weights and not offload_activations:
+        raise OffloadConfigError(
+            "CPU offloading is enabled while it is not mentioned what to offload: "
+            "offload_activations=False and offload_weights=False; pass offload_activations=True"
+        )
+    if offload_weights:
+        warnings.warn(
+            "Offloading weights is deprecated: offload_weights=True has no effect (only "
+            "activations are offloaded); drop the argument",
+            DeprecationWarning,
+            stacklevel=_stacklevel_outside_package(),
+        )
+        if not offload_activations:
+            return nullcontext(), _identity
+    if not enabled:
+        return nullcontext(), _identity
+    _check_layers(num_layers, model_layers)
+    handler = AsyncDoubleBufferGroupOffloadHandler(
+        num_offload_group=num_layers,
+        num_model_group=model_layers,
+        tensor_need_offloading_checker=tensor_need_offloading_checker_activations,
+        double_buffering=double_buffering,
+        device=device,
+    )
+
+    def group_prefetch_offload_commit_async(tensor: torch.Tensor) -> torch.Tensor:
+        return group_prefetch_offload_commit(tensor, handler)
+
+    context = CpuOffloadHookWithOffloadHandler(offload_handler=handler)
+    return context, group_prefetch_offload_commit_async
