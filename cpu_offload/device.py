@@ -71,6 +71,14 @@ class OffloadDevice(abc.ABC):
     def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (both flat uint8 of equal size)."""
 
+    def copy_and_record(self, stream: Stream, pairs: list) -> list:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)``, each followed by an event."""
+        events = []
+        for dst, src in pairs:
+            self.copy(stream, dst, src)
+            events.append(self.record_event(stream))
+        return events
+
     def will_free(self, t: torch.Tensor) -> None:
         """The scheduler is about to drop its last reference to device buffer ``t``.
 
@@ -82,15 +90,31 @@ class OffloadDevice(abc.ABC):
 
 
 class CudaDevice(OffloadDevice):
-    """CUDA streams, events, pinned host memory; the caching allocator for device memory."""
+    """CUDA streams, events, pinned host memory; the caching allocator for device memory.
+
+    The hooks run inside every op that saves a tensor, so this class avoids the Python layers of
+    ``torch.cuda`` on the hot path: the current stream is looked up by its raw handle, stream
+    waits reuse one fence event per device (``cudaStreamWaitEvent`` captures the event's state at
+    call time, so re-recording it later is safe), and copies switch streams without a context
+    manager.
+    """
 
     name = "cuda"
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple, Stream] = {}
+        self._fences: dict[int, Event] = {}
 
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.is_cuda
 
     def current_stream(self) -> Stream:
-        return torch.cuda.current_stream()
+        index = torch._C._cuda_getDevice()
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.current_stream(index)
+        return stream
 
     def new_stream(self) -> Stream:
         return torch.cuda.Stream()
@@ -104,8 +128,13 @@ class CudaDevice(OffloadDevice):
         stream.wait_event(event)
 
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
-        if waiter != waitee:
-            waiter.wait_stream(waitee)
+        if waiter == waitee:
+            return
+        fence = self._fences.get(waitee.device_index)
+        if fence is None:
+            fence = self._fences[waitee.device_index] = torch.cuda.Event()
+        fence.record(waitee)
+        waiter.wait_event(fence)
 
     def event_done(self, event: Event) -> bool:
         return event.query()
@@ -120,8 +149,26 @@ class CudaDevice(OffloadDevice):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(stream):
+        previous = self.current_stream()
+        torch.cuda.set_stream(stream)
+        try:
             dst.copy_(src, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(previous)
+
+    def copy_and_record(self, stream: Stream, pairs: list) -> list:
+        previous = self.current_stream()
+        torch.cuda.set_stream(stream)
+        events = []
+        try:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
+        finally:
+            torch.cuda.set_stream(previous)
+        return events
 
 
 _default_device: Optional[OffloadDevice] = None

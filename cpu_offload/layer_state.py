@@ -21,19 +21,22 @@ from .device import Event, OffloadDevice
 from .errors import OffloadUsageError
 from .markers import READY_EVENT_ATTR
 from .pinned_pool import PinnedPool
-from .storage import ViewMeta, restore_view, storage_bytes, storage_key
+from .compat import tensor_on_storage
+from .storage import ViewMeta, restore_view
 
 
 class Runtime:
     """Step-independent pieces shared by all layers of one offload context."""
 
-    __slots__ = ("device", "stream", "pool", "retain")
+    __slots__ = ("device", "stream", "pool", "retain", "offloaded_bytes", "reloaded_bytes")
 
     def __init__(self, device: OffloadDevice, stream: Any, pool: PinnedPool, retain: bool) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
         self.retain = retain
+        self.offloaded_bytes = 0  # totals since creation, for benchmarks and monitoring
+        self.reloaded_bytes = 0
 
 
 class Entry:
@@ -96,6 +99,7 @@ class Entry:
             dev.wait_stream(stream, dev.current_stream())
         self.cpu = self.rt.pool.acquire(self.nbytes, self.pool_key)
         dev.copy(stream, self.cpu, self.gpu)
+        self.rt.offloaded_bytes += self.nbytes
 
     def drop(self) -> None:
         """Give the host buffer back and forget every buffer."""
@@ -111,10 +115,11 @@ def copy_in(rt: Runtime, entries: list) -> None:
         entry.reloaded = dev.alloc_device(entry.nbytes, entry.device)
     # The new buffers were allocated on the compute stream: copy only once compute got there.
     dev.wait_stream(stream, dev.current_stream())
-    for entry in entries:
-        dev.copy(stream, entry.reloaded, entry.cpu)
-        entry.reload_event = dev.record_event(stream)
+    events = dev.copy_and_record(stream, [(e.reloaded, e.cpu) for e in entries])
+    for entry, event in zip(entries, events):
+        entry.reload_event = event
         entry.waited = False
+    rt.reloaded_bytes += sum(e.nbytes for e in entries)
 
 
 class SavedRef:
@@ -227,13 +232,18 @@ class LayerState:
         self.aborted = False
 
     # -- forward ---------------------------------------------------------------------------------
-    def push(self, t: torch.Tensor) -> SavedRef:
+    def push(self, t: torch.Tensor) -> Any:
         """Register a saved tensor; its storage's copy to the host starts now (eager mode)."""
-        key = storage_key(t)
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return KeptRef(t)
+        key = storage.data_ptr()
         entry = self.by_key.get(key)
-        if entry is None or entry.gpu is None or entry.nbytes != t.untyped_storage().nbytes():
+        if entry is None or entry.gpu is None or entry.nbytes != nbytes:
             pool_key = (self.index, len(self.entries)) if self.rt.retain else None
-            entry = Entry(self.rt, pool_key, storage_bytes(t))
+            flat = tensor_on_storage(storage, torch.uint8, t.device, torch.Size([nbytes]), (1,), 0)
+            entry = Entry(self.rt, pool_key, flat)
             self.by_key[key] = entry
             self.entries.append(entry)
             ready = getattr(t, READY_EVENT_ATTR, None)

@@ -204,7 +204,7 @@ class OffloadSynchronizer:
             return KeptRef(t)
         if is_traceable_wrapper_subclass(t):
             return self._push_subclass(t, layer)
-        if self.policy.skip_reason(t) is not None or t.untyped_storage().nbytes() == 0:
+        if self.policy.skip_reason(t) is not None:
             return KeptRef(t)
         return layer.push(t)
 
@@ -234,6 +234,10 @@ class OffloadSynchronizer:
                 "bytes": sum(e.nbytes for e in entries),
             })
         return out
+
+    def transfer_totals(self) -> dict:
+        """Bytes copied to the host and back since this context was created."""
+        return {"offloaded_bytes": self.rt.offloaded_bytes, "reloaded_bytes": self.rt.reloaded_bytes}
 
     def held_device_bytes(self) -> int:
         layers = self.step.layers if self.step else []
