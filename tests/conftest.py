@@ -1,8 +1,18 @@
-"""Shared fixtures: the simulated device, a GPU skip marker, and a small layer stack."""
+"""Shared fixtures: the simulated device, GPU skipping, deterministic kernels for GPU tests."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# cuBLAS reads this when its first handle is created, so it must be set before any GPU test runs;
+# it is what deterministic mode requires and does not change which kernels run.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The suite's tensors are tiny: OpenMP threads only oversubscribe CI's 2 cores (measured: ~80x
+# slower with the default thread count under load).
+torch.set_num_threads(1)
 
 from cpu_offload import SimulatedDevice
 
@@ -25,3 +35,16 @@ def sim() -> SimulatedDevice:
 def _default_backend(monkeypatch):
     """Tests run against V2 unless they select V1 themselves."""
     monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+
+
+@pytest.fixture
+def deterministic():
+    """Bit-identical comparisons on CUDA need deterministic kernels (attention backward
+    accumulates with atomics otherwise; even two runs without offloading differ). Deterministic
+    mode also fills fresh memory, which checks that copies into newly allocated buffers are
+    ordered after the allocation."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(prev, warn_only=prev_warn_only)

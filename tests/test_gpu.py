@@ -13,7 +13,7 @@ import torch
 from cpu_offload import get_cpu_offload_context
 from cpu_offload.models import GPTConfig, build_model, make_input
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 
 CFG = GPTConfig(hidden=1024, heads=8, seq=1024, batch=2, layers=6, dtype=torch.bfloat16)
 
