@@ -5,6 +5,7 @@ backends read as plain code and a new torch release means editing one module.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -43,6 +44,19 @@ def tensor_on_storage(
 ) -> torch.Tensor:
     """A tensor viewing ``storage`` with exactly the given geometry (any strides, any offset)."""
     return torch.empty(0, dtype=dtype, device=device).set_(storage, storage_offset, size, stride)
+
+
+_unflatten_arity: dict = {}
+
+
+def tensor_unflatten(cls: type, inner: dict, ctx: Any, size: torch.Size, stride: tuple) -> Any:
+    """``cls.__tensor_unflatten__``: ``(inner, ctx)`` before torch 2.2, plus size/stride after."""
+    arity = _unflatten_arity.get(cls)
+    if arity is None:
+        arity = _unflatten_arity[cls] = len(inspect.signature(cls.__tensor_unflatten__).parameters)
+    if arity >= 4:
+        return cls.__tensor_unflatten__(inner, ctx, size, stride)
+    return cls.__tensor_unflatten__(inner, ctx)
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -8,6 +8,7 @@ and the order of releases and reloads (the schedule of seed 003).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Optional, Sequence
@@ -46,16 +47,30 @@ def _measure_cuda(model, x0, ctx=None, sync=None, steps: int = 5) -> tuple[float
     return statistics.median(times) * 1e3, peak, grads
 
 
+def _deterministic_grads(model, x0, ctx=None, sync=None) -> list:
+    """Gradients of one step with deterministic kernels: attention backward is not
+    bit-reproducible otherwise, even between two runs without offloading."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        return [g.clone() for g in _step(model, x0, ctx, sync)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def run_cuda(cfg: GPTConfig, ks: Sequence[int]) -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
     model = build_model(cfg, device="cuda")
     x0 = make_input(cfg, device="cuda", requires_grad=False)
     print(f"GPT stack on {torch.cuda.get_device_name()}: {cfg}")
-    base_ms, base_peak, ref = _measure_cuda(model, x0)
+    print("(peak = memory above the pre-step baseline, gradients allocated inside the step)")
+    ref = _deterministic_grads(model, x0)
+    base_ms, base_peak, _ = _measure_cuda(model, x0)
     print(f"{'offloaded layers':>16} {'step ms':>9} {'x none':>7} {'peak GiB':>9} {'x none':>7}  grads")
     print(f"{0:>16} {base_ms:9.1f} {1.0:7.3f} {base_peak / 2**30:9.2f} {1.0:7.3f}  reference")
     for k in ks:
         ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=cfg.layers)
-        ms, peak, grads = _measure_cuda(model, x0, ctx, sync)
+        ms, peak, _ = _measure_cuda(model, x0, ctx, sync)
+        grads = _deterministic_grads(model, x0, ctx, sync)
         exact = all(torch.equal(a, b) for a, b in zip(grads, ref))
         print(
             f"{k:>16} {ms:9.1f} {ms / base_ms:7.3f} {peak / 2**30:9.2f} {peak / base_peak:7.3f}  "

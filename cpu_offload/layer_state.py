@@ -21,7 +21,7 @@ from .device import Event, OffloadDevice
 from .errors import OffloadUsageError
 from .markers import READY_EVENT_ATTR
 from .pinned_pool import PinnedPool
-from .compat import tensor_on_storage
+from .compat import tensor_on_storage, tensor_unflatten
 from .storage import ViewMeta, restore_view
 
 
@@ -204,7 +204,7 @@ class SavedSubclassRef:
 
     def unpack(self) -> torch.Tensor:
         inner = {name: unpack(v) for name, v in self.inner.items()}
-        return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
+        return tensor_unflatten(self.cls, inner, self.ctx, self.size, self.stride)
 
 
 def unpack(packed: Any) -> Any:

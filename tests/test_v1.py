@@ -11,7 +11,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 import cpu_offload
@@ -33,6 +32,7 @@ from cpu_offload.v1 import (
 )
 
 from parity_models import (
+    Scaled,
     ActivationWatch,
     TrackingSimDevice,
     assert_bit_identical,
@@ -255,44 +255,6 @@ def test_strides_offsets_and_shared_base_preserved():
     assert len(SaveViews.checked) == 3
     assert torch.equal(x.grad, torch.full_like(x, 8.0))
     assert len(dev.copies("side1")) == 2  # one storage per offloaded group
-
-
-class Scaled(torch.Tensor):
-    """A minimal wrapper subclass: low-precision data plus a scale (like a quantized tensor)."""
-
-    @staticmethod
-    def __new__(cls, data, scale):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), dtype=torch.float32, device=data.device
-        )
-
-    def __init__(self, data, scale):
-        self._data, self._scale = data, scale
-
-    @classmethod
-    def quantize(cls, x, scale=0.5):
-        return cls((x / scale).to(torch.float16), scale)
-
-    def dequantize(self):
-        return self._data.float() * self._scale
-
-    def __tensor_flatten__(self):
-        return ["_data"], {"scale": self._scale}
-
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Scaled(inner["_data"], meta["scale"])
-
-    def __repr__(self):
-        return f"Scaled({self._data!r}, scale={self._scale})"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return Scaled(func(args[0]._data), args[0]._scale)
-        unwrap = lambda t: t.dequantize() if isinstance(t, Scaled) else t  # noqa: E731
-        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
 
 
 class QuantMul(torch.autograd.Function):

@@ -505,3 +505,40 @@ def test_entering_twice_without_sync_and_nesting_are_refused(sim):
                 pass
         with pytest.raises(OffloadUsageError, match="after the `with ctx:` block"):
             sync(torch.zeros(1))
+
+
+def test_wrapper_subclass_offloads_its_inner_tensors_and_rebuilds(sim):
+    """Low-precision formats (``__tensor_flatten__``): inner data moves, the wrapper comes back."""
+    from parity_models import Scaled
+
+    seen = {}
+
+    class QuantMul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            q = Scaled.quantize(x)
+            ctx.save_for_backward(q)
+            return x * q.dequantize()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (q,) = ctx.saved_tensors
+            seen["q"] = q
+            return 2 * grad * q.dequantize()
+
+    torch.manual_seed(4)
+    x = torch.randn(64, 16, requires_grad=True)
+    (ref,) = torch.autograd.grad(QuantMul.apply(x).sum(), x)
+    ctx, sync = offload_ctx(sim, 1, 2)
+    with ctx:
+        y = QuantMul.apply(x)
+    y = sync(y)
+    with ctx:
+        y = y * 1
+    y = sync(y)
+    assert [e for e in sim.log if e[0] == "copy"] == [("copy", "side1", 64 * 16 * 2)]  # fp16 data
+    (got,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(got, ref)
+    q = seen["q"]
+    assert type(q) is Scaled and q._data.dtype == torch.float16 and q._scale == 0.5
+    assert torch.equal(q._data, Scaled.quantize(x)._data)

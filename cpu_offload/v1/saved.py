@@ -12,13 +12,12 @@ however many saved tensors share it, and restored with identical geometry (``res
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..compat import is_traceable_wrapper_subclass
+from ..compat import is_traceable_wrapper_subclass, tensor_unflatten
 from ..device import Event, OffloadDevice, Stream
 from ..storage import ViewMeta, restore_view, storage_bytes
 from .marking import needs_force_clear
@@ -211,7 +210,6 @@ class Offloaded:
 
 
 Entry = Union[Kept, Offloaded, "Wrapped"]
-_unflatten_arity: Dict[type, int] = {}
 
 
 class Wrapped:
@@ -225,13 +223,7 @@ class Wrapped:
 
     def unpack(self) -> torch.Tensor:
         inner = {name: entry.unpack() for name, entry in self.inner.items()}
-        arity = _unflatten_arity.get(self.cls)
-        if arity is None:  # (inner, ctx) before torch 2.2; (inner, ctx, size, stride) after
-            arity = len(inspect.signature(self.cls.__tensor_unflatten__).parameters)
-            _unflatten_arity[self.cls] = arity
-        if arity >= 4:
-            return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
-        return self.cls.__tensor_unflatten__(inner, self.ctx)
+        return tensor_unflatten(self.cls, inner, self.ctx, self.size, self.stride)
 
 
 class PackedTensor:
