@@ -1,0 +1,215 @@
+"""Choose what to offload (and what to recompute) from measured layer costs.
+
+Offloading hides only as many bytes as the link moves while compute runs; beyond that the
+schedule stalls (seed 003: at most ``n-k`` layers resident). Recomputation
+(``torch.utils.checkpoint``) costs one extra forward per layer but no link time. Given per-layer
+activation bytes, forward/backward times and the link's bandwidth, ``simulate`` predicts step
+time and peak activation memory of "offload the first ``k`` layers with the default schedule,
+recompute layers ``R``"; ``plan`` searches all ``(k, R)`` for the fastest plan within a memory
+budget. ``profile_layers`` measures the inputs on the real device.
+
+The model is deliberately simple (one copy queue per direction, a layer's reload must finish
+before its backward starts, recompute runs inside the backward): it is a planning tool,
+validated against the benchmark, not a promise.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .errors import OffloadConfigError
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Measured costs of one layer."""
+
+    activation_bytes: int  # what V2 offloads for the layer (unique storages)
+    input_bytes: int  # what a recomputed (checkpointed) layer keeps: its input
+    fwd_ms: float
+    bwd_ms: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Offload the first ``num_layers`` layers; checkpoint the layers in ``recompute``."""
+
+    num_layers: int
+    recompute: tuple = ()
+    step_ms: float = 0.0
+    peak_bytes: int = 0
+    baseline_ms: float = 0.0
+    baseline_peak_bytes: int = 0
+    alternatives: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def time_ratio(self) -> float:
+        return self.step_ms / self.baseline_ms if self.baseline_ms else float("nan")
+
+    @property
+    def peak_ratio(self) -> float:
+        return self.peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else float("nan")
+
+    def describe(self) -> str:
+        rec = ", ".join(map(str, self.recompute)) or "none"
+        return (
+            f"offload the first {self.num_layers} layers (get_cpu_offload_context(num_layers="
+            f"{self.num_layers})), recompute layers: {rec}; predicted step {self.step_ms:.1f} ms "
+            f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
+            f"({self.peak_ratio:.3f}x)"
+        )
+
+
+def simulate(
+    profiles: Sequence[LayerProfile],
+    num_layers: int,
+    recompute: Sequence[int] = (),
+    d2h_gbps: float = 50.0,
+    h2d_gbps: float = 50.0,
+) -> tuple[float, int]:
+    """Predicted ``(step_ms, peak_activation_bytes)`` of one forward+backward."""
+    n, k = len(profiles), num_layers
+    rec = set(recompute)
+    if not 0 <= k < n or any(not k <= r < n for r in rec):
+        raise OffloadConfigError(
+            f"num_layers must be in [0, {n}) and recomputed layers among the non-offloaded "
+            f"layers [{k}, {n}), got num_layers={k}, recompute={sorted(rec)}"
+        )
+    d2h = [p.activation_bytes / (d2h_gbps * 1e6) for p in profiles]  # ms
+    h2d = [p.activation_bytes / (h2d_gbps * 1e6) for p in profiles]
+    # Forward: copies queue in layer order; layer m waits for layer m-(n-k)'s copy (its release).
+    fwd_start, fwd_end, copy_end = [0.0] * n, [0.0] * n, [0.0] * n
+    t = queue = 0.0
+    for m in range(n):
+        i = m - (n - k)
+        start = max(t, copy_end[i]) if 0 <= i < k else t
+        fwd_start[m], fwd_end[m] = start, start + profiles[m].fwd_ms
+        t = fwd_end[m]
+        if m < k:
+            queue = max(queue, start) + d2h[m]
+            copy_end[m] = queue
+    # Backward: layer i's reload starts when layer n-k+i's backward ends, after earlier reloads.
+    bwd_end, reload_end = [0.0] * n, [0.0] * n
+    t = fwd_end[-1]
+    queue = t
+    for m in range(n - 1, -1, -1):
+        start = max(t, reload_end[m]) if m < k else t
+        cost = profiles[m].bwd_ms + (profiles[m].fwd_ms if m in rec else 0.0)
+        bwd_end[m] = t = start + cost
+        i = m - (n - k)  # layer whose reload this backward unlocks
+        if 0 <= i < k:
+            queue = max(queue, t) + h2d[i]
+            reload_end[i] = queue
+    return bwd_end[0], _peak_bytes(profiles, k, rec)
+
+
+def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set) -> int:
+    """Largest sum of resident activation bytes over the layer starts of one step."""
+    from .schedule import Schedule, position
+
+    n = len(profiles)
+    sync = Schedule.default(k, n).sync
+    peak = 0
+    for pos in range(1, 2 * n + 1):
+        total = 0
+        for j, p in enumerate(profiles):
+            start, bwd_start = j + 1, position(False, n - j, n)
+            if not start <= pos <= bwd_start:
+                continue
+            if j in sync:
+                off_fwd, off_num, rel_fwd, rel_num = sync[j]
+                if position(off_fwd, off_num, n) <= pos < position(rel_fwd, rel_num, n):
+                    continue
+            full = pos == bwd_start or pos == start or j not in rec
+            total += p.activation_bytes if full else p.input_bytes
+        peak = max(peak, total)
+    return peak
+
+
+def plan(
+    profiles: Sequence[LayerProfile],
+    d2h_gbps: float,
+    h2d_gbps: float,
+    memory_budget_bytes: Optional[int] = None,
+) -> Plan:
+    """Fastest ``(num_layers, recompute)`` whose predicted peak fits the budget.
+
+    Recomputation is tried on the earliest non-offloaded layers (resident the longest). Without
+    a budget, the fastest plan that offloads as much as possible at no predicted time cost.
+    """
+    n = len(profiles)
+    base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps)
+    candidates = []
+    for k in range(n):
+        for r in range(n - k + 1):
+            rec = tuple(range(k, k + r))
+            ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps)
+            candidates.append(Plan(k, rec, ms, peak, base_ms, base_peak))
+    if memory_budget_bytes is None:
+        fastest = min(c.step_ms for c in candidates)
+        fits = [c for c in candidates if c.step_ms <= fastest * 1.001]
+    else:
+        fits = [c for c in candidates if c.peak_bytes <= memory_budget_bytes]
+        if not fits:
+            lowest = min(c.peak_bytes for c in candidates)
+            raise OffloadConfigError(
+                f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
+                f"peak is {lowest} bytes; raise the budget or reduce the batch"
+            )
+    best = min(fits, key=lambda c: (round(c.step_ms, 3), c.peak_bytes, len(c.recompute)))
+    others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
+    return Plan(best.num_layers, best.recompute, best.step_ms, best.peak_bytes, base_ms, base_peak, others)
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    min_tensor_size_to_offload: int = 1024 * 1024,
+    repeats: int = 3,
+) -> list[LayerProfile]:
+    """Measure each layer's offloadable bytes (via the audit) and forward/backward times."""
+    from .audit import audit_offload_selection
+    from .selection import SelectionPolicy
+
+    policy = SelectionPolicy(
+        min_tensor_size_to_offload=min_tensor_size_to_offload,
+        is_device_tensor=(lambda t: t.is_cuda) if x.is_cuda else (lambda t: t.device == x.device),
+    )
+    report = audit_offload_selection(list(layers), x.detach(), policy=policy)
+    timer = _cuda_timer if x.is_cuda else _host_timer
+    out, h = [], x.detach()
+    for layer, audit in zip(layers, report.layers):
+        fwd, bwd = [], []
+        params = [p for p in layer.parameters() if p.requires_grad]
+        for _ in range(repeats):
+            inp = h.detach().requires_grad_()
+            y, f_ms = timer(lambda: layer(inp))
+            ones = torch.ones_like(y)
+            # autograd.grad computes every gradient a training backward does, without touching .grad
+            _, b_ms = timer(lambda: torch.autograd.grad(y, [inp, *params], ones))
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+        out.append(LayerProfile(audit.v2_bytes, h.nbytes, statistics.median(fwd), statistics.median(bwd)))
+        h = y.detach()
+    return out
+
+
+def _cuda_timer(fn: Callable):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    return result, start.elapsed_time(end)
+
+
+def _host_timer(fn: Callable):
+    t = time.perf_counter()
+    result = fn()
+    return result, (time.perf_counter() - t) * 1e3

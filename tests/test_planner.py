@@ -1,0 +1,78 @@
+"""The planner's step model and search (pure), and layer profiling on the CPU."""
+import pytest
+import torch
+
+from cpu_offload.errors import OffloadConfigError
+from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.planner import LayerProfile, plan, profile_layers, simulate
+
+MIB = 1 << 20
+# SPEC's reference workload as measured on an H100: 512 MiB per layer, 2.84 / 6.5 ms per layer.
+REFERENCE = [LayerProfile(512 * MIB, 32 * MIB, 2.84, 6.5)] * 8
+
+
+def test_without_offloading_time_is_compute_and_all_layers_peak_together():
+    ms, peak = simulate(REFERENCE, 0)
+    assert ms == pytest.approx(8 * (2.84 + 6.5))
+    assert peak == 8 * 512 * MIB
+
+
+@pytest.mark.parametrize("k", range(0, 8))
+def test_peak_follows_the_n_minus_k_rule(k):
+    _, peak = simulate(REFERENCE, k, (), 55, 55)
+    assert peak == (8 - k) * 512 * MIB
+
+
+def test_transfers_hide_until_the_link_is_the_bottleneck():
+    base, _ = simulate(REFERENCE, 0)
+    assert simulate(REFERENCE, 2, (), 55, 55)[0] == pytest.approx(base)  # 1 GiB hides
+    slow, _ = simulate(REFERENCE, 6, (), 55, 55)
+    # Forward waits for five layers' copies (~49 ms), backward for the reloads: > 1.6x.
+    assert slow / base > 1.6
+    assert simulate(REFERENCE, 6, (), 5000, 5000)[0] == pytest.approx(base)
+
+
+def test_recompute_costs_a_forward_and_keeps_only_the_input():
+    base, base_peak = simulate(REFERENCE, 0)
+    ms, peak = simulate(REFERENCE, 0, (0, 1))
+    assert ms == pytest.approx(base + 2 * 2.84)
+    assert peak < base_peak
+
+
+def test_plan_meets_a_tight_budget_by_mixing_offload_and_recompute():
+    base_peak = simulate(REFERENCE, 0)[1]
+    chosen = plan(REFERENCE, 55, 55, int(0.64 * base_peak))
+    assert chosen.peak_bytes <= 0.64 * base_peak
+    assert chosen.num_layers >= 1 and chosen.recompute  # both tools used
+    assert chosen.time_ratio < simulate(REFERENCE, 6, (), 55, 55)[0] / chosen.baseline_ms
+    assert "get_cpu_offload_context(num_layers=" in chosen.describe()
+
+
+def test_plan_prefers_offloading_on_a_fast_link_and_recompute_on_a_slow_one():
+    base_peak = simulate(REFERENCE, 0)[1]
+    fast = plan(REFERENCE, 5000, 5000, int(0.3 * base_peak))
+    assert fast.recompute == () and fast.num_layers >= 6
+    slow = plan(REFERENCE, 1, 1, int(0.3 * base_peak))
+    assert slow.num_layers <= 1 and len(slow.recompute) >= 5
+
+
+def test_impossible_budget_and_bad_arguments_are_refused():
+    with pytest.raises(OffloadConfigError, match="no plan fits"):
+        plan(REFERENCE, 55, 55, 1)
+    with pytest.raises(OffloadConfigError, match="num_layers must be in"):
+        simulate(REFERENCE, 8)
+    with pytest.raises(OffloadConfigError, match="recomputed layers among the non-offloaded"):
+        simulate(REFERENCE, 2, (1,))
+
+
+def test_profile_layers_measures_bytes_and_times_without_touching_grads():
+    cfg = tiny_config()
+    model = build_model(cfg)
+    x = make_input(cfg, requires_grad=False)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    profiles = profile_layers(list(model.layers), x, min_tensor_size_to_offload=0, repeats=1)
+    assert len(profiles) == cfg.layers
+    assert all(p.activation_bytes > p.input_bytes == x.nbytes for p in profiles)
+    assert all(p.fwd_ms > 0 and p.bwd_ms > 0 for p in profiles)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
