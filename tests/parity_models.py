@@ -152,6 +152,27 @@ def train_step(
     return out.detach(), grads_of(layers, x)
 
 
+def allocated_bytes() -> int:
+    """``torch.cuda.memory_allocated()`` without its garbage: that function builds a recursive
+    closure (a reference cycle) on every call, which would mask cycles made by offloading."""
+    return torch._C._cuda_memoryStats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+
+
+def cyclic_garbage() -> list:
+    """Collect, and describe, objects that only the cycle collector could free."""
+    import collections
+    import gc
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = collections.Counter(type(o).__name__ for o in gc.garbage).most_common(6)
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+    return found
+
+
 def assert_bit_identical(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     bad = [k for k in a if not torch.equal(a[k], b[k])]

@@ -12,6 +12,7 @@ import torch
 
 from cpu_offload import get_cpu_offload_context
 from cpu_offload.models import GPTConfig, build_model, make_input
+from parity_models import allocated_bytes, cyclic_garbage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 
@@ -53,22 +54,24 @@ def test_gpt_gradients_bit_identical(model, x0, k):
 
 def test_memory_returns_to_baseline_for_200_steps_without_gc(model, x0):
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=3, model_layers=CFG.layers)
-    step(model, x0, ctx, sync)
+    for _ in range(2):
+        step(model, x0, ctx, sync)
     torch.cuda.synchronize()
     pool = ctx.synchronizer.rt.pool
     allocations = pool.allocations
     for p in model.parameters():
         p.grad = None
-    baseline = torch.cuda.memory_allocated()
     gc.collect()
+    baseline = allocated_bytes()
     gc.disable()
     try:
         for _ in range(200):
             step(model, x0, ctx, sync)
             for p in model.parameters():
                 p.grad = None
-            assert torch.cuda.memory_allocated() == baseline
+            assert allocated_bytes() == baseline
         assert pool.allocations == allocations  # pinned buffers reused, none allocated
+        assert cyclic_garbage() == []
     finally:
         gc.enable()
 
