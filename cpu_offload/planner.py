@@ -33,6 +33,7 @@ class LayerProfile:
     input_bytes: int  # what a recomputed (checkpointed) layer keeps: its input
     fwd_ms: float
     bwd_ms: float
+    transient_bytes: int = 0  # workspace above inputs + saved activations while the layer runs
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set) -> int:
             full = pos == bwd_start or pos == start or j not in rec
             total += p.activation_bytes if full else p.input_bytes
         peak = max(peak, total)
-    return peak
+    return peak + max(p.transient_bytes for p in profiles)
 
 
 def plan(
@@ -185,6 +186,7 @@ def profile_layers(
     out, h = [], x.detach()
     for layer, audit in zip(layers, report.layers):
         fwd, bwd = [], []
+        transient = _transient_bytes(layer, h, audit.v2_bytes) if x.is_cuda else 0
         params = [p for p in layer.parameters() if p.requires_grad]
         for _ in range(repeats):
             inp = h.detach().requires_grad_()
@@ -194,9 +196,26 @@ def profile_layers(
             _, b_ms = timer(lambda: torch.autograd.grad(y, [inp, *params], ones))
             fwd.append(f_ms)
             bwd.append(b_ms)
-        out.append(LayerProfile(audit.v2_bytes, h.nbytes, statistics.median(fwd), statistics.median(bwd)))
+        out.append(LayerProfile(
+            audit.v2_bytes, h.nbytes, statistics.median(fwd), statistics.median(bwd), transient
+        ))
         h = y.detach()
     return out
+
+
+def _transient_bytes(layer: nn.Module, h: torch.Tensor, saved_bytes: int) -> int:
+    """Peak device memory of one forward+backward of ``layer`` beyond its saved activations."""
+    inp = h.detach().requires_grad_()
+    params = [p for p in layer.parameters() if p.requires_grad]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = layer(inp)
+    grads = torch.autograd.grad(y, [inp, *params], torch.ones_like(y))
+    torch.cuda.synchronize()
+    # Weight gradients land in buffers that persist across steps in training: not transient.
+    persistent = sum(g.nbytes for g in grads[1:])
+    return max(0, torch.cuda.max_memory_allocated() - before - saved_bytes - persistent)
 
 
 def _cuda_timer(fn: Callable):

@@ -76,3 +76,8 @@ def test_profile_layers_measures_bytes_and_times_without_touching_grads():
     assert all(p.activation_bytes > p.input_bytes == x.nbytes for p in profiles)
     assert all(p.fwd_ms > 0 and p.bwd_ms > 0 for p in profiles)
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+
+
+def test_transient_workspace_is_added_to_every_peak():
+    with_ws = [LayerProfile(512 * MIB, 32 * MIB, 2.84, 6.5, transient_bytes=300 * MIB)] * 8
+    assert simulate(with_ws, 2)[1] == simulate(REFERENCE, 2)[1] + 300 * MIB
