@@ -601,9 +601,10 @@ def planned_methods(
     if not link:
         notes.append("plan: no link measurement (--no-link), assumed 50 GB/s each way")
     methods = []
+    measured = getattr(args, "measured_none_peak", None)
     for budget in (float(b) for b in args.plan_budgets.split(",") if b.strip()):
-        base_peak = make_plan(profiles, d2h, h2d).baseline_peak_bytes
-        chosen = make_plan(profiles, d2h, h2d, int(budget * base_peak))
+        base_peak = make_plan(profiles, d2h, h2d, None, measured).baseline_peak_bytes
+        chosen = make_plan(profiles, d2h, h2d, int(budget * base_peak), measured)
         method = Method(PLANNED, chosen.num_layers, f"@{budget} rec={list(chosen.recompute)}")
         PLANS[method.label] = chosen
         notes.append(f"plan @{budget}: {chosen.describe()}")
@@ -631,7 +632,8 @@ def main(argv: Optional[list[str]] = None) -> list[Result]:
     wl = Workload(cfg, device, args.seed, args.grads_set_to_none)
     min_size = args.min_tensor_size if args.min_tensor_size is not None else DEFAULT_MIN_TENSOR_SIZE
     per_layer = offload_bytes_table(wl, device, min_size)
-    run_step(lambda x: wl.model(x), wl, device)  # global warm-up (kernels, handles, allocator)
+    warm, _ = run_step(lambda x: wl.model(x), wl, device)  # global warm-up (kernels, allocator)
+    args.measured_none_peak = warm.peak
     device.free_memory()
     print("saved bytes per layer (MiB): " + ", ".join(f"{k} {v / 2**20:.3f}" for k, v in per_layer.items()))
     if PLANNED in args.methods.split(","):

@@ -137,20 +137,25 @@ def plan(
     d2h_gbps: float,
     h2d_gbps: float,
     memory_budget_bytes: Optional[int] = None,
+    measured_baseline_peak: Optional[int] = None,
 ) -> Plan:
     """Fastest ``(num_layers, recompute)`` whose predicted peak fits the budget.
 
     Recomputation is tried on the earliest non-offloaded layers (resident the longest). Without
     a budget, the fastest plan that offloads as much as possible at no predicted time cost.
+    ``measured_baseline_peak`` (peak of one real step without offloading) calibrates the memory
+    model: what it misses (gradients between layers, loss temporaries) is added to every plan.
     """
     n = len(profiles)
     base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps)
+    extra = max(0, measured_baseline_peak - base_peak) if measured_baseline_peak else 0
+    base_peak += extra
     candidates = []
     for k in range(n):
         for r in range(n - k + 1):
             rec = tuple(range(k, k + r))
             ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps)
-            candidates.append(Plan(k, rec, ms, peak, base_ms, base_peak))
+            candidates.append(Plan(k, rec, ms, peak + extra, base_ms, base_peak))
     if memory_budget_bytes is None:
         fastest = min(c.step_ms for c in candidates)
         fits = [c for c in candidates if c.step_ms <= fastest * 1.001]

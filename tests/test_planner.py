@@ -81,3 +81,10 @@ def test_profile_layers_measures_bytes_and_times_without_touching_grads():
 def test_transient_workspace_is_added_to_every_peak():
     with_ws = [LayerProfile(512 * MIB, 32 * MIB, 2.84, 6.5, transient_bytes=300 * MIB)] * 8
     assert simulate(with_ws, 2)[1] == simulate(REFERENCE, 2)[1] + 300 * MIB
+
+
+def test_measured_baseline_peak_calibrates_every_plan():
+    base_peak = simulate(REFERENCE, 0)[1]
+    calibrated = plan(REFERENCE, 55, 55, None, measured_baseline_peak=base_peak + 400 * MIB)
+    assert calibrated.baseline_peak_bytes == base_peak + 400 * MIB
+    assert calibrated.peak_bytes == simulate(REFERENCE, calibrated.num_layers)[1] + 400 * MIB
