@@ -22,7 +22,7 @@ from .facade import (
     mark_activation_offload,
     start_offload,
 )
-from .markers import mark_not_offload, mark_weight, offload_opt_out
+from .markers import mark_not_offload, mark_weight, offload_opt_out, offload_policy
 from .module_control import (
     get_activation_offloading,
     maybe_mark_activation_offload,
@@ -48,6 +48,7 @@ __all__ = [
     "mark_weight",
     "maybe_mark_activation_offload",
     "offload_opt_out",
+    "offload_policy",
     "set_activation_offloading",
     "start_offload",
 ]
