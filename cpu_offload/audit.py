@@ -198,12 +198,9 @@ def _v2_verdict(t: torch.Tensor, policy: SelectionPolicy) -> tuple:
     opt-outs, then each inner tensor on its own; empty storages are never moved.
     """
     if is_traceable_wrapper_subclass(t):
-        if markers.module_opt_out_active():
-            return "module opted out", []
-        if markers.is_marked_not_offload(t):
-            return "mark_not_offload", []
-        if markers.is_weight(t) and not policy.offload_weights:
-            return ("parameter" if isinstance(t, nn.Parameter) else "weight mark"), []
+        reason = policy.wrapper_skip_reason(t)
+        if reason is not None:
+            return reason, []
         return _inner_verdicts(t, lambda inner: _v2_verdict(inner, policy))
     reason = policy.skip_reason(t)
     if reason == "weight mark" and isinstance(t._base, nn.Parameter):

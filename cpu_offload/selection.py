@@ -35,3 +35,14 @@ class SelectionPolicy:
         if t.numel() < self.min_tensor_size_to_offload:
             return "too small"
         return None
+
+    def wrapper_skip_reason(self, t: torch.Tensor) -> Optional[str]:
+        """Opt-outs that apply to a wrapper subclass (``__tensor_flatten__``) as a whole; if none
+        applies, its inner tensors are judged one by one with ``skip_reason``."""
+        if markers.module_opt_out_active():
+            return "module opted out"
+        if markers.is_marked_not_offload(t):
+            return "mark_not_offload"
+        if markers.is_weight(t) and not self.offload_weights:
+            return "parameter" if isinstance(t, torch.nn.Parameter) else "weight mark"
+        return None

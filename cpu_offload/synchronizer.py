@@ -12,7 +12,6 @@ from typing import Any, Optional
 
 import torch
 
-from . import markers
 from .compat import is_traceable_wrapper_subclass, queue_backward_callback
 from .device import OffloadDevice
 from .errors import OffloadUsageError
@@ -211,9 +210,7 @@ class OffloadSynchronizer:
     pop = staticmethod(unpack)
 
     def _push_subclass(self, t: torch.Tensor, layer: LayerState) -> Any:
-        if markers.module_opt_out_active() or markers.is_marked_not_offload(t) or (
-            markers.is_weight(t) and not self.policy.offload_weights
-        ):
+        if self.policy.wrapper_skip_reason(t) is not None:
             return KeptRef(t)
         names, ctx = t.__tensor_flatten__()
         inner = {name: self.push(getattr(t, name)) for name in names}
