@@ -21,8 +21,8 @@ from .device import Event, OffloadDevice
 from .errors import OffloadUsageError
 from .markers import READY_EVENT_ATTR
 from .pinned_pool import PinnedPool
-from .compat import tensor_on_storage, tensor_unflatten
-from .storage import ViewMeta, restore_view
+from .compat import tensor_unflatten
+from .storage import KeptRef, ViewMeta, check_version, restore_view, storage_bytes
 
 
 class Runtime:
@@ -68,9 +68,12 @@ class Entry:
         self.error: Optional[str] = None
 
     def check_versions(self) -> None:
+        """Record (to raise at unpack) an in-place change made to a saved tensor in forward."""
         for t, version in self.watch or ():
-            if t._version != version:
-                self.error = inplace_error(t, version)
+            try:
+                check_version(t, version, t.size())
+            except RuntimeError as exc:
+                self.error = str(exc)
                 return
 
     def device_bytes_for_unpack(self) -> torch.Tensor:
@@ -157,39 +160,6 @@ class SavedRef:
         return t
 
 
-class KeptRef:
-    """A saved tensor that stays on the device, stored detached.
-
-    Returning the tensor itself from a pack hook makes autograd keep a node alive through its own
-    saved output (node -> saved variable -> tensor -> grad_fn -> node): an uncollectable cycle in
-    C++. A detached alias shares storage and version counter but has no ``grad_fn``; the version
-    check autograd skips for hooked tensors is done here instead.
-    """
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()
-        self.version = t._version
-
-    def unpack(self) -> torch.Tensor:
-        t = self.tensor
-        if t._version != self.version:
-            raise RuntimeError(inplace_error(t, self.version))
-        return t
-
-
-def inplace_error(t: torch.Tensor, version: int) -> str:
-    """Autograd's message for a saved tensor modified in place, plus the offload-specific fix."""
-    return (
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-        f"expected version {version} instead. Hint: the tensor was saved for backward "
-        "inside a cpu_offload context and modified in place afterwards; clone it before "
-        "modifying it, or exclude it with cpu_offload.mark_not_offload."
-    )
-
-
 class SavedSubclassRef:
     """A wrapper subclass (``__tensor_flatten__``) whose inner tensors were offloaded."""
 
@@ -242,8 +212,7 @@ class LayerState:
         entry = self.by_key.get(key)
         if entry is None or entry.gpu is None or entry.nbytes != nbytes:
             pool_key = (self.index, len(self.entries)) if self.rt.retain else None
-            flat = tensor_on_storage(storage, torch.uint8, t.device, torch.Size([nbytes]), (1,), 0)
-            entry = Entry(self.rt, pool_key, flat)
+            entry = Entry(self.rt, pool_key, storage_bytes(t, storage))
             self.by_key[key] = entry
             self.entries.append(entry)
             ready = getattr(t, READY_EVENT_ATTR, None)

@@ -8,7 +8,7 @@ side stream, and views of one base restore as views of one new base.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -33,11 +33,12 @@ def storage_key(t: torch.Tensor) -> int:
     return untyped_storage(t).data_ptr()
 
 
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` tensor over the whole storage of ``t`` (no grad history, no copy)."""
-    return tensor_on_storage(
-        untyped_storage(t), torch.uint8, t.device, torch.Size([untyped_storage(t).nbytes()]), (1,), 0
-    )
+def storage_bytes(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> torch.Tensor:
+    """A flat ``uint8`` tensor over the whole storage of ``t`` (no grad history, no copy).
+
+    Pass ``storage`` when the caller already fetched ``t.untyped_storage()`` (hot path)."""
+    storage = untyped_storage(t) if storage is None else storage
+    return tensor_on_storage(storage, torch.uint8, t.device, torch.Size([storage.nbytes()]), (1,), 0)
 
 
 def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
@@ -45,3 +46,40 @@ def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
     return tensor_on_storage(
         untyped_storage(flat), meta.dtype, flat.device, meta.size, meta.stride, meta.storage_offset
     )
+
+
+def check_version(alias: torch.Tensor, saved_version: int, size: torch.Size) -> None:
+    """Raise autograd's error if the saved tensor was modified in place after saving.
+
+    Autograd skips its version check for tensors packed by saved-tensor hooks, so both backends
+    do it here. ``alias`` is a detached alias of the saved tensor (it shares the version
+    counter); ``size`` is the saved shape, since the alias's memory may have been released.
+    """
+    current = alias._version
+    if current != saved_version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{alias.type()} {list(size)}] is at version {current}; expected "
+            f"version {saved_version} instead. Hint: the tensor was saved for backward inside a "
+            "cpu_offload context and modified in place afterwards; clone it before modifying "
+            "it, or exclude it with cpu_offload.mark_not_offload."
+        )
+
+
+class KeptRef:
+    """A saved tensor that stays on the device, stored detached.
+
+    Returning the tensor itself from a pack hook makes autograd keep a node alive through its own
+    saved output (node -> saved variable -> tensor -> grad_fn -> node): an uncollectable cycle in
+    C++. A detached alias shares storage and version counter but has no ``grad_fn``.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t.detach()
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        check_version(self.tensor, self.version, self.tensor.size())
+        return self.tensor

@@ -15,7 +15,8 @@ import torch
 from .compat import is_traceable_wrapper_subclass, queue_backward_callback
 from .device import OffloadDevice
 from .errors import OffloadUsageError
-from .layer_state import KeptRef, LayerState, Runtime, SavedSubclassRef, unpack
+from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
+from .storage import KeptRef
 from .pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy

@@ -19,7 +19,8 @@ import torch
 
 from ..compat import is_traceable_wrapper_subclass, tensor_unflatten
 from ..device import Event, OffloadDevice, Stream
-from ..storage import ViewMeta, restore_view, storage_bytes
+from ..storage import KeptRef as Kept
+from ..storage import ViewMeta, check_version, restore_view, storage_bytes
 from .marking import needs_force_clear
 
 try:  # tensors of torch.compile tracing are never offloaded (Transformer Engine does the same)
@@ -165,33 +166,6 @@ class StorageRecord:
         return buf
 
 
-def _check_version(alias: torch.Tensor, saved_version: int, size: torch.Size) -> None:
-    """Autograd skips its version check for tensors packed by hooks; do it here, same text."""
-    current = alias._version
-    if current != saved_version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{alias.type()} {list(size)}] is at version {current}; expected "
-            f"version {saved_version} instead. Hint: the tensor was saved inside a cpu_offload "
-            "context; enable anomaly detection to find the operation that failed to compute its "
-            "gradient, with torch.autograd.set_detect_anomaly(True)."
-        )
-
-
-class Kept:
-    """A saved tensor left where it is (a detached alias: same memory, no autograd history)."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()
-        self.version = t._version
-
-    def unpack(self) -> torch.Tensor:
-        _check_version(self.tensor, self.version, self.tensor.size())
-        return self.tensor
-
-
 class Offloaded:
     """A saved tensor whose storage is moved through a ``StorageRecord``."""
 
@@ -205,7 +179,7 @@ class Offloaded:
         record.version_refs.append(self.alias)
 
     def unpack(self) -> torch.Tensor:
-        _check_version(self.alias, self.version, self.meta.size)
+        check_version(self.alias, self.version, self.meta.size)
         return restore_view(self.record.device_bytes(), self.meta)
 
 
