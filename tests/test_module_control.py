@@ -11,6 +11,7 @@ from torch import nn
 
 from cpu_offload import SimulatedDevice, get_cpu_offload_context, markers
 from cpu_offload.audit import audit_offload_selection
+from cpu_offload.models import run_layers
 from cpu_offload.module_control import (
     get_activation_offloading,
     maybe_mark_activation_offload,
@@ -258,12 +259,7 @@ def _train_step(layers, x0, ctx, sync):
     for p in layers.parameters():
         p.grad = None
     x = x0.clone().requires_grad_()
-    h = x
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        h = sync(h)
-    h.square().sum().backward()
+    run_layers(layers, x, ctx, sync).square().sum().backward()
     return x.grad, [p.grad.clone() for p in layers.parameters()]
 
 

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 
 from cpu_offload import (
     OffloadUsageError,
-    SimulatedDevice,
     get_cpu_offload_context,
     is_cpu_offload_enabled,
     mark_not_offload,
     start_offload,
 )
-from cpu_offload.models import GPTBlock
+from cpu_offload.models import GPTBlock, run_layers
 from cpu_offload.schedule import Schedule
 
 HIDDEN, HEADS = 32, 4
@@ -35,11 +34,7 @@ def run_step(layers, x0, ctx, sync, loss_fn=lambda y: y.square().sum()):
     for p in layers.parameters():
         p.grad = None
     x = x0.clone().requires_grad_()
-    h = x
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        h = sync(h)
+    h = run_layers(layers, x, ctx, sync)
     loss_fn(h).backward()
     return h.detach(), x.grad, [p.grad for p in layers.parameters()]
 
@@ -153,11 +148,7 @@ def test_saved_tensors_die_with_the_graph(sim, x0):
     """Tensors that never reach backward: dropping the graph frees their host copies."""
     layers = make_layers(3)
     ctx, sync = offload_ctx(sim, 1, 3)
-    h = x0.clone().requires_grad_()
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        h = sync(h)
+    h = run_layers(layers, x0.clone().requires_grad_(), ctx, sync)
     assert ctx.synchronizer.held_host_bytes() > 0
     del h
     assert ctx.synchronizer.held_host_bytes() == 0
@@ -204,19 +195,13 @@ def test_retain_graph_double_backward(sim, x0):
     layers = make_layers(4)
     ctx, sync = offload_ctx(sim, 2, 4)
     x = x0.clone().requires_grad_()
-    h = x
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        h = sync(h)
+    h = run_layers(layers, x, ctx, sync)
     loss = h.square().sum()
     (g1,) = torch.autograd.grad(loss, x, retain_graph=True)
     (g2,) = torch.autograd.grad(loss, x)
     assert torch.equal(g1, g2)
     x_ref = x0.clone().requires_grad_()
-    h = x_ref
-    for layer in layers:
-        h = layer(h)
+    h = run_layers(layers, x_ref)
     (g_ref,) = torch.autograd.grad(h.square().sum(), x_ref)
     assert torch.equal(g1, g_ref)
     assert sum(1 for e in sim.log if e == ("reload", 0)) == 2  # reloaded once per backward
@@ -227,11 +212,7 @@ def test_no_grad_forward_saves_nothing_and_training_still_works(sim, x0):
     ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
     ctx, sync = offload_ctx(sim, 1, 3)
     with torch.no_grad():
-        h = x0
-        for layer in layers:
-            with ctx:
-                h = layer(h)
-            h = sync(h)
+        run_layers(layers, x0, ctx, sync)
     assert not [e for e in sim.log if e[0] == "copy"]
     assert_same(run_step(layers, x0, ctx, sync), ref)
 
@@ -482,11 +463,7 @@ def test_retained_pinned_buffers_are_stable_across_steps(sim, x0):
 def test_model_layers_mismatch_is_reported(sim, x0):
     layers = make_layers(3)
     ctx, sync = offload_ctx(sim, 1, 4)
-    h = x0.clone().requires_grad_()
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        h = sync(h)
+    h = run_layers(layers, x0.clone().requires_grad_(), ctx, sync)
     with pytest.raises(OffloadUsageError, match="model_layers=4"):
         h.sum().backward()
 
