@@ -28,15 +28,13 @@ from .storage import KeptRef, ViewMeta, check_version, restore_view, storage_byt
 class Runtime:
     """Step-independent pieces shared by all layers of one offload context."""
 
-    __slots__ = ("device", "stream", "pool", "retain", "offloaded_bytes", "reloaded_bytes")
+    __slots__ = ("device", "stream", "pool", "retain")
 
     def __init__(self, device: OffloadDevice, stream: Any, pool: PinnedPool, retain: bool) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
         self.retain = retain
-        self.offloaded_bytes = 0  # totals since creation, for benchmarks and monitoring
-        self.reloaded_bytes = 0
 
 
 class Entry:
@@ -102,7 +100,6 @@ class Entry:
             dev.wait_stream(stream, dev.current_stream())
         self.cpu = self.rt.pool.acquire(self.nbytes, self.pool_key)
         dev.copy(stream, self.cpu, self.gpu)
-        self.rt.offloaded_bytes += self.nbytes
 
     def drop(self) -> None:
         """Give the host buffer back and forget every buffer."""
@@ -122,7 +119,6 @@ def copy_in(rt: Runtime, entries: list) -> None:
     for entry, event in zip(entries, events):
         entry.reload_event = event
         entry.waited = False
-    rt.reloaded_bytes += sum(e.nbytes for e in entries)
 
 
 class SavedRef:
@@ -187,7 +183,6 @@ class LayerState:
 
     __slots__ = (
         "index", "rt", "entries", "by_key", "eager", "offload_event", "released", "reload_started",
-        "aborted",
     )
 
     def __init__(self, index: int, rt: Runtime, eager: bool) -> None:
@@ -199,7 +194,6 @@ class LayerState:
         self.offload_event: Optional[Event] = None
         self.released = False
         self.reload_started = False
-        self.aborted = False
 
     # -- forward ---------------------------------------------------------------------------------
     def push(self, t: torch.Tensor) -> Any:
@@ -293,7 +287,6 @@ class LayerState:
             )
             entry.drop()
         self.by_key = {}
-        self.aborted = True
 
     def held_device_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e.gpu is not None or e.reloaded is not None)

@@ -233,10 +233,6 @@ class OffloadSynchronizer:
             })
         return out
 
-    def transfer_totals(self) -> dict:
-        """Bytes copied to the host and back since this context was created."""
-        return {"offloaded_bytes": self.rt.offloaded_bytes, "reloaded_bytes": self.rt.reloaded_bytes}
-
     def held_device_bytes(self) -> int:
         layers = self.step.layers if self.step else []
         return sum(l.held_device_bytes() for l in layers if l is not None)
