@@ -64,15 +64,15 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 import cpu_offload  # noqa: E402
 from cpu_offload.facade import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
 from cpu_offload.models import GPTConfig, build_model, make_input, reference_config, tiny_config  # noqa: E402
-from cpu_offload.planner import Plan, plan as make_plan, profile_layers  # noqa: E402
-from cpu_offload.selection import SelectionPolicy  # noqa: E402
+from cpu_offload.tools.planner import Plan, plan as make_plan, profile_layers  # noqa: E402
+from cpu_offload.v2.selection import SelectionPolicy  # noqa: E402
 
 GIB = 1024**3
 # SPEC "Performance contract": k -> (max step-time ratio, max peak-memory ratio), 8-layer stack.
 TARGETS = {2: (1.01, 0.88), 6: (1.45, 0.64)}
 BASELINES = ("none", "checkpoint", "save_on_cpu")
 LIBRARY = ("v2", "v1")
-PLANNED = "plan"  # cpu_offload.planner: offload + recompute chosen for a memory budget
+PLANNED = "plan"  # cpu_offload.tools.planner: offload + recompute chosen for a memory budget
 PLANS: dict[str, Plan] = {}  # method label -> the plan it runs
 SIM_MIN_TENSOR_SIZE = 1024  # tiny model: offload what a real model would (skip LN stats, lse)
 
@@ -538,7 +538,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ks", default="1,2,4,6", help="offloaded layers k for v2/v1")
     p.add_argument("--plan-budgets", default="0.88,0.64",
                    help="comma list of peak-memory budgets (fractions of none) for the "
-                        "'plan' method: cpu_offload.planner picks offload + recompute for each")
+                        "'plan' method: cpu_offload.tools.planner picks offload + recompute for each")
     for name in ("hidden", "heads", "seq", "batch", "layers"):
         p.add_argument(f"--{name}", type=int, help=f"override the workload's {name}")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))

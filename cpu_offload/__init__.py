@@ -12,7 +12,7 @@ Public API (see README.md)::
 Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``,
 ``cpu_offload.v1``).
 """
-from .audit import AuditReport, audit_offload_selection
+from .tools.audit import AuditReport, audit_offload_selection
 from .config import ActivationOffloadConfig, build_offload_context
 from .device import CudaDevice, OffloadDevice
 from .errors import OffloadConfigError, OffloadUsageError

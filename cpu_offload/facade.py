@@ -91,7 +91,7 @@ def get_cpu_offload_context(
 
 def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = True) -> None:
     """Tag tensors for offloading. V1 offloads exactly the tagged tensors; V2 detects activations
-    automatically and keeps the tag only for auditing (``cpu_offload.audit``)."""
+    automatically and keeps the tag only for auditing (``cpu_offload.tools.audit``)."""
     if use_v1():
         from .v1 import mark_activation_offload as v1_mark
 

@@ -16,10 +16,10 @@ from cpu_offload import (
     mark_weight,
     markers,
 )
-from cpu_offload.audit import AuditReport, audit_offload_selection, format_bytes
+from cpu_offload.tools.audit import AuditReport, audit_offload_selection, format_bytes
 from cpu_offload.models import GPTBlock, build_model, make_input, tiny_config
 from cpu_offload.module_control import set_activation_offloading
-from cpu_offload.selection import SelectionPolicy
+from cpu_offload.v2.selection import SelectionPolicy
 
 
 def on_cpu(t: torch.Tensor) -> bool:

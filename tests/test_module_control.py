@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_offload import SimulatedDevice, get_cpu_offload_context, markers
-from cpu_offload.audit import audit_offload_selection
+from cpu_offload.tools.audit import audit_offload_selection
 from cpu_offload.models import run_layers
 from cpu_offload.module_control import (
     get_activation_offloading,
     maybe_mark_activation_offload,
     set_activation_offloading,
 )
-from cpu_offload.selection import SelectionPolicy
+from cpu_offload.v2.selection import SelectionPolicy
 
 CPU_POLICY = SelectionPolicy(min_tensor_size_to_offload=0)
 # Two-layer stacks offloading one layer: the library warns that nothing overlaps; irrelevant here.

@@ -4,7 +4,7 @@ import torch
 
 from cpu_offload.errors import OffloadConfigError
 from cpu_offload.models import build_model, make_input, tiny_config
-from cpu_offload.planner import LayerProfile, plan, profile_layers, simulate
+from cpu_offload.tools.planner import LayerProfile, plan, profile_layers, simulate
 
 MIB = 1 << 20
 # SPEC's reference workload as measured on an H100: 512 MiB per layer, 2.84 / 6.5 ms per layer.

@@ -2,7 +2,7 @@
 import pytest
 
 from cpu_offload.errors import OffloadConfigError
-from cpu_offload.schedule import (
+from cpu_offload.v2.schedule import (
     Schedule,
     check_default_arguments,
     default_synchronization_dict,

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cpu_offload.models import GPTConfig, build_model, make_input
-from cpu_offload.timeline import plot_timeline, record_step
+from cpu_offload.tools.timeline import plot_timeline, record_step
 
 
 def test_plot_draws_compute_copies_and_memory(tmp_path):

@@ -19,7 +19,7 @@ from cpu_offload import (
     start_offload,
 )
 from cpu_offload.models import GPTBlock, run_layers
-from cpu_offload.schedule import Schedule
+from cpu_offload.v2.schedule import Schedule
 
 HIDDEN, HEADS = 32, 4
 
@@ -73,7 +73,7 @@ def test_gradients_bit_identical_to_no_offload(sim, x0, k):
 
 def test_missing_reload_wait_would_corrupt_gradients(sim, x0, monkeypatch):
     """The simulation can fail: without the per-tensor wait at unpack, reloads are unwritten."""
-    from cpu_offload import layer_state
+    from cpu_offload.v2 import layer_state
 
     layers = make_layers(4)
     ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))

@@ -13,10 +13,10 @@ from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
-from . import markers
-from .compat import saved_tensors_hooks
-from .device import OffloadDevice, default_device
-from .errors import OffloadConfigError
+from .. import markers
+from ..compat import saved_tensors_hooks
+from ..device import OffloadDevice, default_device
+from ..errors import OffloadConfigError
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
 from .selection import SelectionPolicy
 from .synchronizer import (

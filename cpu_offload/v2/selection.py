@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import markers
+from .. import markers
 
 
 @dataclass(frozen=True)

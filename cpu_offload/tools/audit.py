@@ -24,9 +24,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from . import markers
-from .compat import is_traceable_wrapper_subclass, register_forward_hook_always, saved_tensors_hooks
-from .selection import SelectionPolicy
+from .. import markers
+from ..compat import is_traceable_wrapper_subclass, register_forward_hook_always, saved_tensors_hooks
+from ..v2.selection import SelectionPolicy
 
 BYTES_NOTE = (
     "bytes = whole-storage bytes, each storage counted once per layer and backend (views and "

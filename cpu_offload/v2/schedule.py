@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from .errors import OffloadConfigError
+from ..errors import OffloadConfigError
 
 SyncEntry = tuple  # (offload_fwd: bool, offload_num: int, reload_fwd: bool, reload_num: int)
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .errors import OffloadConfigError
+from ..errors import OffloadConfigError
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def simulate(
 
 def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
-    from .schedule import Schedule, position
+    from ..v2.schedule import Schedule, position
 
     n = len(profiles)
     sync = Schedule.default(k, n).sync
@@ -180,7 +180,7 @@ def profile_layers(
 ) -> list[LayerProfile]:
     """Measure each layer's offloadable bytes (via the audit) and forward/backward times."""
     from .audit import audit_offload_selection
-    from .selection import SelectionPolicy
+    from ..v2.selection import SelectionPolicy
 
     policy = SelectionPolicy(
         min_tensor_size_to_offload=min_tensor_size_to_offload,

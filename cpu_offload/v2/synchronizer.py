@@ -12,12 +12,12 @@ from typing import Any, Optional
 
 import torch
 
-from .compat import is_traceable_wrapper_subclass, queue_backward_callback
-from .device import OffloadDevice
-from .errors import OffloadUsageError
+from ..compat import is_traceable_wrapper_subclass, queue_backward_callback
+from ..device import OffloadDevice
+from ..errors import OffloadUsageError
 from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
-from .storage import KeptRef
-from .pinned_pool import PinnedPool
+from ..storage import KeptRef
+from ..pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy
 

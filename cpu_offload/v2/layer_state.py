@@ -17,12 +17,12 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from .device import Event, OffloadDevice
-from .errors import OffloadUsageError
-from .markers import READY_EVENT_ATTR
-from .pinned_pool import PinnedPool
-from .compat import tensor_unflatten
-from .storage import KeptRef, ViewMeta, check_version, restore_view, storage_bytes
+from ..device import Event, OffloadDevice
+from ..errors import OffloadUsageError
+from ..markers import READY_EVENT_ATTR
+from ..pinned_pool import PinnedPool
+from ..compat import tensor_unflatten
+from ..storage import KeptRef, ViewMeta, check_version, restore_view, storage_bytes
 
 
 class Runtime:

@@ -1,0 +1,1 @@
+"""Tools built on the backends: the tag-vs-detection audit, the planner and the timeline."""
