@@ -75,7 +75,15 @@ class ActivationOffloadConfig:
         n = self.num_layers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             out.append(f"num_layers must be the model's layer count (an int >= 1), got {n!r}")
-        if not self.cpu_offloading:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                # "false" is a non-empty string, so it would switch a feature *on*.
+                out.append(
+                    f"{f.name} must be True or False, got {value!r}; convert flags read from "
+                    "files or the command line to bool first"
+                )
+        if out or not self.cpu_offloading:
             return out
         k = self.cpu_offloading_num_layers
         if self.fine_grained_activation_offloading:

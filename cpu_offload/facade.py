@@ -46,6 +46,7 @@ def get_cpu_offload_context(
     ``sync_function``; see README.md and seed 000 for the full semantics. ``device`` selects the
     offload device (default CUDA; ``SimulatedDevice()`` runs the schedule on the CPU).
     """
+    device = resolve_device(device)
     if use_v1():
         v2_only = {
             "manual_synchronization": manual_synchronization,
@@ -86,6 +87,25 @@ def get_cpu_offload_context(
         min_tensor_size_to_offload=min_tensor_size_to_offload,
         synchronization_dict=synchronization_dict,
         device=device,
+    )
+
+
+def resolve_device(device: Any) -> Optional[OffloadDevice]:
+    """The ``device`` argument as an ``OffloadDevice``: ``None`` and CUDA devices mean the CUDA
+    device; anything else is refused with the fix."""
+    if device is None or isinstance(device, OffloadDevice):
+        return device
+    if isinstance(device, (str, torch.device)):
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind == "cuda":
+            return None  # the default: CUDA
+    raise OffloadConfigError(
+        f"device={device!r} is not an offload device. Activations are offloaded from a CUDA GPU: "
+        "pass device=None (or 'cuda'); to run the schedule on a CPU-only machine, pass "
+        "device=cpu_offload.SimulatedDevice()"
     )
 
 

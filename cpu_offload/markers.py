@@ -37,7 +37,7 @@ def component_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _set_on_components(tensors: tuple, attr: str, value: object) -> None:
+def _set_on_components(tensors: tuple, attr: str, value: object, storage_wide: bool = False) -> None:
     for t in tensors:
         if t is None:
             continue
@@ -45,16 +45,22 @@ def _set_on_components(tensors: tuple, attr: str, value: object) -> None:
             raise TypeError(f"expected torch.Tensor or None, got {type(t).__name__}")
         for c in component_tensors(t):
             setattr(c, attr, value)
+            if storage_wide and c._base is not None:
+                setattr(c._base, attr, value)
 
 
 def mark_not_offload(*tensors: Optional[torch.Tensor]) -> None:
-    """Exclude these tensors (and the inner tensors of wrapper subclasses) from offloading."""
-    _set_on_components(tensors, SKIP_ATTR, True)
+    """Exclude these tensors (and the inner tensors of wrapper subclasses) from offloading.
+
+    The mark covers the memory, not one tensor object: views of a marked tensor (``Linear`` on
+    3-D input saves ``x.view(-1, d)``), and every view of the same base, stay on the device too."""
+    _set_on_components(tensors, SKIP_ATTR, True, storage_wide=True)
 
 
 def mark_weight(*tensors: Optional[torch.Tensor]) -> None:
-    """Declare tensors as weights: V2 offloads them only when ``offload_weights=True``."""
-    _set_on_components(tensors, WEIGHT_ATTR, True)
+    """Declare tensors as weights: V2 offloads them only when ``offload_weights=True``. Views of
+    a marked weight (``F.linear`` saves ``w.t()``) count as weights too."""
+    _set_on_components(tensors, WEIGHT_ATTR, True, storage_wide=True)
 
 
 def tag_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = True) -> None:
@@ -63,14 +69,18 @@ def tag_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = Tru
 
 
 def is_marked_not_offload(t: torch.Tensor) -> bool:
-    return getattr(t, SKIP_ATTR, False)
+    return getattr(t, SKIP_ATTR, False) or (t._base is not None and getattr(t._base, SKIP_ATTR, False))
 
 
 def is_weight(t: torch.Tensor) -> bool:
     """Parameters, views of parameters (``F.linear`` saves ``weight.t()``), and marked weights."""
+    base = t._base
+    return _is_weight_itself(t) or (base is not None and _is_weight_itself(base))
+
+
+def _is_weight_itself(t: torch.Tensor) -> bool:
     return (
         isinstance(t, torch.nn.Parameter)
-        or isinstance(t._base, torch.nn.Parameter)
         or getattr(t, WEIGHT_ATTR, False)
         or getattr(t, "is_weight", False)
     )

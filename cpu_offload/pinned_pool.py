@@ -6,7 +6,9 @@ step, and no power-of-two rounding. ``trim`` (called at each step start) frees w
 did not use, so the pool tracks the working set instead of growing with shape changes.
 
 With ``retain`` (CUDA graphs), buffers are bound to a stable key (layer, slot) and never returned:
-a captured graph replays copies into fixed addresses.
+a captured graph replays copies into fixed addresses. A keyed buffer serves one saved storage at a
+time: a second forward pass started while the first one's graph still holds its buffers is
+refused (sharing them would overwrite the first step's activations).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Hashable, Optional
 import torch
 
 from .device import OffloadDevice
+from .errors import OffloadUsageError
 
 
 class PinnedPool:
@@ -26,11 +29,22 @@ class PinnedPool:
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._used: dict[int, int] = defaultdict(int)  # buffers of each size acquired since trim
         self._retained: dict[Hashable, torch.Tensor] = {}
+        self._retained_in_use: set = set()
         self.allocations = 0
 
     def acquire(self, nbytes: int, key: Optional[Hashable] = None) -> torch.Tensor:
         """A host buffer of exactly ``nbytes`` (a prefix of a retained buffer when ``key``)."""
         if key is not None:
+            if key in self._retained_in_use:
+                layer, slot = key
+                raise OffloadUsageError(
+                    f"retain_pinned_cpu_buffers=True binds one host buffer to each saved storage "
+                    f"(layer {layer}, slot {slot}), but it still holds the activations of an "
+                    "earlier forward pass whose graph is alive. Run that step's backward (or drop "
+                    "its graph) before the next forward, or use retain_pinned_cpu_buffers=False "
+                    "(needed only for CUDA graph capture)"
+                )
+            self._retained_in_use.add(key)
             buf = self._retained.get(key)
             if buf is None or buf.numel() < nbytes:
                 buf = self._allocate(nbytes)
@@ -41,9 +55,11 @@ class PinnedPool:
         return free.pop() if free else self._allocate(nbytes)
 
     def release(self, buf: torch.Tensor, key: Optional[Hashable] = None) -> None:
-        """Give a buffer back (no-op for retained buffers, which stay bound to their key)."""
+        """Give a buffer back (retained buffers stay bound to their key, free for the next step)."""
         if key is None:
             self._free[buf.numel()].append(buf)
+        else:
+            self._retained_in_use.discard(key)
 
     def trim(self) -> None:
         """Free cached buffers beyond what the last step used, size by size."""

@@ -3,11 +3,16 @@
 "Device" tensors are ordinary CPU tensors. The compute stream runs eagerly (the model's ops have
 already happened when the scheduler sees them); side streams *defer* their work until something
 waits on it. So a scheduler that forgets to wait for a reload hands autograd an unwritten buffer
-(filled with a poison pattern) and gradients come out wrong, and one that frees a buffer while a
-copy still reads it trips ``will_free``. Every call is appended to ``log`` for schedule assertions.
+(filled with a poison pattern) and gradients come out wrong; one that frees a buffer while a
+copy still reads it trips ``will_free``; and one that drops a buffer while a queued copy still
+writes into it (a late write into memory the allocator may have handed out again) raises when that
+copy runs: queued copies hold their destination only weakly, as the real device does not keep
+freed memory alive. Every call is appended to ``log`` for schedule assertions; copies are logged
+as ``("copy", stream, nbytes, "d2h" | "h2d")``.
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -54,6 +59,7 @@ class SimulatedDevice(OffloadDevice):
         self.host_allocs = 0
         self.host_bytes_allocated = 0
         self.device_allocs = 0
+        self._host_ptrs: set[int] = set()
 
     # -- streams and events -------------------------------------------------------------------
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -91,7 +97,9 @@ class SimulatedDevice(OffloadDevice):
         self.host_allocs += 1
         self.host_bytes_allocated += nbytes
         self.log.append(("alloc_host", nbytes))
-        return torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._host_ptrs.add(buf.data_ptr())
+        return buf
 
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
         self.device_allocs += 1
@@ -100,8 +108,23 @@ class SimulatedDevice(OffloadDevice):
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel() != src.numel():
             raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
-        self.log.append(("copy", stream.name, src.numel()))
-        self._enqueue(stream, lambda: dst.copy_(src), [src.data_ptr()])
+        direction = "d2h" if dst.data_ptr() in self._host_ptrs else "h2d"
+        self.log.append(("copy", stream.name, src.numel(), direction))
+        # The memory is alive while its root tensor is (a prefix view of a retained buffer is not
+        # the owner of that buffer).
+        dst_ref = weakref.ref(dst._base if dst._base is not None else dst)
+        nbytes, offset = dst.numel(), dst.storage_offset()
+
+        def run() -> None:
+            target = dst_ref()
+            if target is None:
+                raise SimulatedHazard(
+                    f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
+                    "buffer that was dropped before the copy was waited for"
+                )
+            target.view(-1)[offset:offset + nbytes].copy_(src)
+
+        self._enqueue(stream, run, [src.data_ptr()])
 
     def will_free(self, t: torch.Tensor) -> None:
         ptr = t.data_ptr()
@@ -120,6 +143,10 @@ class SimulatedDevice(OffloadDevice):
         """The ('fwd'|'bwd'|'release'|'reload'|..., layer) entries of the log, in order."""
         keep = kinds or {"fwd", "bwd", "release", "reload", "offload", "end_bwd"}
         return [e for e in self.log if len(e) == 2 and e[0] in keep]
+
+    def copies(self, direction: Optional[str] = None) -> list[tuple]:
+        """The ``("copy", stream, nbytes, direction)`` log entries, optionally of one direction."""
+        return [e for e in self.log if e[0] == "copy" and direction in (None, e[3])]
 
     def pending_ops(self) -> int:
         return sum(len(s.pending) for s in self.streams)

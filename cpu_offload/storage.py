@@ -12,20 +12,36 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .compat import tensor_on_storage, untyped_storage
+from .compat import (
+    copy_view_bits,
+    drop_storage_keep_version,
+    storage_use_count,
+    tensor_on_storage,
+    untyped_storage,
+)
 
 
 class ViewMeta(NamedTuple):
-    """Geometry of one tensor inside its storage."""
+    """Geometry of one tensor inside its storage, and the lazy conj/neg bits of complex views
+    (flags on the tensor, not in its bytes)."""
 
     dtype: torch.dtype
     size: torch.Size
     stride: tuple
     storage_offset: int
+    bits_of: Optional[torch.Tensor] = None  # a tensor whose conj/neg bits to restore, if any
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "ViewMeta":
-        return cls(t.dtype, t.size(), t.stride(), t.storage_offset())
+        flagged = t.is_conj() or t.is_neg()
+        return cls(
+            t.dtype, t.size(), t.stride(), t.storage_offset(), _bits_carrier(t) if flagged else None
+        )
+
+
+def _bits_carrier(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with ``t``'s conj/neg bits (holds no memory of ``t``)."""
+    return copy_view_bits(t, torch.empty(0, dtype=t.dtype))
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -43,9 +59,17 @@ def storage_bytes(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = Non
 
 def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
     """The tensor described by ``meta``, viewing the storage of ``flat`` (a ``storage_bytes``)."""
-    return tensor_on_storage(
+    t = tensor_on_storage(
         untyped_storage(flat), meta.dtype, flat.device, meta.size, meta.stride, meta.storage_offset
     )
+    return t if meta.bits_of is None else copy_view_bits(meta.bits_of, t)
+
+
+def held_elsewhere(flat: torch.Tensor) -> bool:
+    """Whether anything besides ``flat`` (our flat alias of a storage) holds that storage: then
+    dropping ``flat`` frees no memory (a tensor the caller keeps, or one saved by a layer that is
+    not offloaded)."""
+    return storage_use_count(flat) > 1
 
 
 def check_version(alias: torch.Tensor, saved_version: int, size: torch.Size) -> None:
@@ -64,6 +88,30 @@ def check_version(alias: torch.Tensor, saved_version: int, size: torch.Size) -> 
             "cpu_offload context and modified in place afterwards; clone it before modifying "
             "it, or exclude it with cpu_offload.mark_not_offload."
         )
+
+
+class VersionWatch:
+    """Detects an in-place change to a saved tensor, as autograd does for tensors it saves itself
+    (it skips the check for tensors packed by saved-tensor hooks).
+
+    Holds a detached alias, which shares the saved tensor's version counter. ``forget_storage``
+    makes the alias let go of the memory while it keeps the counter, so a change made after the
+    device copy was freed is still caught, even if the tensor itself is gone by then.
+    """
+
+    __slots__ = ("alias", "version", "size")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.alias = t.detach()
+        self.version = t._version
+        self.size = t.size()
+
+    def forget_storage(self) -> None:
+        if self.alias.untyped_storage().nbytes():
+            drop_storage_keep_version(self.alias)
+
+    def check(self) -> None:
+        check_version(self.alias, self.version, self.size)
 
 
 class KeptRef:

@@ -37,6 +37,14 @@ def _default_backend(monkeypatch):
     monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
 
 
+@pytest.fixture(params=["v2", "v1"])
+def backend(request, monkeypatch) -> str:
+    """Run the test once per backend, selected as users do: through NVTE_CPU_OFFLOAD_V1."""
+    if request.param == "v1":
+        monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    return request.param
+
+
 @pytest.fixture
 def deterministic():
     """Bit-identical comparisons on CUDA need deterministic kernels (attention backward

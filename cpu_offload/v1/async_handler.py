@@ -120,7 +120,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
                     self.bulk_offload_group(self.offloaded_group_count + 1)
                 self.offloaded_group_count += 1
         self._phase = "forward"
-        self._awaiting_commit = False
+        self._awaiting_commit = self._refused = False
         self.current_group += 1
         self.tensor_count_current_group = 0
 

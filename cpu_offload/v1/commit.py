@@ -6,6 +6,9 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from ..compat import in_backward
+from ..errors import check_sync_argument
+
 
 class GroupCommitFunction(torch.autograd.Function):
     """Identity; forward calls ``handler.on_group_commit_forward()``, backward
@@ -36,6 +39,9 @@ class GroupCommitFunction(torch.autograd.Function):
 def group_prefetch_offload_commit(tensor: torch.Tensor, cpu_offload_handler: Any) -> torch.Tensor:
     """Commit the current group. Outside grad mode (or for a tensor that needs no grad) no backward
     will ever come for it, so the schedule is left alone and the tensor returned as is."""
+    check_sync_argument(tensor)
+    if in_backward():
+        return tensor  # recomputation (activation checkpointing): the layer was counted in forward
     if not (torch.is_grad_enabled() and tensor.requires_grad):
         skipped = getattr(cpu_offload_handler, "on_group_commit_skipped", None)
         if skipped is not None:

@@ -87,6 +87,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self.step = 0
         self._phase = "idle"  # "idle" | "forward" | "backward"
         self._awaiting_commit = False  # a layer ran in the context; its output is not synced yet
+        self._refused = False  # an entry was refused for a missing sync
         self._groups: Dict[int, Dict[int, StorageRecord]] = {}
         self.groupid_reset()
 
@@ -105,6 +106,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self.step += 1
         self._phase = "idle"
         self._awaiting_commit = False
+        self._refused = False
 
     def _fence(self) -> None:
         """Make compute wait for all side-stream copies (none here: copies run on compute)."""
@@ -115,6 +117,12 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
 
     def on_context_enter(self) -> None:
         if self._awaiting_commit:
+            if self._refused:
+                # Refused once already, and the sync function was not called since: the caller
+                # started the forward pass over, so the step starts clean.
+                self._abort_step()
+                return
+            self._refused = True
             raise OffloadUsageError(
                 "the offload context was entered again before the sync function was called on "
                 "the previous layer's output; after each `with ctx:` block call `x = sync(x)` "
@@ -125,7 +133,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self._awaiting_commit = True
 
     def on_group_commit_skipped(self) -> None:
-        self._awaiting_commit = False
+        self._awaiting_commit = self._refused = False
 
     def on_context_error(self) -> None:
         self._abort_step()
@@ -197,7 +205,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         for record in self._groups.pop(self.current_group, {}).values():
             record.release_device()
         self._phase = "forward"
-        self._awaiting_commit = False
+        self._awaiting_commit = self._refused = False
         self.current_group += 1
         self.tensor_count_current_group = 0
 

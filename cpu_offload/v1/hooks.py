@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..compat import saved_tensors_hooks
+from ..compat import in_backward, saved_tensors_hooks
 from . import state
 from .handlers import OffloadHandler
 
@@ -64,9 +64,16 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
         self.debug = debug
         self.offload_handler = offload_handler
         self.handler_extra_kwargs = handler_extra_kwargs if handler_extra_kwargs is not None else {}
+        self._recomputing: List[bool] = []
         super().__init__()
 
     def __enter__(self) -> "CpuOffloadHookWithOffloadHandler":
+        if in_backward():
+            # Activation checkpointing recomputes the layer inside backward: its tensors are used
+            # at once, and the layer was counted in forward. Nothing to hook or schedule.
+            self._recomputing.append(True)
+            return self
+        self._recomputing.append(False)
         on_enter = getattr(self.offload_handler, "on_context_enter", None)
         if on_enter is not None:
             on_enter()
@@ -75,6 +82,8 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._recomputing.pop():
+            return
         try:
             super().__exit__(exc_type, exc, tb)
         finally:

@@ -8,6 +8,7 @@ forward; an exception inside it removes them and drops everything the step held.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 
@@ -25,19 +26,35 @@ from .synchronizer import (
     OffloadSynchronizer,
 )
 
-_active: list[OffloadSynchronizer] = []
+class _ThreadState(threading.local):
+    """Contexts active on this thread (innermost last). Per thread, so two threads that enter
+    and exit contexts in any interleaving never see or keep each other's."""
+
+    def __init__(self) -> None:
+        self.active: list[OffloadSynchronizer] = []
+
+
+_state = _ThreadState()
+
+_RECOMPUTE = object()  # a frame entered during backward: activation-checkpoint recomputation
 
 
 class OffloadContext:
-    """``with ctx:`` around one layer's forward. Re-entered once per layer, never nested."""
+    """``with ctx:`` around one layer's forward. Re-entered once per layer, never nested.
+
+    Entered while a backward pass runs (activation checkpointing recomputes the layer), it does
+    nothing: the recomputed tensors are used at once, and the layer was counted in forward."""
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.synchronizer = synchronizer
-        self._hooks: Optional[saved_tensors_hooks] = None
+        self._frames: list = []  # per entry: the hooks installed, None, or _RECOMPUTE
 
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
-        sync.fwd_step()
+        if not sync.fwd_step():
+            self._frames.append(_RECOMPUTE)
+            return self
+        hooks = None
         if sync.hooks_needed:
             hooks = saved_tensors_hooks(sync.push, sync.pop)
             try:
@@ -45,15 +62,20 @@ class OffloadContext:
             except BaseException:
                 sync.abort()
                 raise
-            self._hooks = hooks
-        _active.append(sync)
+        self._frames.append(hooks)
+        _state.active.append(sync)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         sync = self.synchronizer
-        if _active and _active[-1] is sync:
-            _active.pop()
-        hooks, self._hooks = self._hooks, None
+        hooks = self._frames.pop() if self._frames else None
+        if hooks is _RECOMPUTE:
+            return False
+        active = _state.active
+        for i in range(len(active) - 1, -1, -1):
+            if active[i] is sync:
+                del active[i]
+                break
         if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
         if exc_type is not None:
@@ -64,16 +86,17 @@ class OffloadContext:
 
 
 def is_cpu_offload_enabled() -> bool:
-    """True while a layer runs inside an enabled V2 offload context."""
-    return bool(_active)
+    """True while a layer runs inside an enabled V2 offload context on this thread."""
+    return bool(_state.active)
 
 
 def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = False) -> None:
     """Record that these tensors are final now, so their copy may start before they are saved
     for backward. Outside an offload context there is nothing to offload: no-op."""
-    if not _active:
+    active = _state.active
+    if not active:
         return
-    dev = _active[-1].device
+    dev = active[-1].device
     event = dev.record_event(dev.current_stream())
     for t in tensors:
         if t is None:

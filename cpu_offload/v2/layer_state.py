@@ -13,6 +13,7 @@ reference cycle can form (memory returns to baseline with ``gc.disable()``).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Hashable, Optional
 
 import torch
@@ -22,7 +23,7 @@ from ..errors import OffloadUsageError
 from ..markers import READY_EVENT_ATTR
 from ..pinned_pool import PinnedPool
 from ..compat import tensor_unflatten
-from ..storage import KeptRef, ViewMeta, check_version, restore_view, storage_bytes
+from ..storage import KeptRef, VersionWatch, ViewMeta, held_elsewhere, restore_view, storage_bytes
 
 
 class Runtime:
@@ -38,47 +39,65 @@ class Runtime:
 
 
 class Entry:
-    """One device storage saved during one layer's forward, offloaded once.
+    """One device storage saved during one forward pass, offloaded once.
 
-    It refers to the step-independent ``Runtime`` only, never back to its ``LayerState``, so
-    entries and layers form no cycle.
+    Several layers may share it (a layer's output saved by the next layer too, a RoPE table saved
+    by every layer): each lists it, the first release frees it, the first reload restores it. It
+    refers to the step-independent ``Runtime`` only, never back to a ``LayerState``, so entries
+    and layers form no cycle.
     """
 
     __slots__ = (
-        "rt", "pool_key", "nbytes", "device", "gpu", "cpu", "reloaded", "ready_event",
-        "reload_event", "waited", "watch", "live", "pops", "error",
+        "rt", "pool_key", "nbytes", "device", "key", "version", "owner", "gpu", "cpu", "reloaded",
+        "ready_event", "reload_event", "waited", "watches", "live", "pops", "error",
     )
 
-    def __init__(self, rt: Runtime, pool_key: Optional[Hashable], gpu: torch.Tensor) -> None:
+    def __init__(
+        self, rt: Runtime, pool_key: Optional[Hashable], t: torch.Tensor, storage: Any
+    ) -> None:
         self.rt = rt
         self.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
-        self.nbytes = gpu.numel()
-        self.device = gpu.device
-        self.gpu: Optional[torch.Tensor] = gpu  # flat uint8 over the original storage
+        self.gpu: Optional[torch.Tensor] = storage_bytes(t, storage)  # flat uint8 over it
+        self.nbytes = self.gpu.numel()
+        self.device = t.device
+        self.key = storage.data_ptr()
+        self.version = t._version  # of the saved tensors' version counter at the copy
+        # The tensor that owns the memory, weakly: if something else keeps it alive past our
+        # release (the caller, a layer that is not offloaded), backward uses it, no reload.
+        self.owner = weakref.ref(t if t._base is None else t._base)
         self.cpu: Optional[torch.Tensor] = None
         self.reloaded: Optional[torch.Tensor] = None
         self.ready_event: Optional[Event] = None
         self.reload_event: Optional[Event] = None
         self.waited = False
-        self.watch: Optional[list] = []  # (detached tensor, version at save) for in-place checks
+        self.watches: Optional[list] = []  # VersionWatch of each SavedRef, until release
         self.live = 0  # SavedRefs alive
         self.pops = 0  # unpacks in the current backward
         self.error: Optional[str] = None
 
-    def check_versions(self) -> None:
-        """Record (to raise at unpack) an in-place change made to a saved tensor in forward."""
-        for t, version in self.watch or ():
-            try:
-                check_version(t, version, t.size())
-            except RuntimeError as exc:
-                self.error = str(exc)
-                return
+    def matches(self, t: torch.Tensor, nbytes: int) -> bool:
+        """Whether saving ``t`` again can reuse this entry: same storage, still on the device,
+        unchanged since its copy was queued (an in-place change needs a fresh copy)."""
+        return self.gpu is not None and self.nbytes == nbytes and self.version == t._version
+
+    def still_on_device(self) -> Optional[torch.Tensor]:
+        """After release: the original storage, if something else kept it alive unchanged."""
+        owner = self.owner()
+        if owner is None or owner._version != self.version:
+            return None
+        storage = owner.untyped_storage()
+        if storage.data_ptr() != self.key or storage.nbytes() != self.nbytes:
+            return None  # re-pointed with set_
+        return storage_bytes(owner, storage)
 
     def device_bytes_for_unpack(self) -> torch.Tensor:
         """The device storage to rebuild a saved tensor from, waiting (device-side) for it."""
         if self.gpu is not None:
             return self.gpu
         if self.reloaded is None:
+            original = self.still_on_device()
+            if original is not None:
+                return original
             if self.cpu is None:
                 raise OffloadUsageError(
                     "a saved tensor was used after its offload state was discarded (its forward "
@@ -94,29 +113,57 @@ class Entry:
     def copy_out(self, ready: Optional[Event]) -> None:
         """Queue the device-to-host copy once the storage is final (``ready`` or now)."""
         dev, stream = self.rt.device, self.rt.stream
+        self.cpu = self.rt.pool.acquire(self.nbytes, self.pool_key)
         if ready is not None:
             dev.wait_event(stream, ready)
         else:
             dev.wait_stream(stream, dev.current_stream())
-        self.cpu = self.rt.pool.acquire(self.nbytes, self.pool_key)
         dev.copy(stream, self.cpu, self.gpu)
+
+    def release(self) -> None:
+        """Drop our references to the device storage (its copy is known done). If nothing else
+        holds it, that frees it; otherwise it lives on and backward uses it without a reload."""
+        for watch in self.watches or ():
+            watch.forget_storage()  # the watches must not be what keeps the memory alive
+        self.watches = []
+        if not held_elsewhere(self.gpu):
+            self.rt.device.will_free(self.gpu)
+        self.gpu = None
+
+    def free_reload(self) -> None:
+        """Forget the reloaded storage; if its copy was never waited for, make compute wait for
+        it first, so the allocator cannot hand the memory out while the copy still writes."""
+        buf = self.reloaded
+        if buf is None:
+            return
+        self.reloaded = None
+        if not self.waited and self.reload_event is not None:
+            dev = self.rt.device
+            dev.wait_event(dev.current_stream(), self.reload_event)
+        self.reload_event = None
+        self.waited = False
+        self.pops = 0
 
     def drop(self) -> None:
         """Give the host buffer back and forget every buffer."""
+        self.free_reload()
         if self.cpu is not None:
             self.rt.pool.release(self.cpu, self.pool_key)
-        self.cpu = self.gpu = self.reloaded = self.watch = None
+        self.cpu = self.gpu = self.watches = None
 
 
 def copy_in(rt: Runtime, entries: list) -> None:
-    """Allocate device storages on the compute stream and queue the host-to-device copies."""
+    """Allocate device storages on the compute stream and queue the host-to-device copies.
+
+    All buffers are allocated before any entry changes, so an out-of-memory error leaves every
+    entry as it was (a retried backward reloads them again)."""
     dev, stream = rt.device, rt.stream
-    for entry in entries:
-        entry.reloaded = dev.alloc_device(entry.nbytes, entry.device)
+    buffers = [dev.alloc_device(entry.nbytes, entry.device) for entry in entries]
     # The new buffers were allocated on the compute stream: copy only once compute got there.
     dev.wait_stream(stream, dev.current_stream())
-    events = dev.copy_and_record(stream, [(e.reloaded, e.cpu) for e in entries])
-    for entry, event in zip(entries, events):
+    events = dev.copy_and_record(stream, [(b, e.cpu) for b, e in zip(buffers, entries)])
+    for entry, buf, event in zip(entries, buffers, events):
+        entry.reloaded = buf
         entry.reload_event = event
         entry.waited = False
 
@@ -124,12 +171,13 @@ def copy_in(rt: Runtime, entries: list) -> None:
 class SavedRef:
     """What autograd stores instead of an offloaded tensor: its storage entry and geometry."""
 
-    __slots__ = ("entry", "meta", "cls")
+    __slots__ = ("entry", "meta", "cls", "watch")
 
-    def __init__(self, entry: Entry, meta: ViewMeta, cls: type) -> None:
+    def __init__(self, entry: Entry, meta: ViewMeta, cls: type, watch: VersionWatch) -> None:
         self.entry = entry
         self.meta = meta
         self.cls = cls
+        self.watch = watch
         entry.live += 1
 
     def __del__(self) -> None:
@@ -139,6 +187,7 @@ class SavedRef:
             entry.drop()
 
     def unpack(self) -> torch.Tensor:
+        self.watch.check()  # per saved tensor, as autograd itself checks
         entry = self.entry
         if entry.error is not None:
             raise RuntimeError(entry.error)
@@ -150,9 +199,7 @@ class SavedRef:
         if entry.pops >= entry.live and entry.gpu is None:
             # Last unpack of this backward: autograd now owns the only reference, so the
             # reloaded memory is freed as soon as the backward node is done with it.
-            entry.reloaded = None
-            entry.pops = 0
-            entry.waited = False
+            entry.free_reload()
         return t
 
 
@@ -182,15 +229,15 @@ class LayerState:
     """Storages saved by one offloaded layer, and where they are: device, host, or both."""
 
     __slots__ = (
-        "index", "rt", "entries", "by_key", "eager", "offload_event", "released", "reload_started",
+        "index", "rt", "entries", "shared", "eager", "offload_event", "released", "reload_started",
     )
 
-    def __init__(self, index: int, rt: Runtime, eager: bool) -> None:
+    def __init__(self, index: int, rt: Runtime, eager: bool, shared: dict) -> None:
         self.index = index
         self.rt = rt
         self.entries: list[Entry] = []
-        self.by_key: dict[int, Entry] = {}
-        self.eager = eager  # copy at save time (default schedule) or on start_offload (manual)
+        self.shared = shared  # storage address -> Entry, for the whole forward pass of a step
+        self.eager = eager  # copy at save time (default schedule, or manual after start_offload)
         self.offload_event: Optional[Event] = None
         self.released = False
         self.reload_started = False
@@ -202,57 +249,64 @@ class LayerState:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return KeptRef(t)
+        if self.released:
+            raise OffloadUsageError(
+                f"layer {self.index} saved a tensor for backward after "
+                f"release_activation_forward_gpu_memory({self.index}); release a layer only after "
+                "its forward is over"
+            )
         key = storage.data_ptr()
-        entry = self.by_key.get(key)
-        if entry is None or entry.gpu is None or entry.nbytes != nbytes:
+        entry = self.shared.get(key)
+        if entry is None or not entry.matches(t, nbytes):
             pool_key = (self.index, len(self.entries)) if self.rt.retain else None
-            entry = Entry(self.rt, pool_key, storage_bytes(t, storage))
-            self.by_key[key] = entry
-            self.entries.append(entry)
+            entry = Entry(self.rt, pool_key, t, storage)
+            self.shared[key] = entry
             ready = getattr(t, READY_EVENT_ATTR, None)
             if self.eager:
                 entry.copy_out(ready)
+                if self.offload_event is not None:  # manual: offload already started
+                    self.offload_event = self.rt.device.record_event(self.rt.stream)
             else:
                 entry.ready_event = ready or self.rt.device.record_event(
                     self.rt.device.current_stream()
                 )
-        entry.watch.append((t.detach(), t._version))
+        if entry not in self.entries:
+            self.entries.append(entry)
+        watch = VersionWatch(t)
+        entry.watches.append(watch)
         cls = torch.Tensor if type(t) is torch.nn.Parameter else type(t)
-        return SavedRef(entry, ViewMeta.of(t), cls)
+        return SavedRef(entry, ViewMeta.of(t), cls, watch)
 
     def finish_forward(self) -> None:
         """End of this layer's forward: mark where its offload copies end on the copy stream."""
-        self.by_key = {}  # deduplication is per forward; entries must not stay reachable here
         if self.eager and self.entries:
             self.offload_event = self.rt.device.record_event(self.rt.stream)
 
     def start_offload(self) -> None:
-        """Manual mode: queue the copies of every entry not copied yet."""
+        """Manual mode: queue the copies of every entry not copied yet; tensors this layer saves
+        from now on are copied as they are saved."""
         for entry in self.entries:
             if entry.cpu is None and entry.gpu is not None:
                 entry.copy_out(entry.ready_event)
-        if self.entries:
-            self.offload_event = self.rt.device.record_event(self.rt.stream)
+        self.eager = True
+        self.offload_event = self.rt.device.record_event(self.rt.stream)
         self.rt.device.trace("offload", self.index)
 
     def release(self) -> None:
         """Free the device storages once their copies are done (device-side wait, host free)."""
         if self.released:
             return
-        live = [e for e in self.entries if e.gpu is not None]
-        if live and self.offload_event is None:
+        on_device = [e for e in self.entries if e.gpu is not None]
+        if any(e.cpu is None for e in on_device):
             raise OffloadUsageError(
                 f"release_activation_forward_gpu_memory({self.index}) before "
                 f"start_offload_layer({self.index}): start the offload first"
             )
         dev = self.rt.device
-        if live:
+        if on_device:
             dev.wait_event(dev.current_stream(), self.offload_event)
-        for entry in live:
-            entry.check_versions()
-            dev.will_free(entry.gpu)
-            entry.gpu = None
-            entry.watch = None
+        for entry in on_device:
+            entry.release()
         self.released = True
         dev.trace("release", self.index)
 
@@ -261,19 +315,21 @@ class LayerState:
         """Allocate device storages on the compute stream and queue the copies back."""
         if not self.released or self.reload_started:
             return
-        self.reload_started = True
-        todo = [e for e in reversed(self.entries) if e.live and e.reloaded is None and e.cpu is not None]
+        todo = [
+            e for e in reversed(self.entries)
+            if e.live and e.gpu is None and e.reloaded is None and e.cpu is not None
+            and e.still_on_device() is None
+        ]
         if todo:
             copy_in(self.rt, todo)
+        self.reload_started = True
         self.rt.device.trace("reload", self.index)
 
     def end_backward(self) -> None:
         """After a backward pass: drop reloads nobody unpacked; allow another reload."""
         self.reload_started = False
         for entry in self.entries:
-            entry.reloaded = None
-            entry.pops = 0
-            entry.waited = False
+            entry.free_reload()
 
     # -- lifetime ------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -286,7 +342,6 @@ class LayerState:
                 "the cpu_offload context; run the forward pass again"
             )
             entry.drop()
-        self.by_key = {}
 
     def held_device_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e.gpu is not None or e.reloaded is not None)

@@ -27,6 +27,8 @@ class SelectionPolicy:
             return "mark_not_offload"
         if not self.is_device_tensor(t):
             return "not on the offload device"
+        if t.layout is not torch.strided or t.is_nested:
+            return "not strided (sparse or nested)"
         if markers.is_weight(t):
             if not self.offload_weights:
                 return "parameter" if isinstance(t, torch.nn.Parameter) else "weight mark"

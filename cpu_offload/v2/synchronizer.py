@@ -8,13 +8,19 @@ schedule while the next forward starts a fresh one.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
 
-from ..compat import is_traceable_wrapper_subclass, queue_backward_callback
+from ..compat import (
+    graph_task_id,
+    in_backward,
+    is_traceable_wrapper_subclass,
+    queue_backward_callback,
+)
 from ..device import OffloadDevice
-from ..errors import OffloadUsageError
+from ..errors import OffloadUsageError, check_sync_argument
 from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
 from ..storage import KeptRef
 from ..pinned_pool import PinnedPool
@@ -26,8 +32,8 @@ class Step:
     """Layers of one forward pass and the schedule positions reached so far."""
 
     __slots__ = (
-        "rt", "schedule", "model_layers", "layers", "fwd_count", "bwd_layers", "callback_queued",
-        "aborted",
+        "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
+        "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger",
     )
 
     def __init__(self, rt: Runtime, schedule: Optional[Schedule], model_layers: int) -> None:
@@ -35,36 +41,72 @@ class Step:
         self.schedule = schedule  # None: manual synchronization
         self.model_layers = model_layers
         self.layers: list[Optional[LayerState]] = []
+        self.shared: dict = {}  # storage address -> Entry while the forward runs
         self.fwd_count = 0
+        self.grad_layers = 0  # layers entered with grad enabled (the others save nothing)
         self.bwd_layers: set[int] = set()
-        self.callback_queued = False
+        self.backward_task: Optional[int] = None  # the backward pass our callback is queued in
         self.aborted = False
+        self.invalid = False  # misused (wrong layer count): the next forward starts a new step
+        self.last_trigger: Optional[weakref.ref] = None  # of the newest layer output's trigger
+
+    @property
+    def complete(self) -> bool:
+        return self.fwd_count >= self.model_layers
+
+    def abandoned(self) -> bool:
+        """A forward left half-way (an exception between layers): the newest layer output's
+        graph is gone, or every layer so far ran without grad while this one needs it."""
+        if self.complete or self.fwd_count == 0:
+            return False
+        if self.last_trigger is not None:
+            return self.last_trigger() is None
+        return self.grad_layers == 0 and torch.is_grad_enabled()
 
     def begin_forward(self) -> Optional[LayerState]:
         index = self.fwd_count
         self.fwd_count += 1
+        grad = torch.is_grad_enabled()
+        self.grad_layers += grad
         self._apply(self.fwd_count)
         self.rt.device.trace("fwd", index)
         manual = self.schedule is None
-        layer = LayerState(index, self.rt, eager=not manual) if (
-            manual or self.schedule.is_offloaded(index)
-        ) else None
+        offloaded = grad and (manual or self.schedule.is_offloaded(index))
+        layer = LayerState(index, self.rt, not manual, self.shared) if offloaded else None
         self.layers.append(layer)
         return layer
+
+    def end_forward_layer(self) -> None:
+        if self.complete:
+            self.shared = {}  # deduplication is per forward; entries must not stay reachable
+            for layer in self.layers:
+                if layer is not None:
+                    layer.shared = self.shared
 
     def begin_backward(self, index: int) -> None:
         if self.aborted:
             return  # unpacking its tensors raises a clear error instead
-        if not self.callback_queued:
+        task = graph_task_id()
+        if task != self.backward_task:
+            # A new backward pass. One before it may have ended in an exception: its callback
+            # never ran, so reset its positions (reloads it queued stay valid and are reused).
+            self._reset_backward_positions()
+            self.backward_task = task
             queue_backward_callback(self.end_backward)
-            self.callback_queued = True
         if index in self.bwd_layers:
             return
-        if self.schedule is not None and self.fwd_count != self.model_layers:
+        if not self.complete:
+            if torch.is_grad_enabled():
+                # ``torch.autograd.grad(..., create_graph=True)`` in mid-forward (physics-
+                # informed losses, gradient penalties): nothing to schedule yet; released layers
+                # reload on demand.
+                return
+            self.invalid = True
             raise OffloadUsageError(
                 f"backward started after {self.fwd_count} offload-context layers in forward, but "
                 f"get_cpu_offload_context(model_layers={self.model_layers}); set model_layers to "
-                "the number of `with ctx:` blocks in one forward pass"
+                "the number of `with ctx:` blocks in one forward pass (a backward through part "
+                "of a forward pass is supported with create_graph=True)"
             )
         self.bwd_layers.add(index)
         self._apply(self.model_layers + len(self.bwd_layers))
@@ -79,11 +121,18 @@ class Step:
             if layer is not None:
                 layer.end_backward()
         self.bwd_layers.clear()
-        self.callback_queued = False
+        self.backward_task = None
         dev.trace("end_bwd", -1)
+
+    def _reset_backward_positions(self) -> None:
+        self.bwd_layers.clear()
+        for layer in self.layers:
+            if layer is not None:
+                layer.reload_started = False
 
     def abort(self) -> None:
         self.aborted = True
+        self.shared = {}
         for layer in self.layers:
             if layer is not None:
                 layer.abort()
@@ -102,7 +151,7 @@ class Step:
 class BackwardTrigger:
     """Pre-hook on a layer's output ``grad_fn``: that layer's backward is about to start."""
 
-    __slots__ = ("step", "index")
+    __slots__ = ("step", "index", "__weakref__")
 
     def __init__(self, step: Step, index: int) -> None:
         self.step = step
@@ -133,6 +182,7 @@ class OffloadSynchronizer:
         self.current_index = -1
         self.inside = False
         self.awaiting_sync = False
+        self.refused = False  # an entry was refused for a missing sync
 
     @property
     def device(self) -> OffloadDevice:
@@ -143,44 +193,65 @@ class OffloadSynchronizer:
         return self.rt.stream
 
     # -- forward ---------------------------------------------------------------------------------
-    def fwd_step(self) -> int:
-        """A layer's forward begins: apply the schedule, return the layer's index in its step."""
+    def fwd_step(self) -> bool:
+        """A layer's forward begins: apply the schedule. False when this forward is a
+        recomputation inside backward (activation checkpointing): then nothing is scheduled,
+        counted or hooked, and the recomputed tensors stay on the device (they are used at once)."""
+        if in_backward():
+            return False
         if self.inside:
             raise OffloadUsageError(
                 "the offload context was entered while already inside it; use one `with ctx:` "
                 "block per layer, not nested ones"
             )
-        if self.awaiting_sync:
-            raise OffloadUsageError(
-                f"the offload context was entered twice without calling the sync function: pass "
-                f"layer {self.current_index}'s output through it (`x = sync_function(x)`) after "
-                "each `with ctx:` block"
-            )
-        if self.step is None or self.step.fwd_count >= self.model_layers:
-            self.step = Step(self.rt, self.schedule, self.model_layers)
+        if self.awaiting_sync and torch.is_grad_enabled():
+            if self.refused:
+                # Refused once already and the sync function was not called since: the caller
+                # started the forward pass over. It starts clean.
+                self.abort()
+            else:
+                self.refused = True
+                raise OffloadUsageError(
+                    f"the offload context was entered twice without calling the sync function: "
+                    f"pass layer {self.current_index}'s output through it "
+                    "(`x = sync_function(x)`) after each `with ctx:` block"
+                )
+        step = self.step
+        if step is None or step.complete or step.invalid or step.abandoned():
+            if step is not None and not step.complete:
+                step.abort()  # a forward left half-way: its graph is gone or unusable
+            self.step = step = Step(self.rt, self.schedule, self.model_layers)
             self.rt.pool.trim()
-        self.current = self.step.begin_forward()
-        self.current_index = self.step.fwd_count - 1
+        self.current = step.begin_forward()
+        self.current_index = step.fwd_count - 1
         self.inside = True
-        return self.current_index
+        return True
 
     def end_fwd_layer(self) -> None:
         self.inside = False
-        self.awaiting_sync = True
+        self.awaiting_sync = torch.is_grad_enabled()
         if self.current is not None:
             self.current.finish_forward()
         self.current = None
+        if self.step is not None:
+            self.step.end_forward_layer()
 
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
+        check_sync_argument(tensor)
+        if in_backward():
+            return tensor  # recomputation (activation checkpointing): nothing to schedule
         if self.inside:
             raise OffloadUsageError(
                 "the sync function was called inside the offload context; call it on the layer's "
                 "output after the `with ctx:` block"
             )
-        self.awaiting_sync = False
-        if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None and self.step is not None:
-            tensor.grad_fn.register_prehook(BackwardTrigger(self.step, self.current_index))
+        self.awaiting_sync = self.refused = False
+        step = self.step
+        if tensor.grad_fn is not None and step is not None:
+            trigger = BackwardTrigger(step, self.current_index)
+            tensor.grad_fn.register_prehook(trigger)
+            step.last_trigger = weakref.ref(trigger)
         return tensor
 
     def abort(self) -> None:
@@ -190,7 +261,7 @@ class OffloadSynchronizer:
         self.step = None
         self.current = None
         self.inside = False
-        self.awaiting_sync = False
+        self.awaiting_sync = self.refused = False
 
     # -- saved-tensor hooks ------------------------------------------------------------------------
     @property
@@ -257,18 +328,26 @@ class ManualOffloadSynchronizer:
         return self._sync.offload_stream
 
     def start_offload_layer(self, layer_id: int) -> None:
-        """Queue the copies of layer ``layer_id``'s saved tensors on the offload stream."""
-        self._layer(layer_id).start_offload()
+        """Queue the copies of layer ``layer_id``'s saved tensors on the offload stream; if called
+        inside the layer, tensors it saves afterwards are copied as they are saved."""
+        layer = self._layer(layer_id)
+        if layer is not None:
+            layer.start_offload()
 
     def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
         """Make compute wait for the layer's offload, then free its device memory."""
-        self._layer(layer_id).release()
+        layer = self._layer(layer_id)
+        if layer is not None:
+            layer.release()
 
     def start_reload_layer(self, layer_id: int) -> None:
         """Queue the copies back; each tensor's unpack waits for its own copy."""
-        self._layer(layer_id).start_reload()
+        layer = self._layer(layer_id)
+        if layer is not None:
+            layer.start_reload()
 
-    def _layer(self, layer_id: int) -> LayerState:
+    def _layer(self, layer_id: int) -> Optional[LayerState]:
+        """The layer's state; None for a layer that ran without grad (it saved nothing)."""
         step = self._sync.step
         count = len(step.layers) if step else 0
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < count:
