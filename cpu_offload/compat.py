@@ -112,9 +112,8 @@ def drop_storage_keep_version(alias: torch.Tensor) -> None:
     """Make ``alias`` (a detached alias of a saved tensor) let go of its storage while it keeps
     sharing the version counter: in-place changes stay detectable without holding memory."""
     version = alias._version
-    with torch.no_grad():
-        alias.set_()
-    set_version(alias, version)
+    alias.set_()  # a detached alias needs no grad mode switch; set_ counts as a change...
+    set_version(alias, version)  # ...which is undone at once
 
 
 def copy_view_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

@@ -107,8 +107,7 @@ class VersionWatch:
         self.size = t.size()
 
     def forget_storage(self) -> None:
-        if self.alias.untyped_storage().nbytes():
-            drop_storage_keep_version(self.alias)
+        drop_storage_keep_version(self.alias)
 
     def check(self) -> None:
         check_version(self.alias, self.version, self.size)

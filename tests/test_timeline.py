@@ -38,6 +38,8 @@ def test_recorded_timeline_orders_copies_and_milestones():
     assert kinds.index(("reload", 0)) < kinds.index(("bwd", 0))
     d2h = [c for c in data["copies"] if c["dir"] == "d2h"]
     h2d = [c for c in data["copies"] if c["dir"] == "h2d"]
-    assert d2h and len(d2h) == len(h2d)
+    # Everything that left comes back, except the step input: the caller holds it, so backward
+    # uses it where it is.
+    assert d2h and 0 < len(h2d) < len(d2h)
     assert max(c["end_ms"] for c in d2h) <= min(c["start_ms"] for c in h2d)
     assert all(c["end_ms"] >= c["start_ms"] for c in data["copies"])
