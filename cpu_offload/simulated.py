@@ -5,9 +5,11 @@ already happened when the scheduler sees them); side streams *defer* their work 
 waits on it. So a scheduler that forgets to wait for a reload hands autograd an unwritten buffer
 (filled with a poison pattern) and gradients come out wrong, and one that frees a buffer while a
 copy still reads it trips ``will_free``. Every call is appended to ``log`` for schedule assertions.
+Calls may come from several threads (the optimizer's CPU worker); one lock serialises them.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -54,6 +56,7 @@ class SimulatedDevice(OffloadDevice):
         self.host_allocs = 0
         self.host_bytes_allocated = 0
         self.device_allocs = 0
+        self._lock = threading.RLock()
 
     # -- streams and events -------------------------------------------------------------------
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -68,23 +71,31 @@ class SimulatedDevice(OffloadDevice):
         return s
 
     def record_event(self, stream: SimStream) -> SimEvent:
-        return SimEvent(stream, stream.queued)
+        with self._lock:
+            return SimEvent(stream, stream.queued)
 
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
-        self.log.append(("wait", stream.name, event.stream.name, event.seq))
-        if event.stream is stream:
-            return
-        if stream.eager:
+        with self._lock:
+            self.log.append(("wait", stream.name, event.stream.name, event.seq))
+            if event.stream is stream:
+                return
+            if stream.eager:
+                self._run_until(event.stream, event.seq)
+            else:
+                self._enqueue(stream, lambda: self._run_until(event.stream, event.seq), [])
+
+    def wait_host(self, event: SimEvent) -> None:
+        with self._lock:
+            self.log.append(("wait_host", event.stream.name, event.seq))
             self._run_until(event.stream, event.seq)
-        else:
-            self._enqueue(stream, lambda: self._run_until(event.stream, event.seq), [])
 
     def event_done(self, event: SimEvent) -> bool:
         return event.stream.done >= event.seq
 
     def synchronize(self) -> None:
-        for s in self.streams:
-            self._run_until(s, s.queued)
+        with self._lock:
+            for s in self.streams:
+                self._run_until(s, s.queued)
 
     # -- memory -------------------------------------------------------------------------------
     def alloc_host(self, nbytes: int) -> torch.Tensor:
@@ -100,17 +111,19 @@ class SimulatedDevice(OffloadDevice):
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel() != src.numel():
             raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
-        self.log.append(("copy", stream.name, src.numel()))
-        self._enqueue(stream, lambda: dst.copy_(src), [src.data_ptr()])
+        with self._lock:
+            self.log.append(("copy", stream.name, src.numel()))
+            self._enqueue(stream, lambda: dst.copy_(src), [src.data_ptr()])
 
     def will_free(self, t: torch.Tensor) -> None:
         ptr = t.data_ptr()
-        for s in self.streams:
-            for _, _, reads in s.pending:
-                if ptr in reads:
-                    raise SimulatedHazard(
-                        f"device buffer freed while a copy queued on {s.name} still reads it"
-                    )
+        with self._lock:
+            for s in self.streams:
+                for _, _, reads in s.pending:
+                    if ptr in reads:
+                        raise SimulatedHazard(
+                            f"device buffer freed while a copy queued on {s.name} still reads it"
+                        )
 
     def trace(self, what: str, layer: int) -> None:
         self.log.append((what, layer))
