@@ -746,7 +746,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hooks = []
         ref = weakref.ref(self)
 
-        def hook(state: Any, bucket: Any) -> Future:
+        def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
             def then(fut: Any) -> torch.Tensor:
                 reduced = fut.value()
                 reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
