@@ -15,6 +15,7 @@ from cpu_offload import OffloadConfigError, OffloadUsageError, SimulatedDevice
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, grad_arrival_order, to_wrapped_format
 from cpu_offload.optim import transfer
+from cpu_offload.optim.reference import MasterWeightOptimizer
 
 CFG = tiny_config().with_(layers=3)
 KW = dict(lr=1e-2, weight_decay=0.1, foreach=False)
@@ -107,20 +108,10 @@ def test_bf16_params_keep_fp32_masters_and_match_a_master_weight_run():
     m = model(torch.bfloat16)
     opt = hybrid(m, 0.5, param_update_in_fp32=True)
     ref = model(torch.bfloat16)
-    masters = [p.detach().float() for p in ref.parameters()]
-    ref_opt = torch.optim.AdamW(masters, **KW)
-    for i in range(3):
-        loss_of(m, i).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_of(ref, i).backward()
-        for mp, p in zip(masters, ref.parameters()):
-            mp.grad = p.grad.float()
-        ref_opt.step()
-        with torch.no_grad():
-            for mp, p in zip(masters, ref.parameters()):
-                p.copy_(mp)
-                p.grad = None
+    ref_opt = MasterWeightOptimizer(ref.parameters(), torch.optim.AdamW, **KW)
+    masters = ref_opt.masters
+    train(m, opt, 3)
+    train(ref, ref_opt, 3)
     assert_same_params(m, ref)
     sd = opt.state_dict()
     for i, p in enumerate(m.parameters()):
