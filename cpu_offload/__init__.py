@@ -13,7 +13,12 @@ Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=
 ``cpu_offload.v1``).
 """
 from .tools.audit import AuditReport, audit_offload_selection
-from .config import ActivationOffloadConfig, build_offload_context
+from .config import (
+    ActivationOffloadConfig,
+    OptimizerOffloadConfig,
+    build_hybrid_optimizer,
+    build_offload_context,
+)
 from .device import CudaDevice, OffloadDevice
 from .errors import OffloadConfigError, OffloadUsageError
 from .facade import (
@@ -34,11 +39,13 @@ __all__ = [
     "ActivationOffloadConfig",
     "AuditReport",
     "audit_offload_selection",
+    "build_hybrid_optimizer",
     "build_offload_context",
     "CudaDevice",
     "OffloadConfigError",
     "OffloadDevice",
     "OffloadUsageError",
+    "OptimizerOffloadConfig",
     "SimulatedDevice",
     "get_activation_offloading",
     "get_cpu_offload_context",

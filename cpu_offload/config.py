@@ -1,4 +1,6 @@
-"""Megatron-style activation-offloading config (seed 004) and the offload context built from it.
+"""Megatron-style offloading configs (seed 004): activations (``ActivationOffloadConfig`` ->
+``build_offload_context``) and optimizer state (``OptimizerOffloadConfig`` ->
+``build_hybrid_optimizer``).
 
 Training frameworks configure offloading with flat flags (``cpu_offloading``,
 ``cpu_offloading_num_layers``, ...) next to model-parallel settings that decide whether offloading
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
 
 from .errors import OffloadConfigError
 from .facade import get_cpu_offload_context
@@ -54,14 +58,7 @@ class ActivationOffloadConfig:
     def from_object(cls, source: Any, **overrides: Any) -> "ActivationOffloadConfig":
         """Pick this config's fields by name from a framework config (attributes or a mapping),
         e.g. a Megatron ``TransformerConfig``; fields it lacks keep their defaults."""
-        values = {}
-        for f in dataclasses.fields(cls):
-            if isinstance(source, Mapping):
-                if f.name in source:
-                    values[f.name] = source[f.name]
-            elif hasattr(source, f.name):
-                values[f.name] = getattr(source, f.name)
-        values.update(overrides)
+        values = _fields_of(cls, source, overrides)
         if "num_layers" not in values:
             raise OffloadConfigError(
                 "num_layers (the model's layer count) is missing from the source config; pass "
@@ -136,14 +133,30 @@ class ActivationOffloadConfig:
 
     def validate(self) -> "ActivationOffloadConfig":
         """Raise ``OffloadConfigError`` listing every violated constraint; return ``self``."""
-        problems = self.problems()
-        if len(problems) == 1:
-            raise OffloadConfigError(f"invalid activation offload config: {problems[0]}")
-        if problems:
-            raise OffloadConfigError(
-                "invalid activation offload config:\n" + "\n".join(f"  - {p}" for p in problems)
-            )
-        return self
+        return _raise_problems(self, "activation")
+
+
+def _fields_of(cls: type, source: Any, overrides: dict) -> dict:
+    values = {}
+    for f in dataclasses.fields(cls):
+        if isinstance(source, Mapping):
+            if f.name in source:
+                values[f.name] = source[f.name]
+        elif hasattr(source, f.name):
+            values[f.name] = getattr(source, f.name)
+    values.update(overrides)
+    return values
+
+
+def _raise_problems(cfg: Any, what: str) -> Any:
+    problems = cfg.problems()
+    if len(problems) == 1:
+        raise OffloadConfigError(f"invalid {what} offload config: {problems[0]}")
+    if problems:
+        raise OffloadConfigError(
+            f"invalid {what} offload config:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return cfg
 
 
 def build_offload_context(cfg: ActivationOffloadConfig, **kwargs: Any) -> Any:
@@ -169,5 +182,132 @@ def build_offload_context(cfg: ActivationOffloadConfig, **kwargs: Any) -> Any:
         double_buffering=cfg.cpu_offloading_double_buffering,
         retain_pinned_cpu_buffers=cfg.cpu_offloading_retain_pinned_cpu_buffers,
         manual_synchronization=cfg.manual_synchronization,
+        **kwargs,
+    )
+
+
+@dataclass
+class OptimizerOffloadConfig:
+    """Seed 004's optimizer-offloading fields (Megatron ``OptimizerConfig`` names and defaults)
+    plus the optimizer and precision settings they are checked against.
+
+    Constraints when ``optimizer_cpu_offload`` is on (each error names the fix):
+
+    - ``optimizer_offload_fraction`` in [0, 1];
+    - ``use_distributed_optimizer=True`` (seed 004; Megatron builds the hybrid optimizer inside
+      its distributed optimizer. This library does not need it, but a config that validates
+      here also runs there);
+    - ``optimizer='adam'`` with ``decoupled_weight_decay=True``: the CPU part is AdamW;
+    - ``main_params_dtype=torch.float32``: the CPU part keeps fp32 master weights;
+    - ``fp16=False``: gradients leave for the CPU during backward, before a loss scaler could
+      unscale them (use bf16).
+
+    ``use_torch_optimizer_for_cpu_offload=True`` runs plain ``torch.optim.AdamW`` with the given
+    arguments on both parts (torch's per-device default implementation: for-loop on the CPU);
+    ``False`` the library default, fused AdamW on both. ``overlap_cpu_optimizer_d2h_h2d`` picks
+    ``overlap="backward_update"`` (else ``"none"``); ``clip_grad > 0`` becomes ``max_grad_norm``.
+    """
+
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_torch_optimizer_for_cpu_offload: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    optimizer: str = "adam"
+    decoupled_weight_decay: bool = True
+    use_distributed_optimizer: bool = True
+    main_params_dtype: torch.dtype = torch.float32
+    fp16: bool = False
+    clip_grad: float = 0.0
+
+    @classmethod
+    def from_object(cls, source: Any, **overrides: Any) -> "OptimizerOffloadConfig":
+        """Pick this config's fields by name from a framework config (e.g. Megatron's
+        ``OptimizerConfig``) or a mapping; fields it lacks keep their defaults."""
+        return cls(**_fields_of(cls, source, overrides))
+
+    def problems(self) -> list[str]:
+        """Every violated constraint, each with its fix (empty: valid)."""
+        out: list[str] = []
+        for name in ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
+                     "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads", "pin_cpu_params"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.optimizer_cpu_offload:
+            return out
+        f = self.optimizer_offload_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            out.append(
+                f"optimizer_offload_fraction={f!r} must be in [0.0, 1.0] (the share of parameter "
+                "bytes whose optimizer state lives on the CPU)"
+            )
+        if not self.use_distributed_optimizer:
+            out.append(
+                "optimizer_cpu_offload requires use_distributed_optimizer=True (seed 004): set it, "
+                "or optimizer_cpu_offload=False"
+            )
+        if self.optimizer != "adam":
+            out.append(
+                f"optimizer={self.optimizer!r}: CPU offloading supports optimizer='adam' (AdamW) "
+                "only; set optimizer='adam', or optimizer_cpu_offload=False"
+            )
+        if not self.decoupled_weight_decay:
+            out.append(
+                "CPU offloading runs AdamW: set decoupled_weight_decay=True, or "
+                "optimizer_cpu_offload=False"
+            )
+        if self.main_params_dtype != torch.float32:
+            out.append(
+                f"main_params_dtype={self.main_params_dtype} with optimizer_cpu_offload: the CPU "
+                "part keeps fp32 master weights; set main_params_dtype=torch.float32"
+            )
+        if self.fp16:
+            out.append(
+                "fp16=True with optimizer_cpu_offload: gradients are copied to the CPU during "
+                "backward, before a loss scaler could unscale them; train in bf16 (fp16=False)"
+            )
+        if not isinstance(self.clip_grad, (int, float)) or self.clip_grad < 0:
+            out.append(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad!r}")
+        return out
+
+    def validate(self) -> "OptimizerOffloadConfig":
+        """Raise ``OffloadConfigError`` listing every violated constraint; return ``self``."""
+        return _raise_problems(self, "optimizer")
+
+
+def build_hybrid_optimizer(
+    cfg: OptimizerOffloadConfig, params: Iterable[Any], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` describes, for ``params`` (validated first).
+
+    With ``optimizer_cpu_offload`` a ``cpu_offload.optim.HybridDeviceOptimizer``; without it the
+    plain ``torch.optim.AdamW``. ``kwargs`` are the optimizer's arguments (``lr``, ``betas``,
+    ``weight_decay``, ...) and, for the hybrid optimizer, its keyword-only options (``device``,
+    ``overlap``, ``bucket_bytes``, ...); what the config decides cannot be passed here.
+    """
+    cfg.validate()
+    if not cfg.optimizer_cpu_offload:
+        return torch.optim.AdamW(params, **kwargs)
+    from .optim import HybridDeviceOptimizer
+
+    decided = {"offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls", "pin_cpu_grads",
+               "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d", "max_grad_norm"}
+    clash = sorted(set(kwargs) & decided)
+    if clash:
+        raise OffloadConfigError(
+            f"{', '.join(clash)} come from the config; set the corresponding "
+            "OptimizerOffloadConfig field instead of passing them to build_hybrid_optimizer"
+        )
+    cls = torch.optim.AdamW if cfg.use_torch_optimizer_for_cpu_offload else None
+    return HybridDeviceOptimizer(
+        params,
+        offload_fraction=cfg.optimizer_offload_fraction,
+        cpu_optimizer_cls=cls,
+        gpu_optimizer_cls=cls,
+        pin_cpu_grads=cfg.pin_cpu_grads,
+        pin_cpu_params=cfg.pin_cpu_params,
+        overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
+        max_grad_norm=cfg.clip_grad or None,
         **kwargs,
     )

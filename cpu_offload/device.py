@@ -8,7 +8,8 @@ Rules every implementation follows:
 
 - All device memory is allocated on the compute stream. Work on the side stream that touches it is
   fenced with events, never with ``record_stream``, so freed memory is reusable at once.
-- Nothing here blocks the host, except ``synchronize``.
+- Nothing here blocks the host, except ``synchronize`` and ``wait_host`` (which only CPU consumers
+  of copied data call, e.g. the optimizer's CPU worker thread).
 - Copies move flat ``uint8`` views of whole storages: one DMA per storage, no kernels.
 """
 from __future__ import annotations
@@ -54,6 +55,14 @@ class OffloadDevice(abc.ABC):
     @abc.abstractmethod
     def event_done(self, event: Event) -> bool:
         """Non-blocking: has the device passed ``event``?"""
+
+    @abc.abstractmethod
+    def wait_host(self, event: Event) -> None:
+        """Block the calling host thread until the device has passed ``event``.
+
+        For CPU code that reads what a copy wrote (``cpu_offload.optim``'s worker thread); the
+        thread that launches GPU work never calls it during a step.
+        """
 
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -138,6 +147,9 @@ class CudaDevice(OffloadDevice):
 
     def event_done(self, event: Event) -> bool:
         return event.query()
+
+    def wait_host(self, event: Event) -> None:
+        event.synchronize()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -8,10 +8,12 @@ copy still reads it trips ``will_free``; and one that drops a buffer while a que
 writes into it (a late write into memory the allocator may have handed out again) raises when that
 copy runs: queued copies hold their destination only weakly, as the real device does not keep
 freed memory alive. Every call is appended to ``log`` for schedule assertions; copies are logged
-as ``("copy", stream, nbytes, "d2h" | "h2d")``.
+as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
+optimizer's CPU worker); one lock serialises them.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ class SimulatedDevice(OffloadDevice):
         self.host_bytes_allocated = 0
         self.device_allocs = 0
         self._host_ptrs: set[int] = set()
+        self._lock = threading.RLock()
 
     # -- streams and events -------------------------------------------------------------------
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -74,23 +77,31 @@ class SimulatedDevice(OffloadDevice):
         return s
 
     def record_event(self, stream: SimStream) -> SimEvent:
-        return SimEvent(stream, stream.queued)
+        with self._lock:
+            return SimEvent(stream, stream.queued)
 
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
-        self.log.append(("wait", stream.name, event.stream.name, event.seq))
-        if event.stream is stream:
-            return
-        if stream.eager:
+        with self._lock:
+            self.log.append(("wait", stream.name, event.stream.name, event.seq))
+            if event.stream is stream:
+                return
+            if stream.eager:
+                self._run_until(event.stream, event.seq)
+            else:
+                self._enqueue(stream, lambda: self._run_until(event.stream, event.seq), [])
+
+    def wait_host(self, event: SimEvent) -> None:
+        with self._lock:
+            self.log.append(("wait_host", event.stream.name, event.seq))
             self._run_until(event.stream, event.seq)
-        else:
-            self._enqueue(stream, lambda: self._run_until(event.stream, event.seq), [])
 
     def event_done(self, event: SimEvent) -> bool:
         return event.stream.done >= event.seq
 
     def synchronize(self) -> None:
-        for s in self.streams:
-            self._run_until(s, s.queued)
+        with self._lock:
+            for s in self.streams:
+                self._run_until(s, s.queued)
 
     # -- memory -------------------------------------------------------------------------------
     def alloc_host(self, nbytes: int) -> torch.Tensor:
@@ -108,11 +119,11 @@ class SimulatedDevice(OffloadDevice):
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel() != src.numel():
             raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
-        direction = "d2h" if dst.data_ptr() in self._host_ptrs else "h2d"
-        self.log.append(("copy", stream.name, src.numel(), direction))
-        # The memory is alive while its root tensor is (a prefix view of a retained buffer is not
-        # the owner of that buffer).
-        dst_ref = weakref.ref(dst._base if dst._base is not None else dst)
+        # The memory is alive while its root tensor is (a slice of a pinned buffer is not the
+        # owner of that buffer).
+        root = dst._base if dst._base is not None else dst
+        direction = "d2h" if root.data_ptr() in self._host_ptrs else "h2d"
+        dst_ref = weakref.ref(root)
         nbytes, offset = dst.numel(), dst.storage_offset()
 
         def run() -> None:
@@ -122,18 +133,21 @@ class SimulatedDevice(OffloadDevice):
                     f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
                     "buffer that was dropped before the copy was waited for"
                 )
-            target.view(-1)[offset:offset + nbytes].copy_(src)
+            target.view(-1)[offset - target.storage_offset():][:nbytes].copy_(src)
 
-        self._enqueue(stream, run, [src.data_ptr()])
+        with self._lock:
+            self.log.append(("copy", stream.name, src.numel(), direction))
+            self._enqueue(stream, run, [src.data_ptr()])
 
     def will_free(self, t: torch.Tensor) -> None:
         ptr = t.data_ptr()
-        for s in self.streams:
-            for _, _, reads in s.pending:
-                if ptr in reads:
-                    raise SimulatedHazard(
-                        f"device buffer freed while a copy queued on {s.name} still reads it"
-                    )
+        with self._lock:
+            for s in self.streams:
+                for _, _, reads in s.pending:
+                    if ptr in reads:
+                        raise SimulatedHazard(
+                            f"device buffer freed while a copy queued on {s.name} still reads it"
+                        )
 
     def trace(self, what: str, layer: int) -> None:
         self.log.append((what, layer))

@@ -1,0 +1,342 @@
+"""Optimizer-state offloading benchmark (issue 11): HybridDeviceOptimizer vs plain GPU AdamW.
+
+Workload: a GPT-style stack of ``cpu_offload.models`` blocks, about 1.5B parameters (hidden 2048,
+30 layers, 16 heads, sequence 2048, batch 2), bf16 weights, fp32 optimizer state (AdamW with fp32
+master weights). Rows, each on a freshly built model in the same process:
+
+- ``plain``        fused AdamW on the GPU over fp32 masters (``optim.reference``), the baseline;
+- ``f=0.25/0.5/1`` HybridDeviceOptimizer with that ``offload_fraction``, ``overlap="next_forward"``
+  (fused CPU AdamW on the worker thread, fused GPU AdamW for the rest);
+- ``f=1 none``     fraction 1 with ``overlap="none"``: everything inside ``step()`` (Megatron-style);
+- ``f=1 +act``     fraction 1 plus activation offloading of half the layers (V2).
+
+Per row: GPU peak memory (max allocated over the timed steps) and steady memory (allocated
+after a step: weights plus GPU optimizer state), step time (wall clock per training iteration,
+host and device, median-free mean over ``--iters`` consecutive iterations), GPU forward+backward
+time alone (same model, no optimizer), CPU update time (worker thread), bytes over the link per
+step and the achieved rate, the share of the CPU update that ran before ``step()`` was called
+(i.e. overlapped backward), the largest loss difference to ``plain`` over the same steps (seed
+004: < 0.001), and the issue's target: step <= 1.10 x max(fwd+bwd, CPU update, link time), link
+time = bytes to host / D2H GB/s + bytes to device / H2D GB/s (measured here).
+
+``--big`` adds a model that does not fit on one 80 GB GPU with plain AdamW (about 5.6B
+parameters: 16 B/param = 90 GB) but trains with optimizer (f=1) + activation offloading
+(needs about 80 GB of host memory). A CPU AdamW microbenchmark (threads vs elements/s, fused and
+for-loop) runs first; ``--microbench-only`` runs just that.
+
+GPU (H100 + 16-core host, about 3 minutes; with --big about 5)::
+
+    python benchmarks/optim_benchmark.py --out bench_out
+
+CPU smoke test (tiny model, SimulatedDevice; numbers mean nothing)::
+
+    python benchmarks/optim_benchmark.py --device sim
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from bench_common import BenchDevice, environment_info, format_table, gc_paused, write_json
+
+import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
+
+import cpu_offload  # noqa: E402
+from cpu_offload.models import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
+from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
+from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
+from cpu_offload.optim.worker import CpuWorker, default_cpu_threads  # noqa: E402
+from offload_benchmark import measure_link  # noqa: E402
+
+GIB = 1024**3
+TARGET = 1.10
+DEFAULT_CFG = GPTConfig(hidden=2048, heads=16, seq=2048, batch=2, layers=30, dtype=torch.bfloat16)
+BIG_CFG = GPTConfig(hidden=4096, heads=32, seq=2048, batch=1, layers=28, dtype=torch.bfloat16)
+ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation offloading)
+    "plain": (None, None, False),
+    "f=0.25": (0.25, "next_forward", False),
+    "f=0.5": (0.5, "next_forward", False),
+    "f=1": (1.0, "next_forward", False),
+    "f=1 none": (1.0, "none", False),
+    "f=1 +act": (1.0, "next_forward", True),
+}
+KW = dict(lr=1e-4, weight_decay=0.1)
+
+
+@dataclass
+class Row:
+    label: str
+    workload: str
+    params: int = 0
+    step_ms: Optional[float] = None
+    fwd_bwd_ms: Optional[float] = None
+    cpu_update_ms: Optional[float] = None
+    link_ms: Optional[float] = None
+    link_gbps: Optional[float] = None
+    gb_per_step: Optional[float] = None
+    overlap_pct: Optional[float] = None
+    peak_gib: Optional[float] = None
+    steady_gib: Optional[float] = None
+    max_loss_diff: Optional[float] = None
+    bound_ratio: Optional[float] = None
+    verdict: Optional[str] = None
+    error: Optional[str] = None
+    losses: Optional[list] = None
+
+
+def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
+                    device: BenchDevice, threads: Optional[int]) -> Any:
+    if fraction is None:
+        return MasterWeightOptimizer(model.parameters(), **KW)
+    opt = HybridDeviceOptimizer(
+        model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
+        device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
+        bucket_bytes=(64 if device.is_cuda else 1 / 64) * 2**20, **KW)
+    opt.register_forward_waits(model)
+    return opt
+
+
+def make_forward(model: torch.nn.Module, act: bool, device: BenchDevice, cfg: GPTConfig):
+    if not act:
+        return lambda x: model(x)
+    extra = {} if device.is_cuda else {"device": cpu_offload.SimulatedDevice(),
+                                       "min_tensor_size_to_offload": 1024}
+    ctx, sync = cpu_offload.get_cpu_offload_context(
+        enabled=True, num_layers=cfg.layers // 2, model_layers=cfg.layers, **extra)
+    return lambda x: model(x, ctx, sync)
+
+
+def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: BenchDevice,
+            args: argparse.Namespace, link: dict) -> Row:
+    fraction, overlap, act = spec
+    row = Row(label, workload)
+    model = opt = None
+    try:
+        model = build_model(cfg, device.torch_device, seed=args.seed)
+        row.params = sum(p.numel() for p in model.parameters())
+        xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
+        opt = build_optimizer(model, fraction, overlap, device, args.threads)
+        forward = make_forward(model, act, device, cfg)
+        hybrid = isinstance(opt, HybridDeviceOptimizer)
+        losses, stats = [], []
+
+        def train_step(i: int) -> None:
+            loss = forward(xs[i % len(xs)]).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if hybrid and opt.last_step_stats:
+                stats.append(dict(opt.last_step_stats))
+
+        for i in range(args.warmup):
+            train_step(i)
+        device.synchronize()
+        device.reset_peak()
+        engine = opt._engine if hybrid else None
+        moved0 = (engine.bytes_out, engine.bytes_in) if engine else (0, 0)
+        del stats[:]
+        with gc_paused():
+            t0 = time.perf_counter()
+            for i in range(args.warmup, args.warmup + args.iters):
+                train_step(i)
+            if hybrid:
+                opt.wait_params()
+            device.synchronize()
+            row.step_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        if hybrid and opt.last_step_stats and (not stats or stats[-1] != opt.last_step_stats):
+            stats.append(dict(opt.last_step_stats))
+        peak = device.max_memory_allocated()
+        row.peak_gib = None if peak is None else peak / GIB
+        mem = device.memory_allocated()
+        row.steady_gib = None if mem is None else mem / GIB
+        row.losses = [float(v) for v in losses]
+        # forward + backward alone (no_sync: the hybrid's hooks copy nothing)
+        device.synchronize()
+        t0 = time.perf_counter()
+        for i in range(args.iters):
+            with opt.no_sync() if hybrid else _null():
+                forward(xs[i % len(xs)]).float().square().mean().backward()
+            opt.zero_grad()
+        device.synchronize()
+        row.fwd_bwd_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        if hybrid:
+            out = (engine.bytes_out - moved0[0]) / args.iters
+            into = (engine.bytes_in - moved0[1]) / args.iters
+            row.gb_per_step = (out + into) / 1e9
+            row.link_gbps = row.gb_per_step / (row.step_ms / 1e3)
+            row.link_ms = (out / link["d2h_gbps"] + into / link["h2d_gbps"]) / 1e6
+            if stats:
+                row.cpu_update_ms = 1e3 * sum(s["cpu_update_s"] for s in stats) / len(stats)
+                row.overlap_pct = 100 * sum(s["overlapped_with_backward"] for s in stats) / len(stats)
+            bound = max(row.fwd_bwd_ms, row.cpu_update_ms or 0.0, row.link_ms)
+            row.bound_ratio = row.step_ms / bound
+            row.verdict = "PASS" if row.bound_ratio <= TARGET else "FAIL"
+    except torch.cuda.OutOfMemoryError as exc:
+        row.error = "OOM: " + str(exc).split("\n")[0][:120]
+    except Exception as exc:  # one failing row must not lose the others
+        row.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        if isinstance(opt, HybridDeviceOptimizer):
+            opt.close()
+        del model, opt
+        device.free_memory()
+    return row
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def microbench(threads_list: list[int], elems: int, reps: int) -> list[dict]:
+    """CPU AdamW step throughput (parameter elements per second) per worker thread count."""
+    out = []
+    for impl, kw in (("fused", {"fused": True}), ("for-loop", {"foreach": False})):
+        for threads in threads_list:
+            def job() -> float:
+                params = [torch.zeros(elems // 8, requires_grad=True) for _ in range(8)]
+                for p in params:
+                    p.grad = torch.full_like(p, 1e-3)
+                opt = torch.optim.AdamW(params, lr=1e-4, **kw)
+                opt.step()  # allocates state
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    opt.step()
+                return (time.perf_counter() - t0) / reps
+
+            worker = CpuWorker(threads)
+            try:
+                sec = worker.submit(job).result()
+            finally:
+                worker.shutdown()
+            out.append({"impl": impl, "threads": threads, "elems": elems, "s_per_step": sec,
+                        "g_elems_per_s": elems / sec / 1e9})
+            print(f"  CPU AdamW {impl:8s} threads {threads:3d}: {elems / sec / 1e9:.3f} G elements/s",
+                  flush=True)
+    return out
+
+
+HEADERS = ("workload", "row", "params", "step ms", "fwd+bwd ms", "CPU upd ms", "link ms",
+           "GB/step", "link GB/s", "upd overl. %", "peak GiB", "steady GiB", "max dloss",
+           "step/bound", "target")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def table_rows(rows: list[Row]) -> list[list[Any]]:
+    out = []
+    for r in rows:
+        if r.error:
+            out.append([r.workload, r.label, _count(r.params), r.error[:60]]
+                       + [None] * (len(HEADERS) - 4))
+            continue
+        out.append([r.workload, r.label, _count(r.params), r.step_ms, r.fwd_bwd_ms,
+                    r.cpu_update_ms, r.link_ms, r.gb_per_step, r.link_gbps, r.overlap_pct,
+                    r.peak_gib, r.steady_gib, r.max_loss_diff, r.bound_ratio, r.verdict])
+    return out
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    for cells in table_rows(rows):
+        lines.append("| " + " | ".join("" if c is None else (f"{c:.3g}" if isinstance(c, float) else str(c))
+                                       for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "sim"), default="auto")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
+    for name in ("hidden", "heads", "seq", "batch", "layers"):
+        p.add_argument(f"--{name}", type=int, help=f"override the default workload's {name}")
+    p.add_argument("--warmup", type=int, help="untimed steps per row (cuda 2, sim 1)")
+    p.add_argument("--iters", type=int, help="timed steps per row (cuda 4, sim 2)")
+    p.add_argument("--threads", type=int, help="CPU worker threads (default: all cores but one)")
+    p.add_argument("--big", action="store_true", help="add the model that needs offloading to fit")
+    p.add_argument("--no-microbench", action="store_true")
+    p.add_argument("--microbench-only", action="store_true")
+    p.add_argument("--microbench-elems", type=int, help="elements per step (cuda 64M, sim 1M)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> list[Row]:
+    args = parse_args(argv)
+    device = BenchDevice.from_flag(args.device)
+    args.warmup = args.warmup if args.warmup is not None else (2 if device.is_cuda else 1)
+    args.iters = max(1, args.iters if args.iters is not None else (4 if device.is_cuda else 2))
+    cfg = DEFAULT_CFG if device.is_cuda else tiny_config().with_(layers=4)
+    cfg = cfg.with_(**{n: getattr(args, n) for n in ("hidden", "heads", "seq", "batch", "layers")
+                       if getattr(args, n) is not None})
+    labels = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = set(labels) - set(ROWS)
+    if unknown:
+        raise SystemExit(f"unknown --rows {sorted(unknown)}; choose from {list(ROWS)}")
+    threads = args.threads or default_cpu_threads()
+    print(f"device: {device.describe()} | torch {torch.__version__} | CPU worker threads {threads}")
+    print(f"workload: {cfg} | warmup {args.warmup}, timed {args.iters} steps per row", flush=True)
+    t_start = time.perf_counter()
+
+    micro = []
+    if not args.no_microbench or args.microbench_only:
+        elems = args.microbench_elems or (64 * 2**20 if device.is_cuda else 2**20)
+        cores = torch.get_num_threads()
+        counts = sorted({t for t in (1, 2, 4, 8, cores - 1, cores) if 1 <= t <= cores})
+        micro = microbench(counts, elems, reps=3 if device.is_cuda else 1)
+    rows: list[Row] = []
+    link: dict = {}
+    if not args.microbench_only:
+        link = measure_link(device, (1024 if device.is_cuda else 16) * 2**20, 5)
+        print(f"link: D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s", flush=True)
+        workloads = [("default", cfg, labels)]
+        if args.big:
+            big = BIG_CFG if device.is_cuda else cfg.with_(layers=6)
+            workloads.append(("big", big, ["plain", "f=1 +act"]))
+        for name, wcfg, wlabels in workloads:
+            base = None
+            for label in wlabels:
+                row = run_row(label, ROWS[label], wcfg, name, device, args, link)
+                if label == "plain":
+                    base = row
+                elif base is not None and base.losses and row.losses:
+                    row.max_loss_diff = max(abs(a - b) for a, b in zip(row.losses, base.losses))
+                rows.append(row)
+                shown = row.error or f"{row.step_ms:.1f} ms/step"
+                print(f"  {name:8s} {label:10s} {shown}", flush=True)
+
+    print()
+    if micro:
+        print(format_table(("impl", "threads", "G elements/s"),
+                           [[m["impl"], m["threads"], m["g_elems_per_s"]] for m in micro]))
+        print()
+    if rows:
+        print(format_table(HEADERS, table_rows(rows)))
+        print(f"\nbound = max(fwd+bwd, CPU update, link); target step/bound <= {TARGET}. "
+              "'upd overl. %': share of the CPU update that ran before step() was called.")
+    print(f"total benchmark time {time.perf_counter() - t_start:.1f} s")
+    if not device.is_cuda:
+        print("NOTE: simulated device -- a smoke test of this script; numbers mean nothing.")
+    out = Path(args.out)
+    write_json(out / f"optim_benchmark_{device.kind}.json", {
+        "environment": environment_info(device), "workload": str(cfg), "args": vars(args),
+        "link": link, "microbench": micro, "rows": [asdict(r) for r in rows],
+    })
+    (out / f"optim_benchmark_{device.kind}.md").write_text(markdown(rows))
+    print(f"wrote {out / f'optim_benchmark_{device.kind}.md'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

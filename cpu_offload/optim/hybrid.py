@@ -1,0 +1,785 @@
+"""``HybridDeviceOptimizer``: part of the optimizer state and update on the CPU, overlapped with
+backward (and optionally with the next forward)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..device import Event, OffloadDevice, default_device
+from ..errors import OffloadConfigError, OffloadUsageError
+from . import state as state_format
+from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
+from .partition import (
+    DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
+    make_buckets,
+)
+from .transfer import TransferEngine
+from .worker import CpuWorker, default_cpu_threads, wait_all
+
+OVERLAP_MODES = ("none", "backward_copies", "backward_update", "next_forward")
+REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
+    """``torch.optim.AdamW`` with ``fused=True`` (on CPU and GPU alike), unless ``kwargs`` choose
+    the implementation themselves (``fused`` or ``foreach``)."""
+    if "fused" in kwargs or "foreach" in kwargs:
+        return torch.optim.AdamW
+
+    def adamw_fused(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, fused=True, **kw)
+
+    return adamw_fused
+
+
+def _probe(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
+    """Instantiate ``cls`` on a dummy CPU parameter: check its API, return its defaults."""
+    name = getattr(cls, "__name__", repr(cls))
+    try:
+        probe = cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except Exception as exc:
+        raise OffloadConfigError(
+            f"{role}={name} could not be built with the optimizer arguments {sorted(kwargs)}: "
+            f"{exc}; pass arguments that class accepts"
+        ) from exc
+    missing = [a for a in REQUIRED_API if not callable(getattr(probe, a, None))]
+    missing += [a for a in ("param_groups", "state", "defaults") if not hasattr(probe, a)]
+    if missing:
+        raise OffloadConfigError(
+            f"{role}={name} lacks {', '.join(missing)}: the hybrid optimizer needs a "
+            "torch.optim.Optimizer-like class (param_groups, state, defaults, step, zero_grad, "
+            "state_dict, load_state_dict, add_param_group); subclass torch.optim.Optimizer"
+        )
+    return dict(probe.defaults)
+
+
+@dataclass
+class _CpuParam:
+    bucket: int
+    master: torch.Tensor
+
+
+@dataclass
+class _Step:
+    """What one optimizer step has queued so far (gradient copies, CPU jobs)."""
+
+    hypers: list[dict]
+    remaining: list[int]  # per bucket: gradients still to copy
+    copied: set = field(default_factory=set)  # ids of CPU params whose gradient was copied
+    landed: dict = field(default_factory=dict)  # bucket -> event after its gradient copies
+    keep: list = field(default_factory=list)  # temporaries read by queued copies
+    norms: dict = field(default_factory=dict)  # bucket -> Future[dict[id, norm]]
+    updates: dict = field(default_factory=dict)  # bucket -> Future[h2d event]
+    waited: set = field(default_factory=set)  # buckets the compute stream already waits for
+    clip_coef: Optional[torch.Tensor] = None
+    stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": []})
+
+
+class HybridDeviceOptimizer(torch.optim.Optimizer):
+    r"""Keep ``offload_fraction`` of the optimizer state (and its update) in CPU memory.
+
+    A drop-in ``torch.optim.Optimizer`` for parameters on one accelerator. The parameters whose
+    gradients are final earliest in backward (the last layers), ``offload_fraction`` of all
+    parameter bytes, get fp32 master weights and optimizer state in CPU memory and are updated by
+    ``cpu_optimizer_cls`` on a CPU worker thread; the rest are updated on the device by
+    ``gpu_optimizer_cls`` as usual. For those CPU parameters:
+
+    1. during backward, each gradient is copied (model dtype, on a side stream) into pinned
+       buffers allocated at construction, as soon as it is final (post-accumulate-grad hooks);
+    2. the CPU update of a bucket of parameters starts as soon as its gradients have landed,
+       overlapping the rest of backward (``overlap``);
+    3. updated parameters (cast to the model dtype on the CPU) stream back on another side stream.
+
+    Use it when optimizer state does not fit next to the model and activations (AdamW in mixed
+    precision keeps 12 bytes per parameter), typically with ``offload_fraction`` 0.25 to 1.
+
+    The CPU part runs exactly ``cpu_optimizer_cls(**optimizer_kwargs)``: it never switches
+    between for-loop, foreach and fused implementations. Results equal that class run on the CPU
+    with fp32 master weights, bit for bit; with ``device=SimulatedDevice()`` (everything on the
+    CPU) the whole optimizer equals the wrapped classes run directly, for every overlap mode.
+
+    Args:
+        params: parameters or param-group dicts, as for any ``torch.optim.Optimizer``; all on
+            one device (the accelerator, or the CPU with ``SimulatedDevice``).
+        offload_fraction: share of parameter bytes updated on the CPU, in [0, 1].
+        cpu_optimizer_cls: optimizer class for the CPU part. ``None``: ``torch.optim.AdamW``
+            with ``fused=True`` (fused CPU AdamW, torch >= 2.4), unless ``optimizer_kwargs``
+            set ``fused`` or ``foreach`` (then plain ``torch.optim.AdamW`` with them).
+        gpu_optimizer_cls: optimizer class for the device part; ``None`` as above (fused).
+        param_update_in_fp32: keep fp32 master weights for bf16/fp16 parameters of the *device*
+            part too (the CPU part always has them).
+        pin_cpu_grads: gradients land in pinned memory (else pageable: the copy then blocks).
+        pin_cpu_params: updated parameters leave from pinned memory. When both pin flags
+            agree, gradients and parameters share one buffer.
+        overlap_cpu_optimizer_d2h_h2d: Megatron's switch, used when ``overlap`` is ``None``:
+            ``True`` means ``"backward_update"``, ``False`` means ``"none"``.
+        device: the ``OffloadDevice`` (default: CUDA; ``SimulatedDevice()`` on a CPU).
+        overlap: ``"none"`` (copies, update and copies back all inside ``step()``, Megatron's
+            behaviour), ``"backward_copies"`` (gradient copies during backward),
+            ``"backward_update"`` (also the CPU update during backward), ``"next_forward"``
+            (also: ``step()`` returns before the CPU finishes; each module's forward waits only
+            for its own parameters, see ``register_forward_waits``). The numbers are identical
+            in every mode.
+        max_grad_norm: clip gradients to this global norm (over device and CPU parts) inside
+            ``step()``; the way to clip in the ``backward_update``/``next_forward`` modes.
+        grad_order: parameters in gradient-arrival order (``grad_arrival_order``); default:
+            reverse registration order.
+        bucket_bytes: model-dtype bytes per CPU update unit (default 64 MiB).
+        cpu_threads: intra-op threads of the CPU worker (default: all but one).
+        **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
+
+    Raises:
+        OffloadConfigError: ``offload_fraction`` outside [0, 1]; parameters on several devices,
+            non-contiguous or non-leaf; an unknown ``overlap``; an optimizer class without the
+            ``torch.optim.Optimizer`` API or rejecting ``optimizer_kwargs``.
+        OffloadUsageError: at run time, sparse gradients on an offloaded parameter, a second
+            backward before ``step()`` in an update-during-backward mode (use ``no_sync()``),
+            ``clip_grad_norm_`` after updates already started.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> from cpu_offload.optim import HybridDeviceOptimizer
+        >>> dev = None if torch.cuda.is_available() else cpu_offload.SimulatedDevice()
+        >>> where = "cuda" if dev is None else "cpu"
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(where)
+        >>> opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-2,
+        ...                             device=dev)
+        >>> loss = model(torch.randn(4, 8, device=where)).square().mean()
+        >>> loss.backward()          # gradient copies (and CPU updates) start here
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.close()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        offload_fraction: float = 0.5,
+        cpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        gpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
+        param_update_in_fp32: bool = False,
+        pin_cpu_grads: bool = True,
+        pin_cpu_params: bool = True,
+        overlap_cpu_optimizer_d2h_h2d: bool = True,
+        *,
+        device: Optional[OffloadDevice] = None,
+        overlap: Optional[str] = None,
+        max_grad_norm: Optional[float] = None,
+        grad_order: Optional[Sequence[torch.Tensor]] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        cpu_threads: Optional[int] = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        self.offload_fraction = check_fraction(offload_fraction)
+        if overlap is None:
+            overlap = "backward_update" if overlap_cpu_optimizer_d2h_h2d else "none"
+        if overlap not in OVERLAP_MODES:
+            raise OffloadConfigError(f"overlap={overlap!r} is not one of {OVERLAP_MODES}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise OffloadConfigError(f"max_grad_norm must be > 0 (or None), got {max_grad_norm!r}")
+        self.overlap = overlap
+        self.max_grad_norm = max_grad_norm
+        self.param_update_in_fp32 = param_update_in_fp32
+        self._device = device if device is not None else default_device()
+        self._cpu_cls = cpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
+        self._gpu_cls = gpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
+        self._kwargs = dict(optimizer_kwargs)
+        defaults = _probe(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
+        defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
+        defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
+        self._bucket_bytes = bucket_bytes
+        self._grad_order = list(grad_order) if grad_order is not None else None
+        self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
+        self._cpu: dict[int, _CpuParam] = {}
+        self._buckets: list[CpuBucket] = []
+        self._gpu_opt: Optional[torch.optim.Optimizer] = None
+        self._gpu_groups: list[int] = []  # wrapper group of each gpu_opt group
+        self._gpu_master: dict[int, torch.Tensor] = {}
+        self._torch_device: Optional[torch.device] = None
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._lock = threading.RLock()
+        self._step_state: Optional[_Step] = None
+        self._inflight: Optional[_Step] = None
+        self._hooks: list[Any] = []
+        self._module_hooks: list[Any] = []
+        self._covered: set[int] = set()
+        self._no_sync = 0
+        self._ddp = False
+        self._attached = 0  # param groups already partitioned
+        self.last_step_stats: dict[str, Any] = {}
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        super().__init__(params, defaults)
+        self._attach(range(len(self.param_groups)))
+        index = self._torch_device.index if self._torch_device is not None else None
+        cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
+        self._worker = CpuWorker(cpu_threads or default_cpu_threads(), cuda_index)
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group, as ``torch.optim.Optimizer.add_param_group``; ``offload_fraction`` of its
+        bytes go to the CPU (pinned buffers for them are allocated here)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "_worker"):  # after construction; the constructor partitions globally
+            self._drain_all()
+            self._attach([len(self.param_groups) - 1])
+
+    def _check_param(self, p: torch.Tensor, pos: int) -> None:
+        if not self._device.is_device_tensor(p):
+            raise OffloadConfigError(
+                f"parameter {pos} is on {p.device}, not on the {self._device.name} device: "
+                "move the model to the accelerator before building the optimizer (on a CPU-only "
+                "machine pass device=cpu_offload.SimulatedDevice())"
+            )
+        if self._torch_device is None:
+            self._torch_device = p.device
+        elif p.device != self._torch_device:
+            raise OffloadConfigError(
+                f"parameters are on several devices ({self._torch_device} and {p.device}): build "
+                "one HybridDeviceOptimizer per device"
+            )
+        if p.layout != torch.strided or not p.is_contiguous() or not p.is_leaf:
+            raise OffloadConfigError(
+                f"parameter {pos} ({tuple(p.shape)}) must be a contiguous dense leaf tensor"
+            )
+
+    def _attach(self, group_ids: Iterable[int]) -> None:
+        entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
+        for pos, (_, p) in enumerate(entries):
+            self._check_param(p, pos)
+        params = [p for _, p in entries]
+        sizes = [p.numel() * p.element_size() for p in params]
+        arrival = (arrival_from_order(params, self._grad_order) if self._grad_order is not None
+                   else default_arrival(len(params)))
+        chosen = choose_offloaded(sizes, arrival, self.offload_fraction)
+        offloaded = set(chosen)
+        hypers = self._hyperparameters()
+        for order in make_buckets(chosen, sizes, self._bucket_bytes):
+            bparams = [params[i] for i in order]
+            self._engine.add_bucket(bparams)
+            self._engine.read_params(bparams)
+            bucket = CpuBucket(bparams, [entries[i][0] for i in order],
+                               [self._engine.params.typed(p) for p in bparams], hypers,
+                               lambda groups: self._cpu_cls(groups, **self._kwargs))
+            for p, m in zip(bparams, bucket.masters):
+                self._cpu[id(p)] = _CpuParam(len(self._buckets), m)
+            self._buckets.append(bucket)
+            need = bucket.fp32_grad_elems
+            if need > self._scratch.numel():
+                self._scratch = torch.empty(need, dtype=torch.float32)
+        for gi in dict.fromkeys(gi for gi, _ in entries):
+            gparams = [p for (g, p), i in zip(entries, range(len(entries))) if g == gi and i not in offloaded]
+            if gparams:
+                self._add_gpu_group(gi, gparams, hypers)
+        if self.overlap != "none":
+            ref = weakref.ref(self)
+            for i in chosen:
+                if params[i].requires_grad:
+                    self._hooks.append(params[i].register_post_accumulate_grad_hook(
+                        lambda p, ref=ref: _call(ref, "_on_grad", p, p.grad)))
+
+    def _add_gpu_group(self, gi: int, params: list[torch.Tensor], hypers: list[dict]) -> None:
+        keys = []
+        for p in params:
+            if self.param_update_in_fp32 and p.dtype in LOW_PRECISION:
+                self._gpu_master[id(p)] = p.detach().float()
+                keys.append(self._gpu_master[id(p)])
+            else:
+                keys.append(p)
+        group = {**{k: v for k, v in hypers[gi].items() if k != "params"}, "params": keys}
+        if self._gpu_opt is None:
+            self._gpu_opt = self._gpu_cls([group], **self._kwargs)
+        else:
+            self._gpu_opt.add_param_group(group)
+        self._gpu_groups.append(gi)
+
+    def _hyperparameters(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    # ------------------------------------------------------------------------------------------
+    # public helpers
+
+    def offloaded_params(self) -> list[torch.Tensor]:
+        """The parameters updated on the CPU, in gradient-arrival order."""
+        return [p for b in self._buckets for p in b.params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients on the device only, like DDP's
+        ``no_sync``: use it for every micro-batch but the last when accumulating gradients."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+
+    def register_forward_waits(self, model: nn.Module) -> Any:
+        """Make each submodule of ``model`` wait, before its forward, for its own offloaded
+        parameters from the last ``step()`` (needed by ``overlap="next_forward"``; harmless
+        otherwise). Returns a handle whose ``remove()`` unregisters the hooks."""
+        ref = weakref.ref(self)
+        handles = []
+        for module in model.modules():
+            mine = [p for p in module.parameters(recurse=False) if id(p) in self._cpu]
+            if not mine:
+                continue
+            buckets = sorted({self._cpu[id(p)].bucket for p in mine})
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, b=buckets: _call(ref, "_wait_buckets", b)))
+            self._covered.update(id(p) for p in mine)
+        self._module_hooks += handles
+        return _Handles(handles)
+
+    def wait_params(self) -> None:
+        """In ``next_forward`` mode: wait for every parameter of the last step (before reading
+        parameters outside a forward, e.g. to evaluate or save the model)."""
+        self._finish_inflight()
+
+    def close(self) -> None:
+        """Finish pending work, remove every hook and stop the worker thread."""
+        try:
+            self._drain_all()
+        finally:
+            for h in self._hooks + self._module_hooks:
+                h.remove()
+            self._hooks, self._module_hooks = [], []
+            self._worker.shutdown()
+
+    # ------------------------------------------------------------------------------------------
+    # backward: gradient copies, CPU jobs
+
+    @property
+    def _updates_in_backward(self) -> bool:
+        return self.overlap in ("backward_update", "next_forward")
+
+    def _begin(self) -> _Step:
+        st = self._step_state
+        if st is None:
+            self._finish_inflight()
+            st = _Step(self._hyperparameters(), [
+                sum(1 for p in b.params if p.requires_grad) for b in self._buckets])
+            self._step_state = st
+        return st
+
+    def _on_grad(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        if self._no_sync or grad is None:
+            return
+        with self._lock:
+            st = self._begin()
+            self._copy_grad(st, p, grad, from_hook=True)
+
+    def _copy_grad(self, st: _Step, p: torch.Tensor, grad: torch.Tensor, from_hook: bool) -> None:
+        if grad.layout != torch.strided:
+            raise OffloadUsageError(
+                f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
+                "dense gradients (e.g. nn.Embedding(sparse=False))"
+            )
+        b = self._cpu[id(p)].bucket
+        again = id(p) in st.copied
+        if again and (self._updates_in_backward or b in st.updates):
+            raise OffloadUsageError(
+                "a second backward reached an offloaded parameter before step(): its CPU update "
+                "already started. Accumulate gradients inside `with opt.no_sync():` for every "
+                "micro-batch but the last, or use overlap='backward_copies'"
+            )
+        if not grad.is_contiguous() or grad.dtype != p.dtype:
+            grad = grad.contiguous().to(p.dtype)
+            st.keep.append(grad)
+        self._engine.grad_out(p, grad)
+        st.copied.add(id(p))
+        if again:
+            if b in st.landed:
+                st.landed[b] = self._engine.mark_landed()
+            return
+        st.remaining[b] -= 1
+        if st.remaining[b] == 0 and from_hook:
+            self._close_bucket(st, b, during_backward=True)
+
+    def _close_bucket(self, st: _Step, b: int, during_backward: bool) -> None:
+        st.landed[b] = self._engine.mark_landed()
+        if during_backward and self._updates_in_backward:
+            if self.max_grad_norm is not None:
+                st.norms[b] = self._worker.submit(self._bucket_norms, b, st.landed[b], 2.0, st)
+            else:
+                st.updates[b] = self._worker.submit(self._update_bucket, b, st, None)
+
+    def _flush(self, st: _Step) -> None:
+        """Copy the gradients no hook copied (mode "none", unused params, grads set by hand) and
+        close every bucket."""
+        for b, bucket in enumerate(self._buckets):
+            if b in st.landed:
+                continue
+            for p in bucket.params:
+                if id(p) not in st.copied and p.grad is not None:
+                    self._copy_grad(st, p, p.grad, from_hook=False)
+            self._close_bucket(st, b, during_backward=False)
+
+    # ------------------------------------------------------------------------------------------
+    # worker jobs
+
+    def _bucket_grads(self, b: int, st: _Step) -> list[Optional[torch.Tensor]]:
+        return [self._engine.grads.typed(p) if id(p) in st.copied else None
+                for p in self._buckets[b].params]
+
+    def _bucket_norms(self, b: int, landed: Event, norm_type: float, st: _Step) -> dict[int, torch.Tensor]:
+        self._engine.wait_landed(landed)
+        params = [p for p, g in zip(self._buckets[b].params, self._bucket_grads(b, st)) if g is not None]
+        grads = [self._engine.grads.typed(p) for p in params]
+        return dict(zip(map(id, params), torch._foreach_norm(grads, norm_type) if grads else []))
+
+    def _update_bucket(self, b: int, st: _Step, coef: Optional[torch.Tensor]) -> Optional[Event]:
+        t0 = time.perf_counter()
+        landed = st.landed[b]
+        self._engine.wait_landed(landed)
+        t1 = time.perf_counter()
+        bucket = self._buckets[b]
+        grads = self._bucket_grads(b, st)
+        out = [self._engine.params.typed(p) for p in bucket.params]
+        bucket.update(grads, out, self._scratch, st.hypers, coef)
+        ev = self._engine.params_in([p for p, g in zip(bucket.params, grads) if g is not None], landed)
+        t2 = time.perf_counter()
+        st.stats["cpu_update_s"] += t2 - t1
+        st.stats["jobs"].append((t0, t1, t2))
+        return ev
+
+    # ------------------------------------------------------------------------------------------
+    # step
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Update every parameter (see the class docstring for what runs where and when).
+
+        In ``next_forward`` mode this returns once the device part is queued and the CPU part
+        is running; the next forward's modules wait for their own parameters.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.overlap == "next_forward" and len(self._covered) < len(self._cpu):
+            raise OffloadUsageError(
+                "overlap='next_forward' needs opt.register_forward_waits(model) for the modules "
+                f"owning the offloaded parameters ({len(self._cpu) - len(self._covered)} are not "
+                "covered), or another overlap mode"
+            )
+        with self._lock:
+            st = self._begin()
+            self._step_state = None
+        st.stats["step_called"] = time.perf_counter()
+        try:
+            self._flush(st)
+            coef = st.clip_coef
+            if self.max_grad_norm is not None:
+                self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
+            if not st.updates:  # nothing started yet: a scheduler may have changed lr since
+                st.hypers = self._hyperparameters()
+            for b in range(len(self._buckets)):
+                if b not in st.updates:
+                    st.updates[b] = self._worker.submit(self._update_bucket, b, st, coef)
+            self._gpu_step(st.hypers)
+            for ev in st.landed.values():  # gradients may be zeroed or freed after step()
+                self._engine.fence_compute(ev)
+            st.keep.clear()
+        except BaseException:
+            self._drain(st)
+            raise
+        if self.overlap == "next_forward":
+            self._inflight = st
+        else:
+            self._wait_updates(st, list(st.updates))
+        return loss
+
+    def _gpu_step(self, hypers: list[dict]) -> None:
+        opt = self._gpu_opt
+        if opt is None:
+            return
+        sync_hyperparameters(opt, self._gpu_groups, hypers)
+        masters = [(p, self._gpu_master[id(p)]) for g in self.param_groups for p in g["params"]
+                   if id(p) in self._gpu_master]
+        for p, m in masters:
+            m.grad = None if p.grad is None else p.grad.float()
+        try:
+            opt.step()
+            for p, m in masters:
+                if p.grad is not None:
+                    p.copy_(m)
+        finally:
+            for _, m in masters:
+                m.grad = None
+
+    def _wait_updates(self, st: _Step, buckets: Sequence[int]) -> None:
+        error = None
+        for b in buckets:
+            if b in st.waited:
+                continue
+            st.waited.add(b)
+            try:
+                ev = st.updates[b].result()
+            except BaseException as exc:  # noqa: BLE001 - raised after the others are fenced
+                error = error or exc
+                continue
+            self._engine.fence_compute(ev)  # buckets that did update must reach the device
+        self._record_stats(st)
+        if error is not None:
+            raise error
+
+    def _record_stats(self, st: _Step) -> None:
+        if len(st.waited) < len(st.updates) or "step_called" not in st.stats:
+            return
+        called = st.stats["step_called"]
+        before = sum(max(0.0, min(t2, called) - t1) for _, t1, t2 in st.stats["jobs"])
+        total = st.stats["cpu_update_s"]
+        self.last_step_stats = {
+            "cpu_update_s": total,
+            "cpu_update_before_step_s": before,
+            "overlapped_with_backward": before / total if total else 0.0,
+            "bytes_to_host": self._engine.bytes_out,
+            "bytes_to_device": self._engine.bytes_in,
+        }
+
+    def _wait_buckets(self, buckets: Sequence[int]) -> None:
+        st = self._inflight
+        if st is None:
+            return
+        try:
+            self._wait_updates(st, buckets)
+        except BaseException:
+            self._inflight = None
+            self._drain(st)
+            raise
+        if len(st.waited) == len(st.updates):
+            self._inflight = None
+
+    def _finish_inflight(self) -> None:
+        st, self._inflight = self._inflight, None
+        if st is not None:
+            try:
+                self._wait_updates(st, list(st.updates))
+            except BaseException:
+                self._drain(st)
+                raise
+
+    def _drain(self, st: _Step) -> None:
+        """After an error or an abandoned step: wait for every job, keep the device consistent
+        with the CPU (parameters a job already updated are copied back), swallow job errors."""
+        for b, f in list(st.updates.items()) + list(st.norms.items()):
+            try:
+                ev = f.result()
+            except BaseException:  # noqa: BLE001 - the caller is already raising (or abandoning)
+                continue
+            if b in st.updates and st.updates[b] is f and b not in st.waited:
+                self._engine.fence_compute(ev)
+        st.waited.update(st.updates)
+        for ev in st.landed.values():
+            self._engine.fence_compute(ev)
+        st.keep.clear()
+
+    def _drain_all(self) -> None:
+        with self._lock:
+            st, self._step_state = self._step_state, None
+        if st is not None:
+            self._drain(st)
+        self._finish_inflight()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. A backward that never reached ``step()`` is
+        abandoned first (in the update-during-backward modes, buckets whose update had already
+        run keep it)."""
+        with self._lock:
+            st, self._step_state = self._step_state, None
+        if st is not None:
+            self._drain(st)
+        if set_to_none:
+            for b in self._buckets:
+                for p in b.params:
+                    if p.grad is not None:
+                        self._device.will_free(p.grad)
+        super().zero_grad(set_to_none)
+
+    # ------------------------------------------------------------------------------------------
+    # clipping
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip all gradients (device and CPU parts) by their global norm, like
+        ``torch.nn.utils.clip_grad_norm_(all_params, max_norm, norm_type)``; call it between
+        backward and ``step()``. Returns the total norm.
+
+        Same numbers as ``clip_grad_norm_`` on the same gradients: per-parameter norms are
+        combined in torch's order; offloaded gradients are scaled on the CPU in fp32 before the
+        update (for fp32 parameters that is torch's own operation). In the
+        ``backward_update``/``next_forward`` modes updates start before this could be called:
+        pass ``max_grad_norm=`` to the constructor instead.
+        """
+        if self._updates_in_backward:
+            raise OffloadUsageError(
+                f"clip_grad_norm_ cannot run in overlap={self.overlap!r}: CPU updates start "
+                "during backward. Pass max_grad_norm=... to HybridDeviceOptimizer (clipping then "
+                "happens inside step()), or use overlap='backward_copies'"
+            )
+        with self._lock:
+            st = self._begin()
+        self._flush(st)
+        total, st.clip_coef = self._clip(st, max_norm, norm_type)
+        return total
+
+    def _clip(self, st: _Step, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global norm and clip coefficient; scales the device gradients in place, returns the
+        coefficient for the CPU part."""
+        for b in range(len(self._buckets)):
+            if b not in st.norms:
+                st.norms[b] = self._worker.submit(self._bucket_norms, b, st.landed[b], norm_type, st)
+        cpu_norms: dict[int, torch.Tensor] = {}
+        for part in wait_all(list(st.norms.values())):
+            cpu_norms.update(part)
+        for ev in st.landed.values():  # the device gradients are scaled below
+            self._engine.fence_compute(ev)
+        groups: dict[tuple, list[torch.Tensor]] = {}  # torch's grouping: (device, dtype)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None or id(p) in cpu_norms:
+                    groups.setdefault((p.device, p.dtype), []).append(p)
+        if not groups:
+            return torch.tensor(0.0), torch.tensor(1.0)
+        first = next(iter(groups))[0]
+        norms: list[torch.Tensor] = []
+        for params in groups.values():
+            on_device = [p.grad for p in params if id(p) not in cpu_norms]
+            device_norms = iter(torch._foreach_norm(on_device, norm_type) if on_device else [])
+            norms += [cpu_norms[id(p)] if id(p) in cpu_norms else next(device_norms) for p in params]
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for (dev, _), params in groups.items():
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef.to(dev))
+        return total, coef.to("cpu")
+
+    # ------------------------------------------------------------------------------------------
+    # state dict
+
+    def _placements(self) -> list[state_format.Placement]:
+        out = []
+        gpu_keys = {}
+        if self._gpu_opt is not None:
+            for group in self._gpu_opt.param_groups:
+                for key in group["params"]:
+                    gpu_keys[id(key)] = key
+        for g in self.param_groups:
+            for p in g["params"]:
+                cp = self._cpu.get(id(p))
+                if cp is not None:
+                    out.append(state_format.Placement(p, self._buckets[cp.bucket].optimizer, cp.master, True))
+                else:
+                    key = self._gpu_master.get(id(p), p)
+                    out.append(state_format.Placement(p, self._gpu_opt, key, False))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer format plus a ``"hybrid"`` entry (master weights, placement); see
+        ``cpu_offload.optim.state``. ``to_wrapped_format(sd)`` converts it to the wrapped
+        optimizer's own format."""
+        self._drain_all()
+        return state_format.gather(self.param_groups, self._placements())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
+        wrapped optimizer class over the same parameter groups. Updated parameters are copied to
+        the device (their master weights, when the state dict has them)."""
+        self._drain_all()
+        sub_groups = {id(b.optimizer): b.group_ids for b in self._buckets}
+        if self._gpu_opt is not None:
+            sub_groups[id(self._gpu_opt)] = self._gpu_groups
+        placements = self._placements()
+        state_format.scatter(state_dict, self.param_groups, placements, sub_groups)
+        with torch.no_grad():
+            for pl in placements:
+                if pl.master is not None and not pl.offloaded:
+                    pl.param.copy_(pl.master)
+            for bucket in self._buckets:
+                for p, m in zip(bucket.params, bucket.masters):
+                    self._engine.params.typed(p).copy_(m)
+                self._engine.fence_compute(
+                    self._engine.params_in(bucket.params, self._engine.compute_event()))
+
+    def reload_master_weights(self) -> None:
+        """Start the master weights again from the model's current parameters: call this after
+        changing parameters outside the optimizer (e.g. ``model.load_state_dict`` without the
+        optimizer's state dict); optimizer state (moments) is kept."""
+        self._drain_all()
+        with torch.no_grad():
+            for bucket in self._buckets:
+                self._engine.read_params(bucket.params)
+                for p, m in zip(bucket.params, bucket.masters):
+                    m.copy_(self._engine.params.typed(p))
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if id(p) in self._gpu_master:
+                        self._gpu_master[id(p)].copy_(p)
+
+    # ------------------------------------------------------------------------------------------
+    # DDP
+
+    def ddp_comm_hook(self, inner: Optional[Callable] = None) -> tuple[Any, Callable]:
+        """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``.
+
+        Under DDP a post-accumulate-grad hook sees the local, unreduced gradient, so calling
+        this switches the optimizer to take offloaded gradients from DDP's reduced buckets
+        instead: ``inner`` (default: DDP's ``allreduce_hook`` on the default group) reduces
+        the bucket, then each offloaded gradient in it is copied to the host as above.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        inner = inner or default_hooks.allreduce_hook
+        self._ddp = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        ref = weakref.ref(self)
+
+        def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+            def then(fut: Any) -> torch.Tensor:
+                reduced = fut.value()
+                reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+                _call(ref, "_on_reduced_bucket", bucket.parameters(), reduced)
+                return reduced
+
+            return inner(state, bucket).then(then)
+
+        return None, hook
+
+    def _on_reduced_bucket(self, params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        if self.overlap == "none":  # step() copies the reduced p.grad
+            return
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if id(p) in self._cpu and not self._no_sync:
+                with self._lock:
+                    self._copy_grad(self._begin(), p, flat[offset: offset + n].view(p.shape), True)
+            offset += n
+
+
+def _call(ref: "weakref.ref[HybridDeviceOptimizer]", name: str, *args: Any) -> None:
+    """Hooks hold the optimizer weakly: a dropped optimizer stops copying."""
+    opt = ref()
+    if opt is not None:
+        getattr(opt, name)(*args)
+
+
+class _Handles:
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

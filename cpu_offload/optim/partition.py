@@ -1,0 +1,114 @@
+"""Which parameters the CPU updates, and in which groups (pure logic, no device work).
+
+The CPU part should be the parameters whose gradients are final *earliest* in backward: their
+copies and CPU update then overlap the rest of backward. In a layer stack that is the last layers,
+i.e. the parameters registered last, so the default arrival order is the reverse of the parameter
+order. ``grad_arrival_order`` measures the real order from one backward when a model differs.
+
+Megatron-core and DeepSpeed offload the *first* parameters (embeddings, first layers), whose
+gradients arrive last: nothing is left to overlap with.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..errors import OffloadConfigError
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20  # model-dtype bytes per CPU update unit (one layer-ish)
+
+
+def check_fraction(fraction: float) -> float:
+    """``fraction`` as a float in [0, 1], or an ``OffloadConfigError`` naming the fix."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise OffloadConfigError(
+            f"offload_fraction must be a number in [0, 1], got {fraction!r}"
+        )
+    if not (0.0 <= float(fraction) <= 1.0) or math.isnan(fraction):
+        raise OffloadConfigError(
+            f"offload_fraction={fraction} is outside [0, 1]: it is the share of parameter bytes "
+            "updated on the CPU; use 0 (all on the GPU) to 1 (all on the CPU)"
+        )
+    return float(fraction)
+
+
+def choose_offloaded(sizes: Sequence[int], arrival: Sequence[int], fraction: float) -> list[int]:
+    """Indices (into ``sizes``) that go to the CPU: a prefix of ``arrival`` holding ``fraction``
+    of the total bytes.
+
+    ``arrival`` lists every index once, earliest gradient first. A parameter is taken while at
+    least half of it fits under the target, so 0 takes nothing, 1 takes everything, and the
+    offloaded bytes are within half a parameter of ``fraction * total``. Returned in arrival order.
+    """
+    fraction = check_fraction(fraction)
+    if sorted(arrival) != list(range(len(sizes))):
+        raise ValueError("arrival must list every parameter index exactly once")
+    target = fraction * sum(sizes)
+    chosen: list[int] = []
+    taken = 0
+    for i in arrival:
+        if fraction >= 1.0 or taken + sizes[i] / 2 < target:
+            chosen.append(i)
+            taken += sizes[i]
+        else:
+            break
+    return chosen
+
+
+def make_buckets(order: Sequence[int], sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Split ``order`` into consecutive buckets of about ``bucket_bytes`` (a parameter is never
+    split; one larger than ``bucket_bytes`` gets a bucket of its own)."""
+    if bucket_bytes <= 0:
+        raise OffloadConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i in order:
+        if current and filled + sizes[i] > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def default_arrival(n: int) -> list[int]:
+    """Reverse registration order: the last registered parameters get their gradients first."""
+    return list(range(n - 1, -1, -1))
+
+
+def arrival_from_order(params: Sequence[torch.Tensor], measured: Iterable[torch.Tensor]) -> list[int]:
+    """``measured`` (tensors in gradient-arrival order) as indices into ``params``; parameters it
+    does not mention (no gradient in that backward) follow, last registered first."""
+    index = {id(p): i for i, p in enumerate(params)}
+    seen: list[int] = []
+    for t in measured:
+        i = index.get(id(t))
+        if i is not None and i not in seen:
+            seen.append(i)
+    rest = [i for i in default_arrival(len(params)) if i not in set(seen)]
+    return seen + rest
+
+
+def grad_arrival_order(
+    params: Iterable[torch.Tensor], run_backward: Callable[[], object]
+) -> list[torch.Tensor]:
+    """Run ``run_backward()`` once and return ``params`` in the order their gradients became final.
+
+    Pass the result as ``grad_order=`` to ``HybridDeviceOptimizer`` when the parameter order does
+    not follow the layer order. Gradients are left as the backward produced them (zero them
+    before training).
+    """
+    params = [p for p in params if p.requires_grad]
+    order: list[torch.Tensor] = []
+    handles = [p.register_post_accumulate_grad_hook(order.append) for p in params]
+    try:
+        run_backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return order

@@ -1,0 +1,133 @@
+"""``state_dict`` conversion between the hybrid optimizer and the optimizers it wraps.
+
+The hybrid format is torch's own optimizer format plus one key::
+
+    {"state": {index: {...}},            # per parameter, indexed like torch.optim.Optimizer
+     "param_groups": [{..., "params": [indices]}],
+     "hybrid": {"format": FORMAT, "offloaded": [bool per index],
+                "master_weights": {index: fp32 tensor}}}   # every parameter that has one
+
+Indices follow the wrapper's param groups, so a checkpoint does not depend on which parameters
+were offloaded: it loads into a hybrid optimizer with another ``offload_fraction``.
+``to_wrapped_format`` drops the ``hybrid`` key, giving exactly what the wrapped optimizer class
+run over the same parameter groups would have saved (state tensors stay where they were: CPU for
+offloaded parameters; the wrapped class's ``load_state_dict`` casts them to its parameters'
+device and dtype). The reverse direction needs no conversion: ``load_state_dict`` accepts the
+wrapped optimizer's own state dict and starts master weights from the current parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .cpu_update import IMPLEMENTATION_KEYS
+
+FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/1"
+
+
+@dataclass
+class Placement:
+    """Where one wrapper parameter's optimizer state lives."""
+
+    param: torch.Tensor  # the model parameter
+    optimizer: torch.optim.Optimizer  # the sub-optimizer updating it
+    key: torch.Tensor  # the tensor that optimizer updates (the param, or its fp32 master)
+    offloaded: bool
+
+    @property
+    def master(self) -> Optional[torch.Tensor]:
+        return None if self.key is self.param else self.key
+
+
+def hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def gather(param_groups: Sequence[dict], placements: Sequence[Placement]) -> dict[str, Any]:
+    """The hybrid state dict of a wrapper whose parameters (in group order) sit at ``placements``."""
+    state: dict[int, dict] = {}
+    masters: dict[int, torch.Tensor] = {}
+    for i, pl in enumerate(placements):
+        s = pl.optimizer.state.get(pl.key) if pl.optimizer is not None else None
+        if s:
+            state[i] = dict(s)
+        if pl.master is not None:
+            masters[i] = pl.master
+    groups, start = [], 0
+    for g in param_groups:
+        groups.append({**hyperparameters(g), "params": list(range(start, start + len(g["params"])))})
+        start += len(g["params"])
+    return {
+        "state": state,
+        "param_groups": groups,
+        "hybrid": {"format": FORMAT, "offloaded": [pl.offloaded for pl in placements],
+                   "master_weights": masters},
+    }
+
+
+def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped optimizer's own format (see the module docstring)."""
+    return {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
+
+
+def check_compatible(param_groups: Sequence[dict], state_dict: dict[str, Any]) -> None:
+    saved = state_dict.get("param_groups")
+    if saved is None or "state" not in state_dict:
+        raise ValueError("not an optimizer state dict: it needs 'state' and 'param_groups'")
+    if len(saved) != len(param_groups):
+        raise ValueError(
+            f"state dict has {len(saved)} param groups, this optimizer {len(param_groups)}"
+        )
+    for i, (s, g) in enumerate(zip(saved, param_groups)):
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(
+                f"param group {i}: state dict has {len(s['params'])} parameters, this optimizer "
+                f"{len(g['params'])}"
+            )
+    hybrid = state_dict.get("hybrid")
+    if hybrid is not None and hybrid.get("format") != FORMAT:
+        raise ValueError(f"unknown hybrid state format {hybrid.get('format')!r}, expected {FORMAT!r}")
+
+
+def scatter(
+    state_dict: dict[str, Any],
+    param_groups: list[dict],
+    placements: Sequence[Placement],
+    sub_groups: dict[int, list[int]],
+) -> None:
+    """Load ``state_dict`` (hybrid or wrapped format) into the sub-optimizers and masters.
+
+    ``sub_groups[id(optimizer)]`` lists, per group of that sub-optimizer, the wrapper group it
+    belongs to. Each sub-optimizer loads through its own ``load_state_dict``, so state is cast
+    to its parameters' device and dtype exactly as the wrapped class does.
+    """
+    check_compatible(param_groups, state_dict)
+    saved_groups = state_dict["param_groups"]
+    saved_ids = [i for g in saved_groups for i in g["params"]]
+    saved_state = state_dict["state"]
+    masters = (state_dict.get("hybrid") or {}).get("master_weights", {})
+    for g, s in zip(param_groups, saved_groups):
+        g.update({k: v for k, v in s.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
+    by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[int, int]]] = {}
+    for pos, pl in enumerate(placements):
+        if pl.master is not None:
+            m = masters.get(saved_ids[pos])
+            with torch.no_grad():
+                pl.master.copy_(m if m is not None else pl.param.detach())
+        if pl.optimizer is not None:
+            by_optimizer.setdefault(id(pl.optimizer), (pl.optimizer, {}))[1][id(pl.key)] = pos
+    for opt, positions in by_optimizer.values():
+        state, groups, local = {}, [], 0
+        for group, gi in zip(opt.param_groups, sub_groups[id(opt)]):
+            ids = []
+            for key in group["params"]:
+                entry = saved_state.get(saved_ids[positions[id(key)]])
+                if entry is not None:
+                    state[local] = entry
+                ids.append(local)
+                local += 1
+            hp = {k: v for k, v in hyperparameters(saved_groups[gi]).items() if k not in IMPLEMENTATION_KEYS}
+            groups.append({**hyperparameters(group), **hp, "params": ids})
+        opt.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,66 @@
+"""The thread that runs the CPU part of the optimizer step.
+
+One worker thread, so buckets are updated in the order their gradients landed, with its own
+intra-op thread count (OpenMP's is per thread): the thread that launches GPU work keeps its
+cores. Jobs return ``concurrent.futures.Future``s; an exception inside a job is re-raised by
+whoever waits for it.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+
+
+def default_cpu_threads() -> int:
+    """All but one of the threads torch would use here (at least one)."""
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1) - 1)
+
+
+def _init_thread(threads: int, cuda_index: Optional[int]) -> None:
+    torch.set_num_threads(threads)
+    if cuda_index is not None:  # copies queued from this thread target the params' GPU
+        torch.cuda.set_device(cuda_index)
+
+
+class CpuWorker:
+    """A single background thread with ``threads`` intra-op threads."""
+
+    def __init__(self, threads: int, cuda_index: Optional[int] = None) -> None:
+        if threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="cpu_offload-optim",
+            initializer=_init_thread, initargs=(threads, cuda_index),
+        )
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, False)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        """Finish queued jobs and end the thread."""
+        self._finalizer.detach()
+        self._pool.shutdown(wait=True)
+
+    @property
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in getattr(self._pool, "_threads", ()))
+
+
+def wait_all(futures: list[Future]) -> list[Any]:
+    """Results of ``futures`` in order, after *all* of them finished; the first error re-raised."""
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after draining the rest
+            results.append(None)
+            error = error or exc
+    if error is not None:
+        raise error
+    return results

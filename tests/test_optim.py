@@ -1,0 +1,474 @@
+"""HybridDeviceOptimizer on the simulated device: bit-exact against the wrapped optimizer run
+directly, in every overlap mode and offload fraction; state dicts, schedulers, clipping,
+errors, hygiene (no pinned allocation after construction, no hanging hooks or threads)."""
+from __future__ import annotations
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from cpu_offload import OffloadConfigError, OffloadUsageError, SimulatedDevice
+from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, grad_arrival_order, to_wrapped_format
+from cpu_offload.optim import transfer
+from cpu_offload.optim.reference import MasterWeightOptimizer
+
+CFG = tiny_config().with_(layers=3)
+KW = dict(lr=1e-2, weight_decay=0.1, foreach=False)
+SMALL_BUCKETS = 48 * 1024  # a few buckets per layer: every bucket boundary gets exercised
+
+
+def model(dtype=torch.float32):
+    return build_model(CFG.with_(dtype=dtype), seed=0)
+
+
+def loss_of(m, i):
+    x = make_input(CFG.with_(dtype=next(m.parameters()).dtype), seed=100 + i, requires_grad=False)
+    return m(x).float().square().mean()
+
+
+def hybrid(m, fraction=0.5, overlap="backward_update", cls=torch.optim.AdamW, **kw):
+    kw = {**KW, **kw}
+    opt = HybridDeviceOptimizer(
+        m.parameters(), fraction, cpu_optimizer_cls=cls, gpu_optimizer_cls=cls,
+        device=kw.pop("device", None) or SimulatedDevice(), overlap=overlap,
+        bucket_bytes=kw.pop("bucket_bytes", SMALL_BUCKETS), **kw)
+    if overlap == "next_forward":
+        opt.register_forward_waits(m)
+    return opt
+
+
+def train(m, opt, steps, start=0, clip=None, sched=None):
+    losses = []
+    for i in range(start, start + steps):
+        loss = loss_of(m, i)
+        loss.backward()
+        if clip is not None:
+            clip(m, opt)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    if isinstance(opt, HybridDeviceOptimizer):
+        opt.wait_params()
+    return losses
+
+
+def assert_same_params(a, b):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def reference(steps, cls=torch.optim.AdamW, clip=None, sched=None, **kw):
+    ref = model()
+    opt = cls(ref.parameters(), **{**KW, **kw})
+    s = sched(opt) if sched else None
+    return ref, train(ref, opt, steps, clip=clip, sched=s)
+
+
+# ---------------------------------------------------------------------------------------------
+# exactness
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_bit_identical_to_the_wrapped_optimizer(fraction, mode):
+    ref, ref_losses = reference(3)
+    m = model()
+    opt = hybrid(m, fraction, mode)
+    assert train(m, opt, 3) == ref_losses
+    assert_same_params(m, ref)
+    n_cpu = len(opt.offloaded_params())
+    assert (n_cpu == 0) == (fraction == 0) and (n_cpu == len(list(m.parameters()))) == (fraction == 1)
+    opt.close()
+
+
+@pytest.mark.parametrize("cls", [
+    pytest.param(None, id="default-fused-adamw"),
+    pytest.param(torch.optim.SGD, id="sgd-momentum"),
+])
+def test_other_classes_and_the_default(cls):
+    kw = dict(lr=1e-2, momentum=0.9) if cls is torch.optim.SGD else dict(lr=1e-2)
+    ref = model()
+    ref_cls = cls or (lambda p, **k: torch.optim.AdamW(p, fused=True, **k))
+    train(ref, ref_cls(ref.parameters(), **kw), 3)
+    m = model()
+    opt = HybridDeviceOptimizer(m.parameters(), 0.5, cls, cls, device=SimulatedDevice(),
+                                bucket_bytes=SMALL_BUCKETS, **kw)
+    train(m, opt, 3)
+    assert_same_params(m, ref)
+
+
+def test_bf16_params_keep_fp32_masters_and_match_a_master_weight_run():
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 0.5, param_update_in_fp32=True)
+    ref = model(torch.bfloat16)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), torch.optim.AdamW, **KW)
+    masters = ref_opt.masters
+    train(m, opt, 3)
+    train(ref, ref_opt, 3)
+    assert_same_params(m, ref)
+    sd = opt.state_dict()
+    for i, p in enumerate(m.parameters()):
+        assert sd["hybrid"]["master_weights"][i].dtype == torch.float32
+        assert torch.equal(sd["hybrid"]["master_weights"][i], masters[i])
+
+
+def test_offloads_the_parameters_whose_gradients_arrive_first():
+    m = model()
+    params = list(m.parameters())
+    opt = hybrid(m, 0.5)
+    chosen = opt.offloaded_params()
+    assert chosen[0] is params[-1]  # the last layer's parameters, last registered first
+    assert all(any(p is q for q in m.layers[-1].parameters()) for p in chosen[:8])
+    total = sum(p.numel() for p in params)
+    assert abs(sum(p.numel() for p in chosen) / total - 0.5) < 0.1
+
+    order = grad_arrival_order(m.parameters(), lambda: loss_of(m, 0).backward())
+    m.zero_grad()
+    assert order[0] in set(m.layers[-1].parameters()) and order[-1] in set(m.layers[0].parameters())
+    rev = HybridDeviceOptimizer(m.parameters(), 0.25, device=SimulatedDevice(),
+                                grad_order=order[::-1], lr=1e-2)  # pretend layer 0 arrives first
+    assert rev.offloaded_params()[0] is order[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# a missing synchronization must give wrong numbers in simulation
+
+
+@pytest.mark.parametrize("broken", ["no_wait_for_gradient_copies", "no_wait_for_param_copies"])
+def test_missing_wait_gives_wrong_results(monkeypatch, broken):
+    ref, _ = reference(2)
+    if broken == "no_wait_for_gradient_copies":
+        monkeypatch.setattr(transfer.TransferEngine, "wait_landed", lambda self, ev: None)
+    else:
+        monkeypatch.setattr(transfer.TransferEngine, "fence_compute", lambda self, ev: None)
+    m = model()
+    opt = hybrid(m, 0.5, "backward_update")
+    train(m, opt, 2)
+    diff = [not torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters())]
+    assert any(diff)
+
+
+def test_no_pinned_allocation_after_construction():
+    dev = SimulatedDevice()
+    m = model()
+    opt = hybrid(m, 0.5, "next_forward", device=dev)
+    allocs = dev.host_allocs
+    assert 0 < allocs <= len(opt._buckets)
+    train(m, opt, 3)
+    opt.load_state_dict(opt.state_dict())
+    train(m, opt, 1, start=3)
+    assert dev.host_allocs == allocs
+
+
+def test_pageable_buffers_when_not_pinned():
+    dev = SimulatedDevice()
+    ref, _ = reference(2)
+    m = model()
+    opt = hybrid(m, 1.0, pin_cpu_grads=False, pin_cpu_params=True, device=dev)
+    assert dev.host_allocs == len(opt._buckets)  # only the param side is pinned
+    train(m, opt, 2)
+    assert_same_params(m, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer API: schedulers, clipping, state dicts, groups, accumulation
+
+
+def test_lr_scheduler_drives_every_part():
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # noqa: E731
+    ref, _ = reference(4, sched=sched)
+    m = model()
+    opt = hybrid(m, 0.5, "next_forward")
+    train(m, opt, 4, sched=sched(opt))
+    assert opt.param_groups[0]["lr"] == pytest.approx(KW["lr"] / 16)
+    assert_same_params(m, ref)
+
+
+def _torch_clip(m, opt):
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+
+
+@pytest.mark.parametrize("mode", ["none", "backward_copies"])
+def test_clip_grad_norm_matches_torch(mode):
+    ref, _ = reference(3, clip=_torch_clip)
+    m = model()
+    opt = hybrid(m, 0.5, mode)
+    norms = []
+    train(m, opt, 3, clip=lambda m, o: norms.append(o.clip_grad_norm_(0.05)))
+    assert_same_params(m, ref)
+    # the returned norm is torch's total norm of the same gradients
+    loss_of(m, 9).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+    assert torch.equal(opt.clip_grad_norm_(0.05), expected)
+    assert norms[0] > 0.05  # clipping really happened
+
+
+@pytest.mark.parametrize("mode", ["backward_update", "next_forward"])
+def test_max_grad_norm_clips_inside_step(mode):
+    ref, _ = reference(3, clip=_torch_clip)
+    m = model()
+    opt = hybrid(m, 0.5, mode, max_grad_norm=0.05)
+    train(m, opt, 3)
+    assert_same_params(m, ref)
+    with pytest.raises(OffloadUsageError, match="max_grad_norm=..."):
+        loss_of(m, 0).backward()
+        opt.clip_grad_norm_(1.0)
+    opt.zero_grad()
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("fractions", [(0.5, 0.5), (0.5, 1.0), (1.0, 0.0)])
+def test_state_dict_round_trip_continues_bit_exact(fractions):
+    ref, _ = reference(4)
+    m = model()
+    opt = hybrid(m, fractions[0], "next_forward")
+    train(m, opt, 2)
+    sd = _roundtrip(opt.state_dict())
+    m2 = copy.deepcopy(m)
+    opt2 = hybrid(m2, fractions[1], "backward_copies")
+    opt2.load_state_dict(sd)
+    train(m2, opt2, 2, start=2)
+    assert_same_params(m2, ref)
+
+
+def test_state_dict_converts_to_and_from_the_wrapped_format():
+    m = model()
+    opt = hybrid(m, 0.5)
+    train(m, opt, 2)
+    plain_model = copy.deepcopy(m)
+    plain = torch.optim.AdamW(plain_model.parameters(), **KW)
+    plain.load_state_dict(_roundtrip(to_wrapped_format(opt.state_dict())))
+    ref, _ = reference(4)
+    train(plain_model, plain, 2, start=2)
+    assert_same_params(plain_model, ref)
+    # and back: a plain torch state dict loads into the hybrid optimizer
+    ref2, _ = reference(3)
+    half = model()
+    half_opt = torch.optim.AdamW(half.parameters(), **KW)
+    train(half, half_opt, 2)
+    opt3 = hybrid(half, 1.0)
+    opt3.load_state_dict(_roundtrip(half_opt.state_dict()))
+    train(half, opt3, 1, start=2)
+    assert_same_params(half, ref2)
+
+
+def test_add_param_group_and_per_group_hyperparameters():
+    ref = model()
+    groups = lambda m: [  # noqa: E731
+        {"params": list(m.layers[0].parameters()) + list(m.layers[1].parameters())},
+        {"params": list(m.layers[2].parameters()), "lr": 3e-2, "weight_decay": 0.0},
+    ]
+    rg = groups(ref)
+    ref_opt = torch.optim.AdamW(rg[:1], **KW)
+    ref_opt.add_param_group(rg[1])
+    train(ref, ref_opt, 3)
+    m = model()
+    g = groups(m)
+    opt = HybridDeviceOptimizer(g[:1], 0.5, torch.optim.AdamW, torch.optim.AdamW,
+                                device=SimulatedDevice(), bucket_bytes=SMALL_BUCKETS, **KW)
+    opt.add_param_group(g[1])
+    assert opt.param_groups[1]["lr"] == 3e-2
+    train(m, opt, 3)
+    assert_same_params(m, ref)
+
+
+def test_gradient_accumulation_with_no_sync():
+    ref = model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    m = model()
+    opt = hybrid(m, 0.5, "backward_update")
+    for mm, o, ns in ((ref, ref_opt, None), (m, opt, opt.no_sync)):
+        for step in range(2):
+            for micro in range(3):
+                last = micro == 2
+                ctx = ns() if (ns and not last) else torch.enable_grad()
+                with ctx:
+                    loss_of(mm, 3 * step + micro).backward()
+            o.step()
+            o.zero_grad()
+    assert_same_params(m, ref)
+    with pytest.raises(OffloadUsageError, match="no_sync"):
+        loss_of(m, 0).backward()
+        loss_of(m, 1).backward()
+    opt.zero_grad()
+
+
+def test_closure_and_unused_parameters():
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    m = copy.deepcopy(ref)
+    x = torch.randn(3, 4)
+    # layer 1 unused: its parameters get no gradient and must not move
+
+    def run(net, opt):
+        def closure():
+            opt.zero_grad()
+            loss = net[2](net[0](x)).square().mean()
+            loss.backward()
+            return loss
+        return [opt.step(closure).item() for _ in range(3)]
+
+    a = run(ref, torch.optim.AdamW(ref.parameters(), **KW))
+    b = run(m, hybrid(m, 1.0, "backward_update", bucket_bytes=1))
+    assert a == b
+    assert_same_params(m, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input, failures, hygiene
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), "half", True])
+def test_fraction_outside_unit_interval(fraction):
+    with pytest.raises(OffloadConfigError, match="offload_fraction"):
+        HybridDeviceOptimizer(model().parameters(), fraction, device=SimulatedDevice(), lr=1.0)
+
+
+def test_mixed_devices_and_bad_classes():
+    m = model()
+    stray = nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(OffloadConfigError, match="parameter 1 is on meta"):
+        HybridDeviceOptimizer([next(m.parameters()), stray], device=SimulatedDevice(), lr=1.0)
+
+    class NotAnOptimizer:
+        def __init__(self, params, lr):
+            self.param_groups = [{"params": list(params), "lr": lr}]
+
+        def step(self):
+            pass
+
+    with pytest.raises(OffloadConfigError, match="lacks zero_grad, state_dict, load_state_dict, "
+                                                 "add_param_group, state, defaults"):
+        HybridDeviceOptimizer(m.parameters(), cpu_optimizer_cls=NotAnOptimizer,
+                              device=SimulatedDevice(), lr=1.0)
+    with pytest.raises(OffloadConfigError, match="could not be built .*'betas_typo'"):
+        HybridDeviceOptimizer(m.parameters(), device=SimulatedDevice(), lr=1.0, betas_typo=1)
+    with pytest.raises(OffloadConfigError, match="overlap='sometimes' is not one of"):
+        HybridDeviceOptimizer(m.parameters(), device=SimulatedDevice(), overlap="sometimes")
+
+
+def test_sparse_gradient_is_rejected():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = HybridDeviceOptimizer(emb.parameters(), 1.0, torch.optim.SGD, torch.optim.SGD,
+                                device=SimulatedDevice(), lr=0.1)
+    with pytest.raises(OffloadUsageError, match="sparse gradient"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    opt.close()
+
+
+def test_next_forward_requires_forward_waits():
+    m = model()
+    opt = HybridDeviceOptimizer(m.parameters(), 0.5, device=SimulatedDevice(), overlap="next_forward", lr=1e-2)
+    loss_of(m, 0).backward()
+    with pytest.raises(OffloadUsageError, match="register_forward_waits"):
+        opt.step()
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingAdamW(torch.optim.AdamW):
+    fail_at = 2
+
+    def step(self, closure=None):
+        FailingAdamW.calls += 1
+        if FailingAdamW.calls == self.fail_at:
+            raise Boom("cpu update failed")
+        return super().step(closure)
+
+
+def _worker_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("cpu_offload-optim")]
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+def test_exception_in_a_step_leaves_nothing_hanging(mode):
+    FailingAdamW.calls = 0
+    m = model()
+    dev = SimulatedDevice()
+    opt = hybrid(m, 1.0, mode, cls=FailingAdamW, device=dev)
+    with pytest.raises(Boom):
+        train(m, opt, 3)
+    assert dev.pending_ops() == 0 or mode == "next_forward"
+    opt.zero_grad()
+    train(m, opt, 1)  # still usable
+    opt.close()
+    assert not opt._hooks and not opt._module_hooks and not opt._worker.alive
+    assert dev.pending_ops() == 0
+
+
+def test_exception_in_backward_then_zero_grad_recovers():
+    ref, _ = reference(2)
+    m = model()
+    opt = hybrid(m, 0.5, "backward_copies")
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise Boom("backward failed")
+
+    x = make_input(CFG, seed=5, requires_grad=False)
+    out = m(Fail.apply(m.layers[0](x)))  # layer 0 runs again after the failing node...
+    with pytest.raises(Boom):
+        out.square().mean().backward()  # ...so later layers' gradients were copied already
+    opt.zero_grad()
+    train(m, opt, 2)
+    assert_same_params(m, ref)
+    opt.close()
+
+
+def test_dropped_optimizer_stops_copying():
+    import gc
+    import weakref
+
+    m = model()
+    opt = hybrid(m, 1.0)
+    ref = weakref.ref(opt)
+    opt._worker.shutdown()
+    del opt
+    gc.collect()
+    assert ref() is None
+    loss_of(m, 0).backward()  # hooks still registered, but hold the optimizer weakly
+
+
+def test_overlap_modes_really_overlap():
+    """backward_update: buckets are updated before step() is called; next_forward: step()
+    returns with parameter copies still queued, and each layer's forward waits for its own."""
+    dev = SimulatedDevice()
+    m = model()
+    opt = hybrid(m, 1.0, "next_forward", device=dev)
+    loss_of(m, 0).backward()
+    started = dict(opt._step_state.updates)
+    assert len(started) == len(opt._buckets)  # every bucket's update was queued during backward
+    opt.step()
+    for f in started.values():
+        f.result()
+    assert opt.last_step_stats == {} and dev.pending_ops() > 0  # copies back not yet waited for
+    before = [p.detach().clone() for p in m.layers[0].parameters()]
+    x = make_input(CFG, seed=1, requires_grad=False)
+    with torch.no_grad():
+        m.layers[2](x)  # waits for layer 2's parameters (copied back first) only
+    assert opt._inflight is not None
+    assert all(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
+    opt.wait_params()
+    assert not any(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
+    assert 0 <= opt.last_step_stats["overlapped_with_backward"] <= 1  # timing: GPU bench checks it
+    assert opt.last_step_stats["bytes_to_host"] == sum(p.numel() * 4 for p in m.parameters())
+    opt.close()
