@@ -13,14 +13,15 @@ optimizer's CPU worker); one lock serialises them.
 """
 from __future__ import annotations
 
+import sys
 import threading
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from .compat import storage_use_count
 from .device import OffloadDevice
 
 POISON = 0xA5
@@ -119,21 +120,20 @@ class SimulatedDevice(OffloadDevice):
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel() != src.numel():
             raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
-        # The memory is alive while its root tensor is (a slice of a pinned buffer is not the
-        # owner of that buffer).
         root = dst._base if dst._base is not None else dst
         direction = "d2h" if root.data_ptr() in self._host_ptrs else "h2d"
-        dst_ref = weakref.ref(root)
-        nbytes, offset = dst.numel(), dst.storage_offset()
+        nbytes = dst.numel()
 
         def run() -> None:
-            target = dst_ref()
-            if target is None:
+            # On a real device a queued copy does not keep its destination alive. Here the queue
+            # holds it; if nothing else does (no other reference to this tensor object, no other
+            # tensor on its memory), that memory would have been freed and possibly reused.
+            if sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1:
                 raise SimulatedHazard(
                     f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
                     "buffer that was dropped before the copy was waited for"
                 )
-            target.view(-1)[offset - target.storage_offset():][:nbytes].copy_(src)
+            dst.copy_(src)
 
         with self._lock:
             self.log.append(("copy", stream.name, src.numel(), direction))
