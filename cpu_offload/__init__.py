@@ -12,6 +12,7 @@ Public API (see README.md)::
 Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``,
 ``cpu_offload.v1``).
 """
+from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
 from .tools.audit import AuditReport, audit_offload_selection
 from .config import ActivationOffloadConfig, build_offload_context
 from .device import CudaDevice, OffloadDevice
@@ -32,6 +33,9 @@ from .simulated import SimulatedDevice
 
 __all__ = [
     "ActivationOffloadConfig",
+    "apply_offloading",
+    "OffloadingHandle",
+    "offloading_handle",
     "AuditReport",
     "audit_offload_selection",
     "build_offload_context",
