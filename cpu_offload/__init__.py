@@ -14,6 +14,7 @@ Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=
 """
 from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
 from .tools.audit import AuditReport, audit_offload_selection
+from .tools.step_profile import plan_offloading
 from .config import ActivationOffloadConfig, build_offload_context
 from .device import CudaDevice, OffloadDevice
 from .errors import OffloadConfigError, OffloadUsageError
@@ -36,6 +37,7 @@ __all__ = [
     "apply_offloading",
     "OffloadingHandle",
     "offloading_handle",
+    "plan_offloading",
     "AuditReport",
     "audit_offload_selection",
     "build_offload_context",

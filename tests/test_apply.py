@@ -15,10 +15,13 @@ from cpu_offload import (
     OffloadConfigError,
     OffloadUsageError,
     apply_offloading,
+    audit_offload_selection,
     offloading_handle,
+    plan_offloading,
 )
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.tools.apply import hidden_state
+from cpu_offload.v2.selection import SelectionPolicy
 
 Pair = collections.namedtuple("Pair", "hidden aux")
 
@@ -236,3 +239,57 @@ def test_v1_backend_through_the_facade(monkeypatch, sim):
         assert_equal(gpt_step(), ref)
     assert copies(sim) > 0
     handle.remove()
+
+
+# --- planning and auditing from a real step ------------------------------------------------------
+
+
+def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
+    layers = make_layers(n=6)
+    ref = step(layers, x0)
+    kw = dict(device=sim, min_tensor_size_to_offload=64, link_gbps=(0.05, 0.05), repeats=1)
+    plan = plan_offloading(lambda: step(layers, x0), layers, 0.4, **kw)
+    assert all(type(m) is KwargLayer for m in layers)  # the profiler left nothing behind
+    assert len(plan.profiles) == 6 and all(p.activation_bytes > 0 for p in plan.profiles)
+    assert plan.peak_bytes <= plan.memory_budget_bytes
+    assert plan.num_layers + len(plan.recompute) >= 3
+    assert plan.min_tensor_size_to_offload == 64 and "apply_offloading" in plan.describe()
+    handle = apply_offloading(layers, plan=plan, device=sim)
+    assert handle.recompute == plan.recompute and handle.num_layers == plan.num_layers
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    handle.remove()
+    fast = plan_offloading(lambda: step(layers, x0), layers, 0.4, **{**kw, "link_gbps": 1e4})
+    assert fast.recompute == () and fast.num_layers >= 3  # a fast link: offloading only
+
+
+def test_plan_budget_and_mismatch_errors(x0, sim):
+    layers = make_layers()
+    run = lambda: step(layers, x0)  # noqa: E731
+    for bad in (0.0, 1.5, -3, True, "half"):
+        with pytest.raises(OffloadConfigError, match="memory_budget"):
+            plan_offloading(run, layers, bad, device=sim)
+    with pytest.raises(OffloadConfigError, match="no plan fits"):
+        plan_offloading(run, layers, 1, device=sim, min_tensor_size_to_offload=64, repeats=1)
+    with pytest.raises(OffloadConfigError, match="ran none of the layers"):
+        plan_offloading(lambda: None, layers, 0.5, device=sim, repeats=1)
+    plan = plan_offloading(run, layers, 0.9, device=sim, min_tensor_size_to_offload=64, repeats=1)
+    with pytest.raises(OffloadConfigError, match="made for 4 layers, but 3"):
+        apply_offloading(layers[:3], plan=plan, device=sim)
+    with pytest.raises(OffloadConfigError, match="conflicts with plan.num_layers"):
+        apply_offloading(layers, plan=plan, num_layers=plan.num_layers + 1, device=sim)
+
+
+def test_audit_real_step_matches_the_chain_audit(x0):
+    layers = make_layers()
+    policy = SelectionPolicy(min_tensor_size_to_offload=64, is_device_tensor=lambda t: True)
+    stepped = audit_offload_selection(layers, step_fn=lambda: step(layers, x0), policy=policy)
+    chained = audit_offload_selection(
+        layers, x0.requires_grad_(), policy=policy,
+        call_layer=lambda layer, h: layer(h, scale=torch.full((32,), 0.5), mask=torch.ones(4, 8, 1)),
+    )
+    assert [a.v2_bytes for a in stepped.layers] == [a.v2_bytes for a in chained.layers]
+    assert all(a.v2_bytes > 0 and a.saved_count > 0 for a in stepped.layers)
+    assert all(type(m) is KwargLayer for m in layers)
+    with pytest.raises(TypeError, match="exactly one of example_input"):
+        audit_offload_selection(layers)
