@@ -12,7 +12,9 @@ bf16), one training step = forward + loss + backward. Rows, all in one process o
   overlap); skipped, with a note, where the installed transformers has no such option;
 - ``apply k=K``     ``cpu_offload.apply_offloading(model.model.layers, num_layers=K)``;
 - ``plan @B``       ``plan_offloading`` measured once on the real step, then the plan for each memory
-  budget ``B`` (fraction of ``none``'s peak), applied with ``apply_offloading(layers, plan=plan)``.
+  budget ``B`` (fraction of ``none``'s peak), applied with ``apply_offloading(layers, plan=plan)``;
+- ``plan @=hf_*``   the plan whose budget is the peak an HF row measured (bytes): at the same
+  memory, is the plan faster?
 
 Per row: ``--warmup`` untimed steps, ``--iters`` timed steps (CUDA events, median); peak is
 ``max_memory_allocated`` above what the step starts with (gradient buffers persist and are zeroed
@@ -112,7 +114,9 @@ class Workload:
         self.dtype = torch.bfloat16 if device.is_cuda else torch.float32
         torch.manual_seed(args.seed)
         self.config = LlamaConfig(**cfg)
-        self.model = LlamaForCausalLM(self.config).to(device.torch_device, self.dtype).train()
+        with torch.device(device.torch_device):  # initialised where it runs (fast on the GPU)
+            model = LlamaForCausalLM(self.config)
+        self.model = model.to(self.dtype).train()
         gen = torch.Generator().manual_seed(args.seed + 1)
         ids = torch.randint(0, cfg["vocab_size"], (args.batch, self.seq), generator=gen)
         self.ids = ids.to(device.torch_device)
@@ -222,6 +226,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "sim"), default="auto")
     p.add_argument("--ks", default="2,4,8", help="apply_offloading num_layers rows")
     p.add_argument("--budgets", default="0.8,0.6,0.5,0.4", help="plan rows (fraction of none's peak)")
+    p.add_argument("--no-match-hf", action="store_true",
+                   help="skip the plan rows at the peak the HF rows measured (CUDA only)")
     p.add_argument("--layers", type=int, help="override num_hidden_layers")
     p.add_argument("--hidden", type=int, help="override hidden_size")
     p.add_argument("--seq", type=int, help="sequence length (cuda 4096, sim 32)")
@@ -267,6 +273,9 @@ def main(argv: Optional[list] = None) -> list:
 
     def hf(offload: bool) -> Callable[[], tuple]:
         def setup() -> tuple:
+            if offload and not device.is_cuda:
+                notes.append("hf_offload skipped: save_on_cpu(pin_memory=True) needs CUDA")
+                return None, nothing
             call = hf_checkpointing(wl.model, offload)
             if call is None:
                 notes.append(f"hf_offload skipped: transformers {transformers.__version__} has no "
@@ -292,16 +301,24 @@ def main(argv: Optional[list] = None) -> list:
             notes.append(f"apply k={k} skipped: needs 1 <= k < {n}")
 
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-    if budgets:
+    if budgets or not args.no_match_hf:
         kw = offload_kwargs(device, args)
         prof = profile_step(wl.step, wl.layers, device=kw.pop("device"), **kw)
         notes.extend(prof.notes)
         notes.append(f"profile: link {prof.d2h_gbps:.1f} / {prof.h2d_gbps:.1f} GB/s, step "
                      f"{prof.step_ms:.1f} ms, peak {(prof.peak_bytes or 0) / GIB:.2f} GiB")
-        for budget in budgets:
-            plan = plan_from_profile(prof, budget)
-            notes.append(f"plan @{budget}: {plan.describe()}")
-            run_row(f"plan @{budget}", applied(plan=plan), wl, device, args, reference, rows)
+        targets: list[tuple] = [(f"plan @{b}", b) for b in budgets]
+        if not args.no_match_hf:  # the frontier question: at HF's own peak, which is faster?
+            targets += [(f"plan @={r.method}", r.peak_bytes) for r in rows
+                        if r.method.startswith("hf_") and r.peak_bytes]
+        for name, budget in targets:
+            try:
+                plan = plan_from_profile(prof, budget)
+            except cpu_offload.OffloadConfigError as exc:
+                notes.append(f"{name}: {exc}")
+                continue
+            notes.append(f"{name}: {plan.describe()}")
+            run_row(name, applied(plan=plan), wl, device, args, reference, rows)
 
     base = rows[0]
     for r in rows:
@@ -328,25 +345,27 @@ def main(argv: Optional[list] = None) -> list:
 
 
 def verdicts(rows: list) -> list:
-    """The issue's targets: plan @0.8 <= 1.03x time; plan @0.5 faster than both HF rows at equal
-    or lower peak."""
+    """The issue's targets: plan @0.8 at most 1.03x time; at budget 0.5 the plan faster than HF
+    checkpointing and HF offload at equal or lower peak. The second is checked twice: literally
+    (the @0.5 row, whose peak is usually above HF's), and at HF's own measured peak (@=hf_*)."""
     by = {r.method: r for r in rows if r.time_ratio is not None}
     out = []
     p8 = by.get("plan @0.8")
     if p8 is not None:
         ok = p8.time_ratio <= 1.03 and p8.exact is not False
         out.append(f"target plan @0.8 <= 1.03x time: {p8.time_ratio:.3f}x -> {'PASS' if ok else 'FAIL'}")
-    p5 = by.get("plan @0.5")
     for other in ("hf_ckpt", "hf_offload"):
         o = by.get(other)
-        if p5 is None or o is None or p5.peak_ratio is None or o.peak_ratio is None:
-            continue
-        ok = p5.step_ms < o.step_ms and p5.peak_bytes <= o.peak_bytes
-        out.append(
-            f"target plan @0.5 faster than {other} at <= peak: {p5.time_ratio:.3f}x/"
-            f"{p5.peak_ratio:.3f} vs {o.time_ratio:.3f}x/{o.peak_ratio:.3f} -> "
-            f"{'PASS' if ok else 'FAIL'}"
-        )
+        for plan_row in ("plan @0.5", f"plan @={other}"):
+            p = by.get(plan_row)
+            if p is None or o is None or p.peak_bytes is None or o.peak_bytes is None:
+                continue
+            ok = p.step_ms < o.step_ms and p.peak_bytes <= o.peak_bytes and p.exact is not False
+            out.append(
+                f"target {plan_row} faster than {other} at <= peak: {p.time_ratio:.3f}x / "
+                f"{p.peak_ratio:.3f} peak vs {o.time_ratio:.3f}x / {o.peak_ratio:.3f} -> "
+                f"{'PASS' if ok else 'FAIL'}"
+            )
     return out
 
 
