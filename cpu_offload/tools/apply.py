@@ -35,10 +35,16 @@ _bases: dict[type, type] = {}  # the reverse
 
 
 def _compiler_disable(fn: Callable) -> Callable:
-    """Keep ``fn`` out of torch.compile's traced graphs (it runs eagerly, between graphs)."""
-    compiler = getattr(torch, "compiler", None)
-    disable = getattr(compiler, "disable", None) or torch._dynamo.disable
-    return disable(fn)
+    """Keep ``fn`` out of torch.compile's traced graphs (it runs eagerly, between graphs).
+
+    ``torch._disable_dynamo`` is what torch itself uses for this: it imports ``torch._dynamo``
+    (about 2 s) only when ``fn`` is first called, not when ``cpu_offload`` is imported, and its
+    wrapper lives in torch's own files, which dynamo never traces.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is not None:
+        return lazy(fn)
+    return torch.compiler.disable(fn)
 
 
 def _in_backward() -> bool:
@@ -286,7 +292,9 @@ class _OffloadDriver:
                 raise OffloadUsageError(
                     f"layer {index} ran while layer {self.next_index} was expected: "
                     "apply_offloading needs every layer in `layers` to run once per forward pass, "
-                    "in the order given (skipped layers, e.g. LayerDrop, are not supported)"
+                    "in the order given, with grad enabled (skipped layers such as LayerDrop, or "
+                    "single layers under torch.no_grad or checkpoint(use_reentrant=True), are not "
+                    "supported; use use_reentrant=False)"
                 )
             # A new forward pass began before the last one reached its last layer (an exception
             # between layers, an early exit): drop what the unfinished pass holds.
