@@ -12,7 +12,9 @@ Public API (see README.md)::
 Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``,
 ``cpu_offload.v1``).
 """
+from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
 from .tools.audit import AuditReport, audit_offload_selection
+from .tools.step_profile import plan_offloading
 from .config import (
     ActivationOffloadConfig,
     OptimizerOffloadConfig,
@@ -37,6 +39,10 @@ from .simulated import SimulatedDevice
 
 __all__ = [
     "ActivationOffloadConfig",
+    "apply_offloading",
+    "OffloadingHandle",
+    "offloading_handle",
+    "plan_offloading",
     "AuditReport",
     "audit_offload_selection",
     "build_hybrid_optimizer",

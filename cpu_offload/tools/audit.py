@@ -334,32 +334,62 @@ def _as_layers(model_layers: Union[nn.Module, Sequence[nn.Module]]) -> list:
 
 def audit_offload_selection(
     model_layers: Union[nn.Module, Sequence[nn.Module]],
-    example_input: Any,
+    example_input: Any = None,
     *,
+    step_fn: Optional[Callable[[], Any]] = None,
     policy: Optional[SelectionPolicy] = None,
     is_device_tensor: Optional[Callable[[torch.Tensor], bool]] = None,
     call_layer: Callable[[nn.Module, Any], Any] = _default_call,
 ) -> AuditReport:
-    """Run one forward (grad enabled) through the layers and report what each backend offloads.
+    """Report, per layer, what each backend offloads: from a chain forward or a real step.
+
+    Two modes:
+
+    - ``audit_offload_selection(layers, x)``: one forward (grad enabled) through the layers as a
+      chain, each layer's output feeding the next; ``call_layer(layer, x)`` calls a layer
+      (default: ``layer(*x)`` for a tuple, else ``layer(x)``). No backward runs and nothing is
+      moved; the forward's graph is dropped.
+    - ``audit_offload_selection(layers, step_fn=step)``: runs ``step()``, one ordinary training
+      step of the real model (any layer signature: keyword arguments, tuple or ``ModelOutput``
+      returns), and records what each layer saves during the first forward pass. The gradients
+      the step accumulates are left as they are.
 
     ``model_layers``: a list of layers, an ``nn.ModuleList``/``nn.Sequential`` (each child is a
-    layer), or one module (one layer). Each layer's output feeds the next; ``call_layer(layer, x)``
-    calls a layer (default: ``layer(*x)`` for a tuple, else ``layer(x)``). ``policy`` is V2's
-    selection (pass the ``offload_weights``/``min_tensor_size_to_offload`` you will use);
-    ``is_device_tensor`` replaces the device test of both backends (e.g.
-    ``lambda t: t.device.type == "cpu"`` to audit on a CPU). No backward runs and nothing is
-    moved; the forward's graph is dropped.
+    layer), or one module (one layer). ``policy`` is V2's selection (pass the
+    ``offload_weights``/``min_tensor_size_to_offload`` you will use); ``is_device_tensor``
+    replaces the device test of both backends (e.g. ``lambda t: t.device.type == "cpu"`` to audit
+    on a CPU).
     """
+    if (example_input is None) == (step_fn is None):
+        raise TypeError(
+            "audit_offload_selection needs exactly one of example_input (a chain forward through "
+            "the layers) and step_fn= (a real training step that runs them)"
+        )
     policy = policy or SelectionPolicy()
     if is_device_tensor is not None:
         policy = dataclasses.replace(policy, is_device_tensor=is_device_tensor)
     layers = _as_layers(model_layers)
-    audits: list[LayerAudit] = []
+    audits = [LayerAudit(index=i, name=type(layer).__name__) for i, layer in enumerate(layers)]
+    if step_fn is not None:
+        _audit_step(step_fn, layers, audits, policy)
+    else:
+        _audit_chain(example_input, layers, audits, policy, call_layer)
+    return AuditReport(
+        layers=audits,
+        policy={
+            "offload_activations": policy.offload_activations,
+            "offload_weights": policy.offload_weights,
+            "min_tensor_size_to_offload": policy.min_tensor_size_to_offload,
+        },
+    )
+
+
+def _audit_chain(
+    x: Any, layers: list, audits: list, policy: SelectionPolicy, call_layer: Callable
+) -> None:
     keep: list[torch.Tensor] = []
-    x = example_input
     with torch.enable_grad():
-        for i, layer in enumerate(layers):
-            audit = LayerAudit(index=i, name=type(layer).__name__)
+        for layer, audit in zip(layers, audits):
             recorder = _LayerRecorder(audit, policy, policy.is_device_tensor)
             handles = recorder.track_modules(layer)
             try:
@@ -369,16 +399,65 @@ def audit_offload_selection(
                 for handle in handles:
                     handle.remove()
             keep.extend(recorder.keep)
-            audits.append(audit)
     del x, keep
-    return AuditReport(
-        layers=audits,
-        policy={
-            "offload_activations": policy.offload_activations,
-            "offload_weights": policy.offload_weights,
-            "min_tensor_size_to_offload": policy.min_tensor_size_to_offload,
-        },
-    )
+
+
+class _StepAuditDriver:
+    """``apply.instrument`` driver: a ``_LayerRecorder`` around each layer of the first pass."""
+
+    owner = None
+
+    def __init__(self, audits: list, policy: SelectionPolicy) -> None:
+        self.audits = audits
+        self.policy = policy
+        self.passes = 0
+        self.active: Optional[tuple] = None
+
+    def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
+        if index == 0:
+            self.passes += 1
+        if self.passes != 1:
+            return None
+        recorder = _LayerRecorder(self.audits[index], self.policy, self.policy.is_device_tensor)
+        handles = recorder.track_modules(layer)
+        hooks = saved_tensors_hooks(recorder.pack, _unpack)
+        hooks.__enter__()
+        self.active = (recorder, handles, hooks)
+        return index
+
+    def after(self, index: int, out: Any) -> Any:
+        self.close()
+        return out
+
+    def abort(self, index: int, exc: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        active, self.active = self.active, None
+        if active is not None:
+            recorder, handles, hooks = active
+            hooks.__exit__(None, None, None)
+            for handle in handles:
+                handle.remove()
+            # The graph keeps what was saved alive until backward: no need to hold it here.
+            recorder.keep.clear()
+
+
+def _audit_step(step_fn: Callable[[], Any], layers: list, audits: list, policy: SelectionPolicy) -> None:
+    from .apply import instrument
+
+    driver = _StepAuditDriver(audits, policy)
+    undo = instrument(layers, driver)
+    try:
+        step_fn()
+    finally:
+        driver.close()
+        undo()
+    if driver.passes == 0:
+        raise ValueError(
+            "step_fn() ran none of the layers with grad enabled: pass the layers its forward "
+            "calls (e.g. model.model.layers) and a step_fn that runs forward and backward"
+        )
 
 
 # --- text ----------------------------------------------------------------------------------------

@@ -47,6 +47,12 @@ class Plan:
     baseline_ms: float = 0.0
     baseline_peak_bytes: int = 0
     alternatives: list = field(default_factory=list, compare=False, repr=False)
+    # Filled by ``plan_offloading`` (a plan from a real step), read by ``apply_offloading``:
+    memory_budget_bytes: Optional[int] = None
+    min_tensor_size_to_offload: Optional[int] = None  # the selection the bytes were counted with
+    d2h_gbps: Optional[float] = None
+    h2d_gbps: Optional[float] = None
+    profiles: tuple = field(default=(), compare=False, repr=False)  # LayerProfile per layer
 
     @property
     def time_ratio(self) -> float:
@@ -62,7 +68,7 @@ class Plan:
             f"offload the first {self.num_layers} layers (get_cpu_offload_context(num_layers="
             f"{self.num_layers})), recompute layers: {rec}; predicted step {self.step_ms:.1f} ms "
             f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
-            f"({self.peak_ratio:.3f}x)"
+            f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
         )
 
 
@@ -138,6 +144,7 @@ def plan(
     h2d_gbps: float,
     memory_budget_bytes: Optional[int] = None,
     measured_baseline_peak: Optional[int] = None,
+    measured_baseline_ms: Optional[float] = None,
 ) -> Plan:
     """Fastest ``(num_layers, recompute)`` whose predicted peak fits the budget.
 
@@ -145,17 +152,22 @@ def plan(
     a budget, the fastest plan that offloads as much as possible at no predicted time cost.
     ``measured_baseline_peak`` (peak of one real step without offloading) calibrates the memory
     model: what it misses (gradients between layers, loss temporaries) is added to every plan.
+    ``measured_baseline_ms`` (time of one real step without offloading) does the same for time:
+    what runs outside the layers (embedding, loss, optimizer hooks) is added to every plan, so
+    ratios are to the whole step.
     """
     n = len(profiles)
     base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps)
     extra = max(0, measured_baseline_peak - base_peak) if measured_baseline_peak else 0
+    extra_ms = max(0.0, measured_baseline_ms - base_ms) if measured_baseline_ms else 0.0
     base_peak += extra
+    base_ms += extra_ms
     candidates = []
     for k in range(n):
         for r in range(n - k + 1):
             rec = tuple(range(k, k + r))
             ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps)
-            candidates.append(Plan(k, rec, ms, peak + extra, base_ms, base_peak))
+            candidates.append(Plan(k, rec, ms + extra_ms, peak + extra, base_ms, base_peak))
     if memory_budget_bytes is None:
         fastest = min(c.step_ms for c in candidates)
         fits = [c for c in candidates if c.step_ms <= fastest * 1.001]

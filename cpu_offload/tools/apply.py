@@ -1,0 +1,503 @@
+"""``apply_offloading``: install activation offloading on a model's layers in place, in one call.
+
+In the spirit of ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.
+apply_activation_checkpointing`` and FSDP2's ``fully_shard``: the layers stay where they are,
+nothing is wrapped in a new parent module, so ``state_dict()`` keys and ``named_parameters()``
+names do not change, and a handle undoes it.
+
+How: like ``fully_shard``, each layer's class is swapped for a subclass created once per class
+(``Offloaded<Name>``) whose ``__call__`` runs the original call inside the offload context and
+passes the layer's hidden-state output through the sync function. ``__call__`` runs outside
+``nn.Module._call_impl``, so it also works when the layer was compiled in place
+(``layer.compile()``: only ``_call_impl`` is compiled) and is not affected by torch.compile
+skipping guards on module hooks. The per-layer logic lives in small functions excluded from
+tracing, so a layer compiled *after* applying (``torch.compile(layer)``) compiles its body and runs
+the offload bookkeeping eagerly between graphs.
+
+The same machinery (``instrument``) runs the real-step profiler of ``plan_offloading`` and the
+real-step mode of the audit: anything that needs to see each layer's call of a real training step.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..errors import OffloadConfigError, OffloadUsageError
+
+__all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
+
+_STATE_ATTR = "_cpu_offload_layer"
+_classes: dict[type, type] = {}  # original class -> its Offloaded<Name> subclass
+_bases: dict[type, type] = {}  # the reverse
+
+
+def _compiler_disable(fn: Callable) -> Callable:
+    """Keep ``fn`` out of torch.compile's traced graphs (it runs eagerly, between graphs).
+
+    ``torch._disable_dynamo`` is what torch itself uses for this: it imports ``torch._dynamo``
+    (about 2 s) only when ``fn`` is first called, not when ``cpu_offload`` is imported, and its
+    wrapper lives in torch's own files, which dynamo never traces.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is not None:
+        return lazy(fn)
+    return torch.compiler.disable(fn)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward node right now (e.g. the recomputation
+    of a checkpointed layer): such a call is not a forward pass of the model."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
+
+
+class _LayerState:
+    """What an instrumented layer needs at call time (kept in the layer's ``__dict__``)."""
+
+    __slots__ = ("driver", "index", "base", "recompute")
+
+    def __init__(self, driver: Any, index: int, base: type, recompute: bool) -> None:
+        self.driver = driver
+        self.index = index
+        self.base = base
+        self.recompute = recompute
+
+
+@_compiler_disable
+def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """``(state, token)``; ``token is None``: run the layer untouched."""
+    state = self.__dict__.get(_STATE_ATTR)
+    if state is None or not torch.is_grad_enabled() or _in_backward():
+        return state, None
+    return state, state.driver.before(state.index, self, args, kwargs)
+
+
+@_compiler_disable
+def _end(state: _LayerState, token: Any, out: Any) -> Any:
+    return state.driver.after(token, out)
+
+
+@_compiler_disable
+def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
+    state.driver.abort(token, exc)
+
+
+def _base_call(self: nn.Module, state: Optional[_LayerState], *args: Any, **kwargs: Any) -> Any:
+    base = state.base if state is not None else _bases.get(type(self), type(self))
+    if (
+        state is not None
+        and state.recompute
+        and torch.is_grad_enabled()
+        and not (getattr(self, "gradient_checkpointing", False) and self.training)  # HF: done
+    ):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(base.__call__, self, *args, use_reentrant=False, **kwargs)
+    return base.__call__(self, *args, **kwargs)
+
+
+def _layer_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of an instrumented layer: the original call between ``before``/``after``."""
+    state, token = _begin(self, args, kwargs)
+    if token is None:  # grad disabled, or a recomputation in backward: run it as it is
+        return _base_call(self, None, *args, **kwargs)
+    try:
+        out = _base_call(self, state, *args, **kwargs)
+    except BaseException as exc:
+        _fail(state, token, exc)
+        raise
+    return _end(state, token, out)
+
+
+def _layer_reduce_ex(self: nn.Module, protocol: int) -> Any:
+    """Copies and pickles of an instrumented layer are plain layers of the original class."""
+    state = dict(self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__)
+    state.pop(_STATE_ATTR, None)
+    return _plain_layer, (_bases[type(self)], state)
+
+
+def _plain_layer(base: type, state: dict) -> nn.Module:
+    layer = base.__new__(base)
+    if hasattr(layer, "__setstate__"):
+        layer.__setstate__(state)
+    else:
+        layer.__dict__.update(state)
+    return layer
+
+
+def _instrumented_class(cls: type) -> type:
+    sub = _classes.get(cls)
+    if sub is None:
+        sub = type(
+            f"Offloaded{cls.__name__}",
+            (cls,),
+            {
+                "__call__": _layer_call,
+                "__reduce_ex__": _layer_reduce_ex,
+                "__module__": cls.__module__,
+                "__doc__": cls.__doc__,
+            },
+        )
+        _classes[cls] = sub
+        _bases[sub] = cls
+    return sub
+
+
+def as_layer_list(layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers") -> list:
+    """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is."""
+    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        out = list(layers)
+    elif isinstance(layers, nn.Module):
+        raise TypeError(
+            f"{what} must be the model's layers (an nn.ModuleList, nn.Sequential or a list of "
+            f"modules, e.g. model.model.layers), got one {type(layers).__name__}; pass [module] "
+            "for a single layer"
+        )
+    else:
+        out = list(layers)
+    bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
+    if bad:
+        raise TypeError(f"{what} must contain nn.Modules, got {', '.join(bad)}")
+    if not out:
+        raise OffloadConfigError(f"{what} is empty: pass the model's layers (e.g. model.model.layers)")
+    seen: dict[int, int] = {}
+    for i, m in enumerate(out):
+        if id(m) in seen:
+            raise OffloadConfigError(
+                f"{what}[{i}] is the same module as {what}[{seen[id(m)]}]: each layer must run "
+                "once per forward pass; shared (weight-tied) layers are not supported"
+            )
+        seen[id(m)] = i
+    return out
+
+
+def check_not_instrumented(layers: list) -> None:
+    """Raise if offloading (or a running profiler) is already installed on one of ``layers``."""
+    for i, layer in enumerate(layers):
+        existing = layer.__dict__.get(_STATE_ATTR)
+        if existing is not None:
+            owner = getattr(existing.driver, "owner", None)
+            fix = (
+                "call .remove() on the handle apply_offloading returned (also available as "
+                "cpu_offload.offloading_handle(layer))"
+                if isinstance(owner, OffloadingHandle)
+                else "let the running planner/audit finish first"
+            )
+            raise OffloadUsageError(
+                f"layer {i} ({type(layer).__name__}) already has offloading or profiling "
+                f"installed; {fix} before applying again"
+            )
+
+
+def instrument(layers: list, driver: Any, recompute: Sequence[int] = ()) -> Callable[[], None]:
+    """Route every call of ``layers[i]`` through ``driver`` (``before(i, layer, args, kwargs) ->
+    token``, ``after(token, out) -> out``, ``abort(token, exc)``); return the function that undoes
+    it.
+
+    ``before`` is not called (the layer runs untouched) with grad disabled or during a backward
+    pass (recomputation); a ``None`` token from ``before`` also leaves the call untouched.
+    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint``.
+    """
+    check_not_instrumented(layers)
+    rec = set(recompute)
+    originals = []
+    for i, layer in enumerate(layers):
+        base = type(layer)
+        layer.__dict__[_STATE_ATTR] = _LayerState(driver, i, base, i in rec)
+        layer.__class__ = _instrumented_class(base)
+        originals.append((layer, base))
+
+    def undo() -> None:
+        changed = [
+            (i, type(layer).__name__) for i, (layer, base) in enumerate(originals)
+            if type(layer) is not _classes[base]
+        ]
+        if changed:
+            i, name = changed[0]
+            raise OffloadUsageError(
+                f"layer {i}'s class was changed after offloading was applied (now {name}, e.g. by "
+                "fully_shard); remove offloading before such wrapping, or apply it after"
+            )
+        for layer, base in originals:
+            layer.__class__ = base
+            layer.__dict__.pop(_STATE_ATTR, None)
+
+    return undo
+
+
+# --- the layer boundary: the hidden-state output -------------------------------------------------
+
+_HIDDEN_KEYS = ("last_hidden_state", "hidden_states")
+
+
+def hidden_state(out: Any) -> tuple:
+    """``(tensor, put)``: the hidden-state tensor of a layer's output, and ``put(t)`` that returns
+    the output with it replaced. The hidden state is the output itself (a tensor), the first tensor
+    of a tuple/list/namedtuple, or ``last_hidden_state``/``hidden_states`` (else the first tensor)
+    of a dict or a Hugging Face ``ModelOutput``."""
+    if isinstance(out, torch.Tensor):
+        return out, lambda t: t
+    if isinstance(out, Mapping):
+        keys = [k for k in _HIDDEN_KEYS if isinstance(out.get(k), torch.Tensor)]
+        keys = keys or [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+        if keys:
+            key = keys[0]
+
+            def put_item(t: torch.Tensor) -> Any:
+                if isinstance(out, MutableMapping):
+                    out[key] = t  # ModelOutput keeps its attribute in step
+                    return out
+                return {**out, key: t}
+
+            return out[key], put_item
+    elif isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            if isinstance(v, torch.Tensor):
+
+                def put_index(t: torch.Tensor, i: int = i) -> Any:
+                    if isinstance(out, list):
+                        return out[:i] + [t] + out[i + 1:]
+                    if hasattr(out, "_replace"):  # namedtuple
+                        return out._replace(**{out._fields[i]: t})
+                    items = out[:i] + (t,) + out[i + 1:]
+                    return items if type(out) is tuple else type(out)(items)
+
+                return v, put_index
+    raise TypeError(
+        f"the layer returned {type(out).__name__}, which holds no tensor: apply_offloading needs "
+        "the hidden state as the output itself, the first tensor of a tuple/list, or "
+        "'last_hidden_state'/'hidden_states' of a dict or ModelOutput"
+    )
+
+
+# --- apply_offloading -----------------------------------------------------------------------------
+
+
+class _OffloadDriver:
+    """Enters the offload context around each layer and syncs its hidden-state output."""
+
+    def __init__(self, owner: "OffloadingHandle", context: Any, sync: Callable) -> None:
+        self.owner = owner
+        self.context = context
+        self.sync = sync
+        self.n = len(owner.layers)
+        self.next_index = 0
+
+    def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> int:
+        if index != self.next_index:
+            if index != 0:
+                raise OffloadUsageError(
+                    f"layer {index} ran while layer {self.next_index} was expected: "
+                    "apply_offloading needs every layer in `layers` to run once per forward pass, "
+                    "in the order given, with grad enabled (skipped layers such as LayerDrop, or "
+                    "single layers under torch.no_grad or checkpoint(use_reentrant=True), are not "
+                    "supported; use use_reentrant=False)"
+                )
+            # A new forward pass began before the last one reached its last layer (an exception
+            # between layers, an early exit): drop what the unfinished pass holds.
+            synchronizer = getattr(self.context, "synchronizer", None)
+            if synchronizer is not None:
+                synchronizer.abort()
+        self.context.__enter__()
+        return index
+
+    def after(self, index: int, out: Any) -> Any:
+        self.context.__exit__(None, None, None)
+        self.next_index = (index + 1) % self.n
+        hidden, put = hidden_state(out)
+        synced = self.sync(hidden)
+        return out if synced is hidden else put(synced)
+
+    def abort(self, index: int, exc: BaseException) -> None:
+        self.next_index = 0
+        self.context.__exit__(type(exc), exc, exc.__traceback__)
+
+
+class OffloadingHandle:
+    """What ``apply_offloading`` returns: the installed state, and ``remove()`` to undo it.
+
+    Attributes:
+        layers: the layers offloading is installed on, in order.
+        num_layers: how many of the first layers offload their activations.
+        recompute: indices of the layers recomputed in backward (``torch.utils.checkpoint``).
+        plan: the plan applied, if any.
+        context, sync: the pair ``get_cpu_offload_context`` returned (``None`` if nothing is
+            offloaded, only recomputed).
+    """
+
+    def __init__(self, layers: list, num_layers: int, recompute: tuple, plan: Any) -> None:
+        self.layers = tuple(layers)
+        self.num_layers = num_layers
+        self.recompute = recompute
+        self.plan = plan
+        self.context: Any = None
+        self.sync: Optional[Callable] = None
+        self._undo: Optional[Callable[[], None]] = None
+
+    @property
+    def synchronizer(self) -> Any:
+        """The V2 ``OffloadSynchronizer`` (introspection: ``layer_summary()``), else ``None``."""
+        return getattr(self.context, "synchronizer", None)
+
+    @property
+    def removed(self) -> bool:
+        return self._undo is None
+
+    def remove(self) -> None:
+        """Restore every layer exactly as it was (class, attributes, call path).
+
+        Raises:
+            OffloadUsageError: called inside a layer's forward, or a layer's class was changed
+                since (e.g. ``fully_shard`` applied afterwards).
+        """
+        if self._undo is None:
+            return
+        if self.context is not None and getattr(self.synchronizer, "inside", False):
+            raise OffloadUsageError(
+                "handle.remove() called inside a layer's forward; call it between steps"
+            )
+        self._undo()
+        self._undo = None
+
+    def __enter__(self) -> "OffloadingHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else "installed"
+        rec = list(self.recompute)
+        return (
+            f"OffloadingHandle({state}: offload the first {self.num_layers} of "
+            f"{len(self.layers)} layers, recompute {rec})"
+        )
+
+
+_RESERVED = {"enabled", "model_layers", "num_layers", "manual_synchronization"}
+
+
+def apply_offloading(
+    layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
+    *,
+    num_layers: Optional[int] = None,
+    plan: Any = None,
+    **context_kwargs: Any,
+) -> OffloadingHandle:
+    """Offload the activations of a model's layers to pinned CPU memory, in place.
+
+    Each layer's forward runs inside the offload context of ``get_cpu_offload_context`` (backend
+    chosen by ``NVTE_CPU_OFFLOAD_V1`` as there) and its hidden-state output passes through the
+    sync function: exactly the per-layer loop of the README, without writing it. Layers may take
+    any positional and keyword arguments and return a tensor, a tuple/list (the hidden state is
+    its first tensor), a dict or a Hugging Face ``ModelOutput`` (``last_hidden_state`` /
+    ``hidden_states``, else the first tensor). ``state_dict()`` keys and parameter names do not
+    change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
+    during backward (``torch.utils.checkpoint``, HF ``gradient_checkpointing_enable()``) run
+    untouched. Layers compiled with ``torch.compile`` before or after applying keep working.
+
+    Args:
+        layers: the modules that run once each, in this order, in every forward pass, e.g.
+            ``model.model.layers`` of a Hugging Face decoder; ``model_layers`` is ``len(layers)``.
+        num_layers: offload the activations of the first ``num_layers`` layers (the default
+            schedule: at most ``len(layers) - num_layers`` layers' activations on the GPU).
+        plan: a ``Plan`` from ``plan_offloading``: its ``num_layers`` are offloaded and its
+            ``recompute`` layers are checkpointed (non-reentrant ``torch.utils.checkpoint``).
+            Its ``min_tensor_size_to_offload`` is used unless given here.
+        **context_kwargs: passed to ``get_cpu_offload_context`` (``min_tensor_size_to_offload``,
+            ``device``, ``retain_pinned_cpu_buffers``, ``synchronization_dict``, ...).
+
+    Returns:
+        An ``OffloadingHandle``; ``handle.remove()`` restores the layers exactly.
+
+    Raises:
+        OffloadConfigError: neither or conflicting ``num_layers``/``plan``, arguments that
+            ``apply_offloading`` sets itself, a plan for a different number of layers, or what
+            ``get_cpu_offload_context`` rejects.
+        OffloadUsageError: offloading is already applied to one of the layers.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        >>> device = None if torch.cuda.is_available() else cpu_offload.SimulatedDevice()
+        >>> handle = cpu_offload.apply_offloading(
+        ...     layers, num_layers=2, min_tensor_size_to_offload=1, device=device)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> for layer in layers:
+        ...     x = layer(x)
+        >>> x.sum().backward()
+        >>> handle.remove()
+    """
+    layers = as_layer_list(layers)
+    n = len(layers)
+    used = sorted(_RESERVED & set(context_kwargs))
+    if used:
+        raise OffloadConfigError(
+            f"apply_offloading sets {', '.join(used)} itself (model_layers = len(layers)); drop "
+            "it, and use get_cpu_offload_context directly for manual synchronization"
+        )
+    recompute: tuple = ()
+    if plan is not None:
+        if num_layers is not None and num_layers != plan.num_layers:
+            raise OffloadConfigError(
+                f"num_layers={num_layers} conflicts with plan.num_layers={plan.num_layers}; pass "
+                "one of them"
+            )
+        num_layers = plan.num_layers
+        recompute = tuple(sorted(plan.recompute))
+        profiled = len(getattr(plan, "profiles", ()) or ())
+        if (profiled and profiled != n) or any(not 0 <= r < n for r in recompute):
+            raise OffloadConfigError(
+                f"the plan was made for {profiled or 'other'} layers, but {n} layers were passed; "
+                "plan with the same layers you apply it to"
+            )
+        min_size = getattr(plan, "min_tensor_size_to_offload", None)
+        if min_size is not None:
+            context_kwargs.setdefault("min_tensor_size_to_offload", min_size)
+    elif num_layers is None and "synchronization_dict" not in context_kwargs:
+        raise OffloadConfigError(
+            "apply_offloading needs num_layers=k (offload the first k layers) or "
+            "plan=cpu_offload.plan_offloading(step_fn, layers, memory_budget)"
+        )
+    check_not_instrumented(layers)
+    handle = OffloadingHandle(layers, num_layers or 0, recompute, plan)
+    offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
+    if offloads:
+        from ..facade import get_cpu_offload_context
+
+        handle.context, handle.sync = get_cpu_offload_context(
+            enabled=True, num_layers=num_layers or 0, model_layers=n, **context_kwargs
+        )
+        driver: Any = _OffloadDriver(handle, handle.context, handle.sync)
+    else:
+        driver = _PassDriver(handle)
+    handle._undo = instrument(layers, driver, recompute)
+    return handle
+
+
+class _PassDriver:
+    """Recompute-only plans: nothing to offload, the layers only run checkpointed."""
+
+    def __init__(self, owner: OffloadingHandle) -> None:
+        self.owner = owner
+
+    def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> int:
+        return index
+
+    def after(self, index: int, out: Any) -> Any:
+        return out
+
+    def abort(self, index: int, exc: BaseException) -> None:
+        pass
+
+
+def offloading_handle(module: nn.Module) -> Optional[OffloadingHandle]:
+    """The handle of the ``apply_offloading`` call that installed offloading on ``module``, or
+    ``None`` (e.g. to ``remove()`` it when the original handle is out of reach)."""
+    state = module.__dict__.get(_STATE_ATTR)
+    owner = getattr(getattr(state, "driver", None), "owner", None)
+    return owner if isinstance(owner, OffloadingHandle) else None

@@ -1,0 +1,426 @@
+"""Measure the user's own training step per layer, and plan offloading from it.
+
+``profile_step(step_fn, layers)`` runs ``step_fn()`` (forward + backward of the real model, any
+layer signature) with the layers instrumented by ``apply.instrument``:
+
+- saved bytes: a counting saved-tensor hook around each layer's forward applies V2's selection
+  (``SelectionPolicy``, the predicate V2's pack hook uses) and counts each storage once, for the
+  first layer that saves it, as V2 moves whole storages at most once;
+- input bytes: the hidden-state input, what a checkpointed layer keeps instead;
+- forward time: from a layer's call to its return; backward time: from the backward pre-hook on
+  the layer's hidden-state output to the next layer's (the end of backward for layer 0). CUDA
+  events on the GPU, host clocks on the simulated device (where compute is the CPU's);
+- peak memory of the step above what it starts with, and each layer's transient workspace
+  (CUDA only);
+- the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter.
+
+``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
+that ``apply_offloading(layers, plan=plan)`` applies.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..compat import queue_backward_callback, saved_tensors_hooks
+from ..device import OffloadDevice, default_device
+from ..errors import OffloadConfigError
+from ..v2.selection import SelectionPolicy
+from .apply import as_layer_list, hidden_state, instrument
+from .audit import _v2_verdict
+from .planner import LayerProfile, Plan, plan as search_plan
+
+__all__ = ["StepProfile", "plan_offloading", "profile_step"]
+
+DEFAULT_SIM_LINK_GBPS = 50.0  # assumed on the simulated device: a PCIe Gen5 x16 link, each way
+
+
+@dataclass
+class StepProfile:
+    """One real step, per layer: what ``plan_offloading`` plans from."""
+
+    layers: list  # list[LayerProfile]
+    step_ms: float  # the whole step (median), layers and everything around them
+    peak_bytes: Optional[int]  # peak above the memory held before the step (CUDA), else None
+    d2h_gbps: float
+    h2d_gbps: float
+    min_tensor_size_to_offload: int
+    notes: list = field(default_factory=list)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    for v in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+class _Clock:
+    """CUDA events on the compute stream, or the host clock."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ms(self, start: Any, end: Any) -> float:
+        if start is None or end is None:
+            return 0.0
+        if self.cuda:
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch._C._cuda_memoryStats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+
+
+def _max_allocated() -> int:
+    return torch._C._cuda_memoryStats(torch.cuda.current_device())["allocated_bytes"]["all"]["peak"]
+
+
+class _StepRecorder:
+    """``instrument`` driver: records the first forward pass of one ``step_fn()`` call."""
+
+    owner = None
+
+    def __init__(
+        self, n: int, clock: _Clock, policy: Optional[SelectionPolicy], memory: bool
+    ) -> None:
+        self.n = n
+        self.clock = clock
+        self.policy = policy  # count saved bytes with it (None: time only)
+        self.memory = memory
+        self.passes = 0
+        self.fwd = [[None, None] for _ in range(n)]
+        self.bwd_start: list = [None] * n
+        self.bwd_end: Any = None
+        self.bwd_queued = False
+        self.saved = [0] * n
+        self.inputs = [0] * n
+        self.transient = [0] * n
+        self.seen: set = set()
+        self.peak_so_far = 0
+        self.hooks: Any = None
+        self.current = -1
+
+    # -- instrument's driver interface -----------------------------------------------------------
+    def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
+        if index == 0:
+            self.passes += 1
+        if self.passes != 1:
+            return None  # only the first forward pass of the step is recorded
+        h = _first_tensor(args, kwargs)
+        self.inputs[index] = 0 if h is None else h.untyped_storage().nbytes()
+        if self.memory:
+            self.peak_so_far = max(self.peak_so_far, _max_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        self.current = index
+        if self.policy is not None:
+            self.hooks = saved_tensors_hooks(self._pack, _identity)
+            self.hooks.__enter__()
+        self.fwd[index][0] = self.clock.mark()
+        return index
+
+    def after(self, index: int, out: Any) -> Any:
+        self.fwd[index][1] = self.clock.mark()
+        self._close_hooks()
+        if self.memory:
+            layer_peak = _max_allocated()
+            self.transient[index] = max(0, layer_peak - _allocated())
+            self.peak_so_far = max(self.peak_so_far, layer_peak)
+        try:
+            hidden, _ = hidden_state(out)
+        except TypeError:
+            hidden = None
+        if hidden is not None and hidden.grad_fn is not None:
+            hidden.grad_fn.register_prehook(_BackwardMark(self, index))
+        return out
+
+    def abort(self, index: int, exc: BaseException) -> None:
+        self._close_hooks()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _close_hooks(self) -> None:
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        reason, storages = _v2_verdict(t, self.policy)
+        if reason is None:
+            for key, nbytes in storages:
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.saved[self.current] += nbytes
+        return t
+
+    def backward_started(self, index: int) -> None:
+        if self.bwd_start[index] is None:
+            self.bwd_start[index] = self.clock.mark()
+        if not self.bwd_queued:
+            self.bwd_queued = True
+            queue_backward_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self.bwd_end = self.clock.mark()
+
+    def times(self) -> tuple:
+        """Per-layer ``(fwd_ms, bwd_ms)`` lists (call after the clock synchronized)."""
+        fwd = [self.clock.ms(s, e) for s, e in self.fwd]
+        ends = [self.bwd_end] + self.bwd_start[:-1]  # layer i's backward ends as i-1's begins
+        bwd = [self.clock.ms(s, e) for s, e in zip(self.bwd_start, ends)]
+        return fwd, bwd
+
+
+class _BackwardMark:
+    """Backward pre-hook on a layer's output: that layer's backward starts now."""
+
+    __slots__ = ("recorder", "index")
+
+    def __init__(self, recorder: _StepRecorder, index: int) -> None:
+        self.recorder = recorder
+        self.index = index
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.recorder.backward_started(self.index)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _run(step_fn: Callable[[], Any], layers: list, recorder: _StepRecorder) -> float:
+    """One instrumented ``step_fn()``; returns the whole step's time in ms."""
+    clock = recorder.clock
+    undo = instrument(layers, recorder)
+    try:
+        clock.synchronize()
+        start = clock.mark()
+        step_fn()
+        end = clock.mark()
+        clock.synchronize()
+    finally:
+        recorder._close_hooks()
+        undo()
+    if recorder.passes == 0:
+        raise OffloadConfigError(
+            "step_fn() ran none of the layers with grad enabled: pass the layers its forward "
+            "calls (e.g. model.model.layers) and a step_fn that runs forward and backward"
+        )
+    return clock.ms(start, end)
+
+
+def measure_link(nbytes: int = 256 << 20, reps: int = 3) -> tuple:
+    """``(d2h_gbps, h2d_gbps)`` of pinned copies on the current CUDA device (GB/s = 1e9 B/s)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        times = []
+        for _ in range(reps + 1):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out.append(nbytes / 1e6 / statistics.median(times[1:]))
+    del host, dev
+    return tuple(out)
+
+
+def profile_step(
+    step_fn: Callable[[], Any],
+    layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
+    *,
+    device: Optional[OffloadDevice] = None,
+    min_tensor_size_to_offload: int = 1024 * 1024,
+    offload_weights: bool = False,
+    link_gbps: Union[None, float, tuple] = None,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> StepProfile:
+    """Measure ``step_fn()`` per layer (see the module docstring); ``plan_offloading``'s input.
+
+    ``step_fn`` runs ``warmup + 1 + repeats`` times; the gradients it accumulates are left as
+    they are. Only the first forward pass of each call is recorded.
+    """
+    layers = as_layer_list(layers)
+    device = device or default_device()
+    cuda = device.name == "cuda"
+    n = len(layers)
+    notes: list[str] = []
+    if link_gbps is None:
+        if cuda:
+            d2h, h2d = measure_link()
+        else:
+            d2h = h2d = DEFAULT_SIM_LINK_GBPS
+            notes.append(f"link: not measured on the {device.name} device, assumed {d2h} GB/s")
+    elif isinstance(link_gbps, (tuple, list)):
+        d2h, h2d = (float(v) for v in link_gbps)
+    else:
+        d2h = h2d = float(link_gbps)
+    policy = SelectionPolicy(
+        offload_weights=offload_weights,
+        min_tensor_size_to_offload=min_tensor_size_to_offload,
+        is_device_tensor=device.is_device_tensor,
+    )
+    clock = _Clock(cuda)
+    for _ in range(warmup):
+        step_fn()
+    # Bytes and memory (the counting hook returns each tensor itself: memory is unchanged).
+    counted = _StepRecorder(n, clock, policy, memory=cuda)
+    before = 0
+    if cuda:
+        torch.cuda.synchronize()
+        before = _allocated()
+        torch.cuda.reset_peak_memory_stats()
+    _run(step_fn, layers, counted)
+    peak = max(counted.peak_so_far, _max_allocated()) - before if cuda else None
+    # Times, without the counting hook's host work.
+    fwd_runs, bwd_runs, step_runs = [], [], []
+    for _ in range(max(1, repeats)):
+        timed = _StepRecorder(n, clock, None, memory=False)
+        step_runs.append(_run(step_fn, layers, timed))
+        fwd, bwd = timed.times()
+        fwd_runs.append(fwd)
+        bwd_runs.append(bwd)
+    profiles = [
+        LayerProfile(
+            activation_bytes=counted.saved[i],
+            input_bytes=counted.inputs[i],
+            fwd_ms=statistics.median(r[i] for r in fwd_runs),
+            bwd_ms=statistics.median(r[i] for r in bwd_runs),
+            transient_bytes=counted.transient[i],
+        )
+        for i in range(n)
+    ]
+    if not any(p.activation_bytes for p in profiles):
+        notes.append(
+            f"no saved tensor has >= {min_tensor_size_to_offload} elements: lower "
+            "min_tensor_size_to_offload, or nothing can be offloaded"
+        )
+    return StepProfile(
+        profiles, statistics.median(step_runs), peak, d2h, h2d, min_tensor_size_to_offload, notes
+    )
+
+
+def plan_offloading(
+    step_fn: Callable[[], Any],
+    layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
+    memory_budget: Union[int, float],
+    *,
+    device: Optional[OffloadDevice] = None,
+    min_tensor_size_to_offload: int = 1024 * 1024,
+    link_gbps: Union[None, float, tuple] = None,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> Plan:
+    """Choose what to offload and what to recompute from one real training step.
+
+    Runs ``step_fn()`` (one ordinary forward + backward of your model) with the layers
+    instrumented, measures per layer the bytes V2 would offload, forward and backward time and
+    transient memory, plus the step's peak memory and the host link, and searches the fastest
+    "offload the first k layers + recompute these layers" whose predicted peak fits
+    ``memory_budget`` (``cpu_offload.tools.planner``). Plan before ``apply_offloading`` and
+    before enabling gradient checkpointing (a checkpointed layer hides what it saves).
+
+    Args:
+        step_fn: runs one training step (forward and backward; no optimizer step needed). It
+            is called ``warmup + 1 + repeats`` times; the gradients it accumulates are left as
+            they are (zero them afterwards).
+        layers: the model's layers, as for ``apply_offloading``.
+        memory_budget: peak memory of the step, above what it starts with: bytes (``int``), or
+            a ``float`` in (0, 1], the fraction of the peak of the step without offloading
+            (measured on CUDA, predicted by the planner's model elsewhere).
+        device: the offload device (default CUDA); ``SimulatedDevice()`` plans on a CPU, with
+            host times and ``link_gbps``.
+        min_tensor_size_to_offload: as in ``get_cpu_offload_context``; stored in the plan and
+            used by ``apply_offloading(layers, plan=plan)``.
+        link_gbps: host link speed in GB/s, one number or ``(d2h, h2d)``; default: measured with
+            pinned copies on CUDA, 50 GB/s on the simulated device.
+        warmup, repeats: untimed steps first, then timed steps (medians).
+
+    Returns:
+        A ``Plan``: ``num_layers``, ``recompute``, predicted ``step_ms``/``peak_bytes`` and
+        ratios, ``describe()``; apply it with ``apply_offloading(layers, plan=plan)``.
+
+    Raises:
+        OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
+            message names it), or a ``step_fn`` that runs none of ``layers``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        >>> device = None if torch.cuda.is_available() else cpu_offload.SimulatedDevice()
+        >>> x0 = torch.randn(8, 64, device="cuda" if device is None else "cpu")
+        >>> layers.to(x0.device)  # doctest: +ELLIPSIS
+        ModuleList(...)
+        >>> def step():
+        ...     x = x0.requires_grad_()
+        ...     for layer in layers:
+        ...         x = layer(x)
+        ...     x.sum().backward()
+        >>> plan = cpu_offload.plan_offloading(
+        ...     step, layers, 0.8, device=device, min_tensor_size_to_offload=1)
+        >>> handle = cpu_offload.apply_offloading(layers, plan=plan, device=device)
+        >>> step()
+        >>> handle.remove()
+    """
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise OffloadConfigError(
+            f"memory_budget must be bytes (int) or a fraction in (0, 1] (float), got "
+            f"{memory_budget!r}"
+        )
+    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
+        raise OffloadConfigError(
+            f"memory_budget={memory_budget} as a float is a fraction of the peak without "
+            "offloading and must be in (0, 1]; pass an int for bytes"
+        )
+    if isinstance(memory_budget, int) and memory_budget <= 0:
+        raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+    prof = profile_step(
+        step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
+        link_gbps=link_gbps, warmup=warmup, repeats=repeats,
+    )
+    return plan_from_profile(prof, memory_budget)
+
+
+def plan_from_profile(prof: StepProfile, memory_budget: Union[int, float]) -> Plan:
+    """The planner's search on a measured step (``memory_budget`` as in ``plan_offloading``)."""
+    profiles = prof.layers
+    if len(profiles) < 2:
+        raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
+    base = search_plan(profiles, prof.d2h_gbps, prof.h2d_gbps, None, prof.peak_bytes, prof.step_ms)
+    if isinstance(memory_budget, float):
+        budget = int(memory_budget * base.baseline_peak_bytes)
+    else:
+        budget = int(memory_budget)
+    chosen = search_plan(
+        profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms
+    )
+    return replace(
+        chosen,
+        memory_budget_bytes=budget,
+        min_tensor_size_to_offload=prof.min_tensor_size_to_offload,
+        d2h_gbps=prof.d2h_gbps,
+        h2d_gbps=prof.h2d_gbps,
+        profiles=tuple(profiles),
+    )

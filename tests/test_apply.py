@@ -1,0 +1,295 @@
+"""``apply_offloading`` / ``plan_offloading`` / the audit's real-step mode on plain-torch layers
+(simulated device): any signature and output type, exact gradients, undo, misuse, planning."""
+from __future__ import annotations
+
+import collections
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_offload
+from cpu_offload import (
+    OffloadConfigError,
+    OffloadUsageError,
+    apply_offloading,
+    audit_offload_selection,
+    offloading_handle,
+    plan_offloading,
+)
+from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.tools.apply import hidden_state
+from cpu_offload.v2.selection import SelectionPolicy
+
+Pair = collections.namedtuple("Pair", "hidden aux")
+
+
+class KwargLayer(nn.Module):
+    """A decoder-style layer: keyword arguments in, a configurable output container out."""
+
+    def __init__(self, width: int, out: str = "tensor") -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.out = out
+
+    def forward(self, x, *, scale=None, mask=None):
+        h = torch.tanh(self.lin(x)) * scale + x
+        if mask is not None:
+            h = h * mask
+        aux = h.sum()
+        return {
+            "tensor": lambda: h,
+            "tuple": lambda: (h, aux),
+            "list": lambda: [h, aux],
+            "namedtuple": lambda: Pair(h, aux),
+            "dict": lambda: {"aux": aux, "hidden_states": h},
+            "tuple_first_none": lambda: (None, h),
+        }[self.out]()
+
+
+def make_layers(out: str = "tensor", n: int = 4, width: int = 32) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(KwargLayer(width, out) for _ in range(n))
+
+
+def step(layers, x0):
+    """A training step of a model that calls its layers with keyword arguments."""
+    layers.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    scale = torch.full((x0.shape[-1],), 0.5)
+    mask = torch.ones(x0.shape[:-1] + (1,))
+    h = x
+    for layer in layers:
+        out = layer(h, scale=scale, mask=mask)
+        h, _ = hidden_state(out)
+    h.square().sum().backward()
+    return [h.detach(), x.grad] + [p.grad.clone() for p in layers.parameters()]
+
+
+def assert_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def copies(sim) -> int:
+    return sum(1 for e in sim.log if e[0] == "copy")
+
+
+@pytest.fixture
+def x0():
+    torch.manual_seed(1)
+    return torch.randn(4, 8, 32)
+
+
+@pytest.mark.parametrize("out", ["tensor", "tuple", "list", "namedtuple", "dict", "tuple_first_none"])
+def test_any_output_container_gives_bit_identical_gradients(out, x0, sim):
+    layers = make_layers(out)
+    ref = step(layers, x0)
+    handle = apply_offloading(layers, num_layers=2, min_tensor_size_to_offload=64, device=sim)
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    summary = handle.synchronizer.layer_summary()
+    assert [s["offloaded"] for s in summary] == [True, True, False, False]
+    assert all(s["bytes"] > 0 for s in summary[:2]) and copies(sim) > 0
+    assert [m[0] for m in sim.milestones({"release"})] == ["release", "release"] * 2
+
+
+def test_output_without_tensor_is_a_clear_error(sim):
+    with pytest.raises(TypeError, match="holds no tensor"):
+        hidden_state((None, 3))
+    layer = nn.Module()
+    layer.forward = lambda x: {"n": 1}
+    handle = apply_offloading([layer, nn.Identity(), nn.Identity()], num_layers=1, device=sim)
+    with pytest.raises(TypeError, match="hidden state"):
+        layer(torch.ones(2, requires_grad=True))
+    handle.remove()
+
+
+def test_names_state_dict_and_remove_restore_exactly(x0, sim):
+    layers = make_layers()
+    names = [n for n, _ in layers.named_parameters()]
+    keys = list(layers.state_dict())
+    before = [(type(m), dict(m.__dict__)) for m in layers]
+    ref = step(layers, x0)
+    handle = apply_offloading(layers, num_layers=2, device=sim, min_tensor_size_to_offload=64)
+    assert [n for n, _ in layers.named_parameters()] == names
+    assert list(layers.state_dict()) == keys
+    assert offloading_handle(layers[0]) is handle and "first 2 of 4" in repr(handle)
+    step(layers, x0)
+    handle.remove()
+    handle.remove()  # idempotent
+    assert handle.removed and offloading_handle(layers[0]) is None
+    assert [(type(m), dict(m.__dict__)) for m in layers] == before
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in layers)
+    n_copies = copies(sim)
+    assert_equal(step(layers, x0), ref)
+    assert copies(sim) == n_copies  # nothing offloaded any more
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_applying_twice_is_refused_with_the_fix(sim):
+    layers = make_layers()
+    handle = apply_offloading(layers, num_layers=1, device=sim)
+    with pytest.raises(OffloadUsageError, match=r"already has offloading.*\.remove\(\)"):
+        apply_offloading(layers[2:], num_layers=1, device=sim)
+    handle.remove()
+    apply_offloading(layers, num_layers=1, device=sim).remove()
+
+
+def test_argument_errors_name_the_fix(sim):
+    layers = make_layers()
+    with pytest.raises(OffloadConfigError, match="num_layers=k .* or plan="):
+        apply_offloading(layers, device=sim)
+    with pytest.raises(OffloadConfigError, match="model_layers"):
+        apply_offloading(layers, num_layers=1, model_layers=4, device=sim)
+    with pytest.raises(OffloadConfigError, match="same module"):
+        apply_offloading([layers[0], layers[0]], num_layers=1, device=sim)
+    with pytest.raises(TypeError, match="one KwargLayer"):
+        apply_offloading(layers[0], num_layers=1, device=sim)
+    with pytest.raises(OffloadConfigError, match="must be smaller than model_layers"):
+        apply_offloading(layers, num_layers=4, device=sim)
+    assert all(type(m) is KwargLayer for m in layers)  # nothing installed by a failed call
+
+
+def test_no_grad_and_eval_forwards_are_not_offloaded(x0, sim):
+    layers = make_layers()
+    handle = apply_offloading(layers, num_layers=2, device=sim, min_tensor_size_to_offload=64)
+    with torch.no_grad():
+        step_out = [layer(x0, scale=1.0) for layer in layers]
+    with torch.inference_mode():
+        layers[0](x0, scale=1.0)
+    assert copies(sim) == 0 and step_out
+    ref_free = make_layers()
+    assert_equal(step(layers, x0), step(ref_free, x0))
+    handle.remove()
+
+
+def test_exception_in_a_layer_or_between_layers_leaves_the_next_step_exact(x0, sim):
+    layers = make_layers()
+    ref = step(layers, x0)
+    handle = apply_offloading(layers, num_layers=2, device=sim, min_tensor_size_to_offload=64)
+    with pytest.raises(TypeError):
+        layers[0](x0, scale=1.0)
+        layers[1](x0, scale="bad")  # raises inside layer 1's forward
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert_equal(step(layers, x0), ref)
+    # Two layers ran, then the model raised outside them: the next forward starts afresh.
+    h = layers[0](x0, scale=1.0)
+    layers[1](h, scale=1.0)
+    assert_equal(step(layers, x0), ref)
+    with pytest.raises(OffloadUsageError, match="layer 2 ran while layer 0 was expected"):
+        layers[2](x0, scale=1.0)
+    handle.remove()
+
+
+def test_checkpointed_layers_recompute_untouched(x0, sim):
+    """torch.utils.checkpoint around a layer: the recomputation in backward is not a forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = make_layers()
+
+    def ckpt_step():
+        layers.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        h = x
+        for layer in layers:
+            h = checkpoint(layer, h, use_reentrant=False, scale=0.5)
+        h.square().sum().backward()
+        return [h.detach(), x.grad] + [p.grad.clone() for p in layers.parameters()]
+
+    ref = ckpt_step()
+    handle = apply_offloading(layers, num_layers=2, device=sim, min_tensor_size_to_offload=64)
+    for _ in range(2):
+        assert_equal(ckpt_step(), ref)
+    handle.remove()
+
+
+def test_copies_and_pickles_are_plain_layers(sim):
+    layers = make_layers()
+    handle = apply_offloading(layers, num_layers=1, device=sim)
+    clone = copy.deepcopy(layers)
+    assert all(type(m) is KwargLayer for m in clone)
+    assert all(type(m) is KwargLayer for m in pickle.loads(pickle.dumps(layers)))
+    assert all("_cpu_offload_layer" not in m.__dict__ for m in clone)
+    handle.remove()
+
+
+def test_v1_backend_through_the_facade(monkeypatch, sim):
+    """V1 offloads tagged tensors: the embedded GPT blocks tag theirs."""
+    cfg = tiny_config()
+    model = build_model(cfg)
+    model.set_tag_activations(True)
+    x0 = make_input(cfg, requires_grad=False)
+
+    def gpt_step():
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        out = model(x)
+        out.square().sum().backward()
+        return [out.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    ref = gpt_step()
+    handle = apply_offloading(model.layers, num_layers=2, device=sim)
+    assert handle.synchronizer is None  # V1's context
+    for _ in range(2):
+        assert_equal(gpt_step(), ref)
+    assert copies(sim) > 0
+    handle.remove()
+
+
+# --- planning and auditing from a real step ------------------------------------------------------
+
+
+def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
+    layers = make_layers(n=6)
+    ref = step(layers, x0)
+    kw = dict(device=sim, min_tensor_size_to_offload=64, link_gbps=(0.05, 0.05), repeats=1)
+    plan = plan_offloading(lambda: step(layers, x0), layers, 0.4, **kw)
+    assert all(type(m) is KwargLayer for m in layers)  # the profiler left nothing behind
+    assert len(plan.profiles) == 6 and all(p.activation_bytes > 0 for p in plan.profiles)
+    assert plan.peak_bytes <= plan.memory_budget_bytes
+    assert plan.num_layers + len(plan.recompute) >= 3
+    assert plan.min_tensor_size_to_offload == 64 and "apply_offloading" in plan.describe()
+    handle = apply_offloading(layers, plan=plan, device=sim)
+    assert handle.recompute == plan.recompute and handle.num_layers == plan.num_layers
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    handle.remove()
+    fast = plan_offloading(lambda: step(layers, x0), layers, 0.4, **{**kw, "link_gbps": 1e4})
+    assert fast.recompute == () and fast.num_layers >= 3  # a fast link: offloading only
+
+
+def test_plan_budget_and_mismatch_errors(x0, sim):
+    layers = make_layers()
+    run = lambda: step(layers, x0)  # noqa: E731
+    for bad in (0.0, 1.5, -3, True, "half"):
+        with pytest.raises(OffloadConfigError, match="memory_budget"):
+            plan_offloading(run, layers, bad, device=sim)
+    with pytest.raises(OffloadConfigError, match="no plan fits"):
+        plan_offloading(run, layers, 1, device=sim, min_tensor_size_to_offload=64, repeats=1)
+    with pytest.raises(OffloadConfigError, match="ran none of the layers"):
+        plan_offloading(lambda: None, layers, 0.5, device=sim, repeats=1)
+    plan = plan_offloading(run, layers, 0.9, device=sim, min_tensor_size_to_offload=64, repeats=1)
+    with pytest.raises(OffloadConfigError, match="made for 4 layers, but 3"):
+        apply_offloading(layers[:3], plan=plan, device=sim)
+    with pytest.raises(OffloadConfigError, match="conflicts with plan.num_layers"):
+        apply_offloading(layers, plan=plan, num_layers=plan.num_layers + 1, device=sim)
+
+
+def test_audit_real_step_matches_the_chain_audit(x0):
+    layers = make_layers()
+    policy = SelectionPolicy(min_tensor_size_to_offload=64, is_device_tensor=lambda t: True)
+    stepped = audit_offload_selection(layers, step_fn=lambda: step(layers, x0), policy=policy)
+    chained = audit_offload_selection(
+        layers, x0.requires_grad_(), policy=policy,
+        call_layer=lambda layer, h: layer(h, scale=torch.full((32,), 0.5), mask=torch.ones(4, 8, 1)),
+    )
+    assert [a.v2_bytes for a in stepped.layers] == [a.v2_bytes for a in chained.layers]
+    assert all(a.v2_bytes > 0 and a.saved_count > 0 for a in stepped.layers)
+    assert all(type(m) is KwargLayer for m in layers)
+    with pytest.raises(TypeError, match="exactly one of example_input"):
+        audit_offload_selection(layers)
