@@ -1,4 +1,5 @@
 """Exceptions raised for misuse, so callers can catch configuration mistakes specifically."""
+import sys
 from typing import Any
 
 import torch
@@ -20,3 +21,12 @@ def check_sync_argument(tensor: Any) -> None:
             "for a layer returning a tuple or dict, pass its hidden-state tensor: "
             "`out = (sync(out[0]), *out[1:])`"
         )
+
+
+def stacklevel_outside_package() -> int:
+    """``stacklevel`` for ``warnings.warn`` that points at the first caller outside
+    ``cpu_offload`` (the user's line), however deep inside the package the warning is raised."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("cpu_offload"):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..compat import in_backward
 from ..errors import OffloadConfigError, OffloadUsageError
 
 __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
@@ -47,13 +48,6 @@ def _compiler_disable(fn: Callable) -> Callable:
     return torch.compiler.disable(fn)
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward node right now (e.g. the recomputation
-    of a checkpointed layer): such a call is not a forward pass of the model."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return current is not None and current() is not None
-
-
 class _LayerState:
     """What an instrumented layer needs at call time (kept in the layer's ``__dict__``)."""
 
@@ -70,7 +64,7 @@ class _LayerState:
 def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """``(state, token)``; ``token is None``: run the layer untouched."""
     state = self.__dict__.get(_STATE_ATTR)
-    if state is None or not torch.is_grad_enabled() or _in_backward():
+    if state is None or not torch.is_grad_enabled() or in_backward():
         return state, None
     return state, state.driver.before(state.index, self, args, kwargs)
 
@@ -300,7 +294,7 @@ class _OffloadDriver:
             # between layers, an early exit): drop what the unfinished pass holds.
             synchronizer = getattr(self.context, "synchronizer", None)
             if synchronizer is not None:
-                synchronizer.abort()
+                synchronizer.reset()
         self.context.__enter__()
         return index
 

@@ -1,7 +1,6 @@
 """``get_cpu_offload_context`` of the V1 backend: argument checks and wiring."""
 from __future__ import annotations
 
-import sys
 import warnings
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Optional, Tuple
@@ -9,7 +8,7 @@ from typing import Callable, ContextManager, Optional, Tuple
 import torch
 
 from ..device import OffloadDevice
-from ..errors import OffloadConfigError
+from ..errors import OffloadConfigError, stacklevel_outside_package
 from .async_handler import AsyncDoubleBufferGroupOffloadHandler
 from .commit import group_prefetch_offload_commit
 from .hooks import CpuOffloadHookWithOffloadHandler
@@ -18,14 +17,6 @@ from .marking import tensor_need_offloading_checker_activations
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-def _stacklevel_outside_package() -> int:
-    """``stacklevel`` that attributes a warning to the first caller outside ``cpu_offload``."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("cpu_offload"):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _check_layers(num_layers: object, model_layers: object) -> None:
@@ -72,7 +63,7 @@ def get_cpu_offload_context(
             "Offloading weights is deprecated: offload_weights=True has no effect (only "
             "activations are offloaded); drop the argument",
             DeprecationWarning,
-            stacklevel=_stacklevel_outside_package(),
+            stacklevel=stacklevel_outside_package(),
         )
         if not offload_activations:
             return nullcontext(), _identity

@@ -17,7 +17,7 @@ import torch
 from .. import markers
 from ..compat import saved_tensors_hooks
 from ..device import OffloadDevice, default_device
-from ..errors import OffloadConfigError
+from ..errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
 from .selection import SelectionPolicy
 from .synchronizer import (
@@ -166,21 +166,21 @@ def get_cpu_offload_context(
         schedule = Schedule(model_layers, validate_synchronization_dict(synchronization_dict, model_layers))
     else:
         for message in check_default_arguments(num_layers, model_layers):
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warnings.warn(message, UserWarning, stacklevel=stacklevel_outside_package())
         schedule = Schedule.default(num_layers, model_layers)
     if double_buffering:
         warnings.warn(
             "double_buffering has no effect in the V2 backend: reload buffers are allocated on "
             "the compute stream, which avoids the fragmentation double buffering worked around",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=stacklevel_outside_package(),
         )
     if offload_weights:
         warnings.warn(
             "offload_weights=True copies weights saved for backward to the CPU, but the module "
             "still holds them, so no GPU memory is freed; prefer offload_weights=False",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel_outside_package(),
         )
 
     device = device or default_device()

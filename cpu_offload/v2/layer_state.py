@@ -49,7 +49,7 @@ class Entry:
 
     __slots__ = (
         "rt", "pool_key", "nbytes", "device", "key", "version", "owner", "gpu", "cpu", "reloaded",
-        "ready_event", "reload_event", "waited", "watches", "live", "pops", "error",
+        "ready_event", "reload_event", "waited", "watches", "live", "pops", "generation", "error",
     )
 
     def __init__(
@@ -72,7 +72,8 @@ class Entry:
         self.waited = False
         self.watches: Optional[list] = []  # VersionWatch of each SavedRef, until release
         self.live = 0  # SavedRefs alive
-        self.pops = 0  # unpacks in the current backward
+        self.pops = 0  # live SavedRefs unpacked since the reload (each counted once)
+        self.generation = 0  # bumped whenever the reload is dropped: a new round of unpacks
         self.error: Optional[str] = None
 
     def matches(self, t: torch.Tensor, nbytes: int) -> bool:
@@ -143,6 +144,7 @@ class Entry:
         self.reload_event = None
         self.waited = False
         self.pops = 0
+        self.generation += 1
 
     def drop(self) -> None:
         """Give the host buffer back and forget every buffer."""
@@ -171,18 +173,21 @@ def copy_in(rt: Runtime, entries: list) -> None:
 class SavedRef:
     """What autograd stores instead of an offloaded tensor: its storage entry and geometry."""
 
-    __slots__ = ("entry", "meta", "cls", "watch")
+    __slots__ = ("entry", "meta", "cls", "watch", "popped")
 
     def __init__(self, entry: Entry, meta: ViewMeta, cls: type, watch: VersionWatch) -> None:
         self.entry = entry
         self.meta = meta
         self.cls = cls
         self.watch = watch
+        self.popped = -1  # the entry generation in which this was last unpacked
         entry.live += 1
 
     def __del__(self) -> None:
         entry = self.entry
         entry.live -= 1
+        if self.popped == entry.generation:
+            entry.pops -= 1  # autograd freed it after its node ran: it no longer waits
         if entry.live == 0:
             entry.drop()
 
@@ -195,7 +200,9 @@ class SavedRef:
         t = restore_view(flat, self.meta)
         if self.cls is not torch.Tensor:
             t = t.as_subclass(self.cls)
-        entry.pops += 1
+        if self.popped != entry.generation:
+            self.popped = entry.generation
+            entry.pops += 1
         if entry.pops >= entry.live and entry.gpu is None:
             # Last unpack of this backward: autograd now owns the only reference, so the
             # reloaded memory is freed as soon as the backward node is done with it.

@@ -254,6 +254,13 @@ class OffloadSynchronizer:
             step.last_trigger = weakref.ref(trigger)
         return tensor
 
+    def reset(self) -> None:
+        """Drop an unfinished forward pass: the next `with ctx:` starts a new step (callers
+        that know where a forward begins, such as ``apply_offloading``, say so)."""
+        if self.step is not None and not self.step.complete:
+            self.abort()
+        self.awaiting_sync = self.refused = False
+
     def abort(self) -> None:
         """An exception escaped a layer: drop the step and everything it held."""
         if self.step is not None:
