@@ -1,21 +1,21 @@
-"""Megatron-style offloading configs (seed 004): activations (``ActivationOffloadConfig`` ->
+"""Megatron-style offloading configs: activations (``ActivationOffloadConfig`` ->
 ``build_offload_context``) and optimizer state (``OptimizerOffloadConfig`` ->
 ``build_hybrid_optimizer``).
 
 Training frameworks configure offloading with flat flags (``cpu_offloading``,
 ``cpu_offloading_num_layers``, ...) next to model-parallel settings that decide whether offloading
 can work at all. ``ActivationOffloadConfig`` carries both, ``validate()`` rejects the combinations
-seed 004 lists (each message names the fix), and ``build_offload_context`` turns a valid config
-into ``get_cpu_offload_context(...)``.
+Megatron's CPU-offloading documentation lists (each message names the fix), and
+``build_offload_context`` turns a valid config into ``get_cpu_offload_context(...)``.
 
-Where this library differs from seed 004, on purpose:
+Where this library differs from Megatron's documented constraints, on purpose:
 
 - Pipeline parallelism works with ``manual_synchronization=True`` (the pipeline schedule drives
   ``ManualOffloadSynchronizer``); only PP > 1 with the default schedule is rejected.
 - CUDA graphs work when pinned buffers are retained (``cpu_offloading_retain_pinned_cpu_buffers``),
   because a captured graph replays its copies into fixed host addresses; without it they are
   rejected, naming that flag.
-- ``cpu_offloading_num_layers`` must lie in ``[0, num_layers - 1)``, seed 004's documented range:
+- ``cpu_offloading_num_layers`` must lie in ``[0, num_layers - 1)``, Megatron's documented range:
   ``num_layers - 1`` would leave a single activation set on the GPU, so no transfer could overlap
   compute. Call ``get_cpu_offload_context`` directly to accept that (it only warns). ``0`` (offload
   nothing) is always accepted. With ``manual_synchronization`` the count is unused, not checked.
@@ -39,7 +39,46 @@ _CONFIG_DERIVED = (
 
 @dataclass
 class ActivationOffloadConfig:
-    """Seed 004's activation-offloading fields plus the model settings they are checked against."""
+    """Megatron-style activation-offloading settings, checked against the model settings that
+    decide whether offloading can work.
+
+    Training frameworks configure offloading with flat flags next to model-parallel and
+    recomputation settings. Fill this from such a config (``from_object``), check it
+    (``validate``: every violated constraint at once, each with its fix), and turn it into an
+    offload context with ``build_offload_context``. Field names follow Megatron's
+    ``TransformerConfig``.
+
+    Args:
+        num_layers: transformer layers of the model (on this pipeline stage); the context's
+            ``model_layers``.
+        cpu_offloading: switch offloading on (``get_cpu_offload_context(enabled=...)``).
+        cpu_offloading_num_layers: offload the first ``k`` layers; in ``[0, num_layers - 1)``
+            so that at least two layers' activations stay on the GPU and copies overlap compute.
+        cpu_offloading_activations: offload activations (``offload_activations``).
+        cpu_offloading_weights: also offload weights saved for backward (``offload_weights``).
+        cpu_offloading_double_buffering: ``double_buffering`` (legacy V1 backend only).
+        cpu_offloading_retain_pinned_cpu_buffers: ``retain_pinned_cpu_buffers``; required with
+            CUDA graphs.
+        pipeline_model_parallel_size: must be 1 unless ``manual_synchronization`` (the pipeline
+            schedule then drives the offloading).
+        recompute_granularity: must be ``None`` with offloading (recomputation decides what is
+            kept for backward itself).
+        cuda_graph_impl: ``"none"``, or a CUDA-graph mode (needs retained pinned buffers).
+        fine_grained_activation_offloading: Megatron's other offloading mechanism; exclusive
+            with ``cpu_offloading``.
+        manual_synchronization: return the ``ManualOffloadSynchronizer`` too (pipelines).
+
+    Example::
+
+        >>> import cpu_offload
+        >>> cfg = cpu_offload.ActivationOffloadConfig(
+        ...     num_layers=4, cpu_offloading=True, cpu_offloading_num_layers=2)
+        >>> ctx, sync = cpu_offload.build_offload_context(
+        ...     cfg, device=cpu_offload.SimulatedDevice())
+        >>> cfg.cpu_offloading_num_layers = 3
+        >>> print(cfg.problems()[0])   # doctest: +ELLIPSIS
+        cpu_offloading_num_layers=3 must be in [0, num_layers-1) for num_layers=4: ...
+    """
 
     num_layers: int  # transformer layers of the model (on this pipeline stage)
     cpu_offloading: bool = False
@@ -160,11 +199,38 @@ def _raise_problems(cfg: Any, what: str) -> Any:
 
 
 def build_offload_context(cfg: ActivationOffloadConfig, **kwargs: Any) -> Any:
-    """``get_cpu_offload_context`` for a validated ``cfg``.
+    """The offload context an ``ActivationOffloadConfig`` describes.
 
-    ``kwargs`` pass through (``device``, ``offload_stream``, ``min_tensor_size_to_offload``, ...);
-    arguments the config decides cannot be overridden here. Returns what the facade returns:
-    ``(context, sync)``, or with ``manual_synchronization`` also the ``ManualOffloadSynchronizer``.
+    Validates ``cfg``, then calls ``get_cpu_offload_context`` with the arguments the config
+    decides (``enabled``, ``num_layers``, ``model_layers``, ...). Use it to configure offloading
+    from a training framework's flags; call ``get_cpu_offload_context`` directly otherwise.
+
+    Args:
+        cfg: the config.
+        **kwargs: passed through to ``get_cpu_offload_context`` (``device``,
+            ``offload_stream``, ``min_tensor_size_to_offload``, ``synchronization_dict``, ...).
+
+    Returns:
+        What ``get_cpu_offload_context`` returns: ``(context, sync)``, or with
+        ``manual_synchronization`` also the ``ManualOffloadSynchronizer``.
+
+    Raises:
+        OffloadConfigError: ``cfg`` violates a constraint (all are listed), or ``kwargs`` set an
+            argument the config decides.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> cfg = cpu_offload.ActivationOffloadConfig(
+        ...     num_layers=4, cpu_offloading=True, cpu_offloading_num_layers=2)
+        >>> ctx, sync = cpu_offload.build_offload_context(
+        ...     cfg, device=cpu_offload.SimulatedDevice(), min_tensor_size_to_offload=1)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> for layer in [torch.nn.Linear(8, 8) for _ in range(4)]:
+        ...     with ctx:
+        ...         x = layer(x)
+        ...     x = sync(x)
+        >>> x.sum().backward()
     """
     cfg.validate()
     clash = sorted(set(kwargs) & set(_CONFIG_DERIVED))
@@ -188,15 +254,18 @@ def build_offload_context(cfg: ActivationOffloadConfig, **kwargs: Any) -> Any:
 
 @dataclass
 class OptimizerOffloadConfig:
-    """Seed 004's optimizer-offloading fields (Megatron ``OptimizerConfig`` names and defaults)
-    plus the optimizer and precision settings they are checked against.
+    """Megatron-style optimizer-offloading settings (Megatron ``OptimizerConfig`` names and
+    defaults) plus the optimizer and precision settings they are checked against.
+
+    Fill it from a framework config (``from_object``), check it (``validate``), and build the
+    optimizer with ``build_hybrid_optimizer``.
 
     Constraints when ``optimizer_cpu_offload`` is on (each error names the fix):
 
     - ``optimizer_offload_fraction`` in [0, 1];
-    - ``use_distributed_optimizer=True`` (seed 004; Megatron builds the hybrid optimizer inside
-      its distributed optimizer. This library does not need it, but a config that validates
-      here also runs there);
+    - ``use_distributed_optimizer=True`` (Megatron requires it: it builds the hybrid optimizer
+      inside its distributed optimizer. This library does not need it, but a config that
+      validates here also runs there);
     - ``optimizer='adam'`` with ``decoupled_weight_decay=True``: the CPU part is AdamW;
     - ``main_params_dtype=torch.float32``: the CPU part keeps fp32 master weights;
     - ``fp16=False``: gradients leave for the CPU during backward, before a loss scaler could
@@ -206,6 +275,19 @@ class OptimizerOffloadConfig:
     arguments on both parts (torch's per-device default implementation: for-loop on the CPU);
     ``False`` the library default, fused AdamW on both. ``overlap_cpu_optimizer_d2h_h2d`` picks
     ``overlap="backward_update"`` (else ``"none"``); ``clip_grad > 0`` becomes ``max_grad_norm``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> cfg = cpu_offload.OptimizerOffloadConfig(
+        ...     optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+        >>> cfg.validate() is cfg
+        True
+        >>> cpu_offload.OptimizerOffloadConfig(
+        ...     optimizer_cpu_offload=True, optimizer_offload_fraction=1.5).validate()
+        Traceback (most recent call last):
+        ...
+        cpu_offload.errors.OffloadConfigError: invalid optimizer offload config: optimizer_offload_fraction=1.5 must be in [0.0, 1.0] (the share of parameter bytes whose optimizer state lives on the CPU)
     """
 
     optimizer_cpu_offload: bool = False
@@ -244,8 +326,8 @@ class OptimizerOffloadConfig:
             )
         if not self.use_distributed_optimizer:
             out.append(
-                "optimizer_cpu_offload requires use_distributed_optimizer=True (seed 004): set it, "
-                "or optimizer_cpu_offload=False"
+                "optimizer_cpu_offload requires use_distributed_optimizer=True (as in Megatron): "
+                "set it, or optimizer_cpu_offload=False"
             )
         if self.optimizer != "adam":
             out.append(
@@ -279,12 +361,37 @@ class OptimizerOffloadConfig:
 def build_hybrid_optimizer(
     cfg: OptimizerOffloadConfig, params: Iterable[Any], **kwargs: Any
 ) -> torch.optim.Optimizer:
-    """The optimizer ``cfg`` describes, for ``params`` (validated first).
+    """The optimizer an ``OptimizerOffloadConfig`` describes, for ``params``.
 
-    With ``optimizer_cpu_offload`` a ``cpu_offload.optim.HybridDeviceOptimizer``; without it the
-    plain ``torch.optim.AdamW``. ``kwargs`` are the optimizer's arguments (``lr``, ``betas``,
-    ``weight_decay``, ...) and, for the hybrid optimizer, its keyword-only options (``device``,
-    ``overlap``, ``bucket_bytes``, ...); what the config decides cannot be passed here.
+    Validates ``cfg``, then builds a ``cpu_offload.optim.HybridDeviceOptimizer`` (with
+    ``optimizer_cpu_offload``) or a plain ``torch.optim.AdamW`` (without).
+
+    Args:
+        cfg: the config.
+        params: parameters or param-group dicts, as for any ``torch.optim.Optimizer``.
+        **kwargs: the optimizer's arguments (``lr``, ``betas``, ``weight_decay``, ...) and, for
+            the hybrid optimizer, its keyword-only options (``device``, ``overlap``,
+            ``bucket_bytes``, ...).
+
+    Returns:
+        A ``torch.optim.Optimizer``.
+
+    Raises:
+        OffloadConfigError: ``cfg`` violates a constraint (all are listed), ``kwargs`` set an
+            argument the config decides (``offload_fraction``, ``max_grad_norm``, ...), or what
+            ``HybridDeviceOptimizer`` rejects.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> model = torch.nn.Linear(8, 8)
+        >>> cfg = cpu_offload.OptimizerOffloadConfig(
+        ...     optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+        >>> opt = cpu_offload.build_hybrid_optimizer(
+        ...     cfg, model.parameters(), lr=1e-3, device=cpu_offload.SimulatedDevice())
+        >>> model(torch.randn(4, 8)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.close()
     """
     cfg.validate()
     if not cfg.optimizer_cpu_offload:

@@ -24,7 +24,24 @@ Event = Any
 
 
 class OffloadDevice(abc.ABC):
-    """Streams, events, allocation and copies for one accelerator (or a simulation of one)."""
+    """Streams, events, allocation and copies for one accelerator (or a simulation of one).
+
+    The schedulers of both backends and the hybrid optimizer do all their device work through
+    this interface, passed as ``device=`` (``get_cpu_offload_context``, ``apply_offloading``,
+    ``plan_offloading``, ``HybridDeviceOptimizer``). Two implementations ship: ``CudaDevice``
+    (the default, ``device=None``) and ``SimulatedDevice`` (the same calls on a CPU, checked).
+    Implement it to offload from another accelerator, following the rules in this module's
+    docstring: device memory allocated on the compute stream, side-stream work fenced with
+    events, nothing blocking the host except ``synchronize`` and ``wait_host``.
+
+    Example::
+
+        >>> import cpu_offload
+        >>> isinstance(cpu_offload.SimulatedDevice(), cpu_offload.OffloadDevice)
+        True
+        >>> sorted(cpu_offload.OffloadDevice.__abstractmethods__)[:4]
+        ['alloc_device', 'alloc_host', 'copy', 'current_stream']
+    """
 
     name: str = "abstract"
 
@@ -99,7 +116,19 @@ class OffloadDevice(abc.ABC):
 
 
 class CudaDevice(OffloadDevice):
-    """CUDA streams, events, pinned host memory; the caching allocator for device memory.
+    """The CUDA device: streams, events, pinned host memory, the caching allocator.
+
+    What ``device=None`` (or ``"cuda"``) selects; create one yourself only to pass it
+    explicitly. Copies are asynchronous on side streams, fenced with CUDA events, into pinned
+    host buffers; device memory is allocated on the current (compute) stream. Constructing it
+    does not touch CUDA; using it needs a CUDA build of torch and a GPU.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> dev = cpu_offload.CudaDevice()
+        >>> dev.name, dev.is_device_tensor(torch.zeros(1))   # a CPU tensor is not offloaded
+        ('cuda', False)
 
     The hooks run inside every op that saves a tensor, so this class avoids the Python layers of
     ``torch.cuda`` on the hot path: the current stream is looked up by its raw handle, stream

@@ -6,11 +6,44 @@ import torch
 
 
 class OffloadConfigError(ValueError):
-    """An argument combination of ``get_cpu_offload_context`` (or a config) that cannot work."""
+    """An argument, or a combination of them, that cannot work.
+
+    Raised by ``get_cpu_offload_context``, ``apply_offloading``, ``plan_offloading``, the
+    configs' ``validate()`` and ``HybridDeviceOptimizer`` before anything runs; the message
+    names the fix. A ``ValueError``, so existing ``except ValueError`` handlers catch it.
+
+    Example::
+
+        >>> import cpu_offload
+        >>> try:
+        ...     cpu_offload.get_cpu_offload_context(enabled=True, num_layers=4, model_layers=4,
+        ...                                         device=cpu_offload.SimulatedDevice())
+        ... except cpu_offload.OffloadConfigError as e:
+        ...     print(e)
+        num_layers=4 must be smaller than model_layers=4: at least one layer's activations stay on the GPU; use num_layers <= 2 for full overlap
+    """
 
 
 class OffloadUsageError(RuntimeError):
-    """The context or sync function was used out of order (e.g. sync function not called)."""
+    """Offloading was used in a way or order that cannot work, found while it runs.
+
+    For example ``apply_offloading`` applied twice to the same layers, layers running out of
+    order or skipped, a manual synchronizer given an unknown layer id, or an optimizer method
+    called at the wrong point of the step. The message names the fix. A ``RuntimeError``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> handle = cpu_offload.apply_offloading(layers, num_layers=2, device=sim)
+        >>> try:
+        ...     cpu_offload.apply_offloading(layers, num_layers=2, device=sim)
+        ... except cpu_offload.OffloadUsageError as e:
+        ...     print(e)
+        layer 0 (OffloadedLinear) already has offloading or profiling installed; call .remove() on the handle apply_offloading returned (also available as cpu_offload.offloading_handle(layer)) before applying again
+        >>> handle.remove()
+    """
 
 
 def check_sync_argument(tensor: Any) -> None:

@@ -39,12 +39,90 @@ def get_cpu_offload_context(
     *,
     device: Optional[OffloadDevice] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
-    """Return ``(context, sync_function)``, or with ``manual_synchronization=True``
-    ``(context, sync_function, ManualOffloadSynchronizer)``.
+    """Offload the activations of a stack of layers to CPU memory during forward, and reload
+    them just in time for backward.
 
-    Wrap each layer's forward in ``context`` and pass the layer's output through
-    ``sync_function``; see README.md and seed 000 for the full semantics. ``device`` selects the
-    offload device (default CUDA; ``SimulatedDevice()`` runs the schedule on the CPU).
+    Returns a context manager to wrap around each layer's forward and a *sync function* to pass
+    each layer's output through. Tensors the layer saves for backward are copied to pinned CPU
+    memory on a side stream as they are saved, their device memory is released a few layers
+    later, and they are copied back during backward before they are needed; all of it overlaps
+    compute and never blocks the host. Use it when activations, not weights, limit the batch
+    size or sequence length and the model is a chain of layers (a transformer); compared with
+    ``torch.autograd.graph.save_on_cpu``, which copies everything on the compute stream, only
+    the first ``num_layers`` layers are offloaded and the copies overlap compute. Gradients are
+    bit-identical to a run without offloading. ``apply_offloading`` does the same without
+    changing the forward code.
+
+    The backend is chosen on every call from the environment variable ``NVTE_CPU_OFFLOAD_V1``:
+    the default V2 detects activations automatically; ``NVTE_CPU_OFFLOAD_V1=1`` selects the
+    legacy V1, which offloads only tensors tagged with ``mark_activation_offload`` (README,
+    "Backends").
+
+    Args:
+        enabled: ``False`` returns a no-op context and an identity sync function (nothing is
+            checked beyond the arguments' types), so the same loop runs with and without
+            offloading.
+        num_layers: default schedule: offload the first ``num_layers`` of ``model_layers``
+            layers. Layer ``i`` is released before the forward of layer
+            ``model_layers - num_layers + i`` and reloaded after that layer's backward, so at
+            most ``model_layers - num_layers`` layers' activations are on the device at once.
+            Must be smaller than ``model_layers``; ``model_layers - 1`` warns (no overlap).
+        model_layers: how many ``with context:`` blocks one forward pass enters.
+        offload_activations: offload activations (tensors that are not weights).
+        offload_weights: V2 also copies weights saved for backward (this frees nothing while
+            the module holds them, and warns); V1 ignores it (deprecated).
+        double_buffering: V1 only: two alternating reload buffers. V2 ignores it
+            (``DeprecationWarning``).
+        manual_synchronization: V2: you decide when each layer is offloaded, released and
+            reloaded; a third return value, the ``ManualOffloadSynchronizer``, has
+            ``start_offload_layer(i)``, ``release_activation_forward_gpu_memory(i)`` and
+            ``start_reload_layer(i)``. For pipeline schedules (README, "Use").
+        retain_pinned_cpu_buffers: V2: keep the pinned host buffers at fixed addresses across
+            steps (needed to capture forward and backward in a CUDA graph).
+        offload_stream: V2 with ``manual_synchronization``: the CUDA stream the copies run on
+            (contexts of several micro-batches may share one).
+        min_tensor_size_to_offload: V2: saved tensors with fewer elements stay on the device
+            (default ``1024 * 1024``); small tensors cost more in per-copy overhead than they
+            free.
+        synchronization_dict: V2: ``{layer: (offload_fwd, offload_num, reload_fwd,
+            reload_num)}`` instead of the default schedule: ``layer`` is released when
+            ``offload_num`` layers have begun their forward (``offload_fwd=True``) or backward
+            pass, and its reload starts when ``reload_num`` layers have begun theirs.
+        device: where activations are offloaded from. ``None`` or ``"cuda"``: the current CUDA
+            device. ``cpu_offload.SimulatedDevice()`` runs the same schedule on a CPU-only
+            machine.
+
+    Returns:
+        V2: ``(context, sync_function)``, or ``(context, sync_function, manual)`` with
+        ``manual_synchronization=True``. V1: ``(context, group_prefetch_offload_commit)``, used
+        the same way. ``sync_function(x)`` returns ``x`` (as a tensor autograd tracks: use the
+        returned value).
+
+    Raises:
+        OffloadConfigError: an argument or combination that cannot work, e.g. ``num_layers >=
+            model_layers``, neither activations nor weights selected, an infeasible
+            ``synchronization_dict`` entry, ``offload_stream`` without
+            ``manual_synchronization``, or V2-only arguments while ``NVTE_CPU_OFFLOAD_V1=1``.
+            The message names the fix.
+        RuntimeError: ``enabled=True`` with ``device=None`` on a machine without CUDA (pass
+            ``device=cpu_offload.SimulatedDevice()``).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+        >>> sim = cpu_offload.SimulatedDevice()   # leave device=None on a GPU
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=2, model_layers=len(layers),
+        ...     min_tensor_size_to_offload=1, device=sim)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = layer(x)
+        ...     x = sync(x)
+        >>> x.sum().backward()
+        >>> len(sim.copies("d2h"))  # layers 0 and 1 copied their saved input to the CPU
+        2
     """
     device = resolve_device(device)
     if use_v1():
@@ -110,8 +188,30 @@ def resolve_device(device: Any) -> Optional[OffloadDevice]:
 
 
 def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = True) -> None:
-    """Tag tensors for offloading. V1 offloads exactly the tagged tensors; V2 detects activations
-    automatically and keeps the tag only for auditing (``cpu_offload.tools.audit``)."""
+    """Tag tensors as activations to offload (the ``activation_offloading`` attribute).
+
+    The legacy V1 backend (``NVTE_CPU_OFFLOAD_V1=1``) offloads exactly the tensors carrying this
+    tag, so code written for it tags each activation it wants moved. The default V2 backend
+    detects activations automatically and only records the tag, so that
+    ``audit_offload_selection`` can compare both selections when you migrate (README, "Control
+    and migration").
+
+    Args:
+        *tensors: the tensors to tag; ``None`` entries are skipped. For tensor subclasses with
+            ``__tensor_flatten__`` the inner tensors are tagged too.
+        offload: ``False`` sets the tag to ``False`` (V1 then keeps the tensor).
+
+    Raises:
+        TypeError: an argument is neither a tensor nor ``None``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> t = torch.randn(4)
+        >>> cpu_offload.mark_activation_offload(t)
+        >>> t.activation_offloading
+        True
+    """
     if use_v1():
         from .v1 import mark_activation_offload as v1_mark
 
@@ -121,7 +221,27 @@ def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = Tr
 
 
 def is_cpu_offload_enabled() -> bool:
-    """True while inside an enabled offload context of the selected backend."""
+    """Whether code runs inside an enabled offload context (of the backend
+    ``NVTE_CPU_OFFLOAD_V1`` selects), on this thread.
+
+    Use it in layer code that should behave differently while its activations may be offloaded,
+    e.g. to call ``start_offload`` or ``mark_not_offload`` only then.
+
+    Returns:
+        ``True`` between ``with context:`` entry and exit of a context made with
+        ``enabled=True``; ``False`` elsewhere, including inside a disabled context.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, device=cpu_offload.SimulatedDevice())
+        >>> with ctx:
+        ...     print(cpu_offload.is_cpu_offload_enabled())
+        True
+        >>> cpu_offload.is_cpu_offload_enabled()
+        False
+    """
     if use_v1():
         from .v1 import is_cpu_offload_enabled as v1_enabled
 
@@ -132,8 +252,31 @@ def is_cpu_offload_enabled() -> bool:
 
 
 def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = False) -> None:
-    """Mark the point on the compute stream after which these tensors are final, so their copy
-    to the CPU may start before they are saved for backward (V2; a no-op outside a context)."""
+    """Declare these tensors final now, so their copy to the CPU may start early (V2).
+
+    Normally a tensor's copy to the CPU is queued when autograd saves it, ordered after
+    everything the compute stream has queued by then. Call ``start_offload(t)`` right after the
+    last kernel that writes ``t`` to order the copy after that point instead, so it can overlap
+    the kernels that run until ``t`` is saved (e.g. a fused kernel that saves its input late).
+    Do not modify ``t`` afterwards. Outside an enabled context, and under V1, it does nothing.
+
+    Args:
+        *tensors: tensors that are final at this point; ``None`` entries are skipped.
+        offload_base_tensor: mark the base of a view instead of the view (the whole storage is
+            copied either way).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
+        ...     device=cpu_offload.SimulatedDevice())
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> with ctx:
+        ...     h = x * 2
+        ...     cpu_offload.start_offload(h)   # h is final: its copy may start here
+        ...     y = h.sin()                    # saves h for backward
+    """
     if use_v1():
         return
     from .v2 import start_offload as v2_start

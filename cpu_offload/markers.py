@@ -50,16 +50,69 @@ def _set_on_components(tensors: tuple, attr: str, value: object, storage_wide: b
 
 
 def mark_not_offload(*tensors: Optional[torch.Tensor]) -> None:
-    """Exclude these tensors (and the inner tensors of wrapper subclasses) from offloading.
+    """Keep these tensors on the device: never offload them (both backends).
 
-    The mark covers the memory, not one tensor object: views of a marked tensor (``Linear`` on
-    3-D input saves ``x.view(-1, d)``), and every view of the same base, stay on the device too."""
+    Use it for saved tensors that are cheap to keep or that something else still holds (copying
+    them frees no memory), e.g. a cache shared across layers, rotary embedding tables or the
+    attention mask. The mark covers the memory, not one tensor object: views of a marked tensor
+    (``Linear`` on 3-D input saves ``x.view(-1, d)``), and every view of the same base, stay on
+    the device too. Inner tensors of wrapper subclasses (``__tensor_flatten__``) are marked as
+    well. To keep everything a module saves, use ``set_activation_offloading(module, False)``.
+
+    Args:
+        *tensors: the tensors to keep; ``None`` entries are skipped.
+
+    Raises:
+        TypeError: an argument is neither a tensor nor ``None``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
+        ...     device=sim)
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> cpu_offload.mark_not_offload(x)
+        >>> with ctx:
+        ...     y = x.sin()        # saves x, which stays where it is
+        >>> sim.copies("d2h")
+        []
+    """
     _set_on_components(tensors, SKIP_ATTR, True, storage_wide=True)
 
 
 def mark_weight(*tensors: Optional[torch.Tensor]) -> None:
-    """Declare tensors as weights: V2 offloads them only when ``offload_weights=True``. Views of
-    a marked weight (``F.linear`` saves ``w.t()``) count as weights too."""
+    """Declare tensors as weights, so V2 treats them like parameters.
+
+    V2 offloads every saved tensor that is not a parameter; a weight that is a plain tensor
+    (a dequantized or gathered copy, a weight held by a custom container) would otherwise be
+    copied to the CPU on every forward, freeing nothing while the module still holds it. Marked
+    weights are offloaded only with ``offload_weights=True``. Views of a marked weight
+    (``F.linear`` saves ``w.t()``) count as weights too. A tensor attribute ``is_weight = True``
+    has the same effect.
+
+    Args:
+        *tensors: the weights; ``None`` entries are skipped.
+
+    Raises:
+        TypeError: an argument is neither a tensor nor ``None``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
+        ...     device=sim)
+        >>> w = torch.randn(8, 8, requires_grad=True)   # a weight, not an nn.Parameter
+        >>> cpu_offload.mark_weight(w)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> with ctx:
+        ...     y = torch.nn.functional.linear(x, w)   # saves x (offloaded) and w (kept)
+        >>> len(sim.copies("d2h"))
+        1
+    """
     _set_on_components(tensors, WEIGHT_ATTR, True, storage_wide=True)
 
 
@@ -86,7 +139,7 @@ def _is_weight_itself(t: torch.Tensor) -> bool:
     )
 
 
-# --- per-module opt-out (seed 001): a stack of per-module policies; the innermost module with an
+# --- per-module opt-out: a stack of per-module policies; the innermost module with an
 # explicit setting decides whether tensors saved while it runs may be offloaded.
 
 _module_policy: list[bool] = []
@@ -108,7 +161,35 @@ def pop_module_policy() -> None:
 
 @contextlib.contextmanager
 def offload_policy(enabled: bool) -> Iterator[None]:
-    """Inside this block, saved tensors are offloaded only if ``enabled`` (both backends)."""
+    """A ``with`` block inside which saved tensors are offloaded only if ``enabled``.
+
+    The block-scoped form of ``set_activation_offloading``: the innermost setting wins, so
+    ``offload_policy(True)`` inside ``offload_opt_out()`` switches offloading back on. Blocks and
+    module settings share one stack. Works with both backends; it can only restrict what the
+    context selects, never offload a tensor the backend would keep.
+
+    Args:
+        enabled: ``False``: no tensor saved inside the block is offloaded. ``True``: the
+            context's own selection applies again.
+
+    Returns:
+        A context manager.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
+        ...     device=sim)
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> with ctx:
+        ...     with cpu_offload.offload_policy(False):
+        ...         a = x.sin()          # x stays on the device
+        ...     b = (x * 2).cos()        # x * 2 is offloaded
+        >>> len(sim.copies("d2h"))
+        1
+    """
     push_module_policy(enabled)
     try:
         yield
@@ -117,5 +198,26 @@ def offload_policy(enabled: bool) -> Iterator[None]:
 
 
 def offload_opt_out() -> contextlib.AbstractContextManager:
-    """Inside this block no saved tensor is offloaded (both backends)."""
+    """A ``with`` block inside which no saved tensor is offloaded.
+
+    Shorthand for ``offload_policy(False)``: wrap the part of a layer whose saved tensors
+    should stay on the device (small, reused, or needed early in backward). Works with both
+    backends.
+
+    Returns:
+        A context manager.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
+        ...     device=sim)
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> with ctx, cpu_offload.offload_opt_out():
+        ...     y = x.sin()
+        >>> sim.copies("d2h")
+        []
+    """
     return offload_policy(False)

@@ -50,7 +50,52 @@ class SimEvent:
 
 
 class SimulatedDevice(OffloadDevice):
-    """Records stream/event/copy operations and holds "device" memory in CPU tensors."""
+    """A simulated accelerator: runs offloading on a CPU-only machine, recorded and checked.
+
+    Pass ``device=cpu_offload.SimulatedDevice()`` to ``get_cpu_offload_context``,
+    ``apply_offloading``, ``plan_offloading`` or ``HybridDeviceOptimizer`` to run the exact
+    schedule (the same stream, event and copy calls as on CUDA) without a GPU: to try
+    offloading, write tests and CI for code that uses it, or see when each layer is released
+    and reloaded. CPU tensors play the device tensors. The compute stream runs eagerly; side
+    streams (the copies) are deferred until something waits for them, and freshly allocated
+    "device" buffers are filled with a poison pattern, so a missing synchronization shows up as
+    wrong results, and freeing or dropping a buffer a queued copy still uses raises. Times and
+    memory are not those of a GPU.
+
+    Args:
+        defer: ``True`` (default): side-stream work runs only when waited for (catches missing
+            waits). ``False``: it runs at once.
+
+    Attributes:
+        log: every call in order, e.g. ``("copy", stream, nbytes, "d2h" | "h2d")``,
+            ``("wait", stream, event_stream, seq)``, ``("release", layer)``.
+        host_allocs, host_bytes_allocated: pinned host buffers allocated so far.
+        device_allocs: "device" buffers allocated so far.
+
+    Raises:
+        SimulatedHazard: (an ``AssertionError``) when a schedule does something that would
+            corrupt memory on a real device.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=2, model_layers=4, min_tensor_size_to_offload=1,
+        ...     device=sim)
+        >>> h = torch.randn(4, 8, requires_grad=True) * 1
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         h = layer(h)
+        ...     h = sync(h)
+        >>> h.sum().backward()
+        >>> sim.milestones({"fwd", "bwd", "release", "reload"})  # doctest: +NORMALIZE_WHITESPACE
+        [('fwd', 0), ('fwd', 1), ('release', 0), ('fwd', 2), ('release', 1), ('fwd', 3),
+         ('bwd', 3), ('reload', 1), ('bwd', 2), ('reload', 0), ('bwd', 1), ('bwd', 0)]
+        >>> [(direction, nbytes) for _, _, nbytes, direction in sim.copies()]
+        [('d2h', 128), ('d2h', 128), ('h2d', 128), ('h2d', 128)]
+    """
 
     name = "simulated"
 

@@ -1,4 +1,4 @@
-"""Optimizer-state CPU offloading (seed 004): ``HybridDeviceOptimizer``.
+"""Optimizer-state CPU offloading: ``HybridDeviceOptimizer`` (README, "Optimizer-state offloading").
 
 Modules, one job each:
 

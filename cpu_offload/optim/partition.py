@@ -99,9 +99,28 @@ def grad_arrival_order(
 ) -> list[torch.Tensor]:
     """Run ``run_backward()`` once and return ``params`` in the order their gradients became final.
 
-    Pass the result as ``grad_order=`` to ``HybridDeviceOptimizer`` when the parameter order does
-    not follow the layer order. Gradients are left as the backward produced them (zero them
-    before training).
+    ``HybridDeviceOptimizer`` offloads the parameters whose gradients arrive first, so their
+    CPU updates overlap the rest of backward. By default it assumes the reverse of registration
+    order (the last layers' gradients arrive first). When the parameter order does not follow
+    the layer order, measure the real order with this and pass it as ``grad_order=``.
+
+    Args:
+        params: the parameters (those without ``requires_grad`` are dropped).
+        run_backward: runs one forward and backward of the model.
+
+    Returns:
+        The parameters that received a gradient, in arrival order. Gradients are left as the
+        backward produced them (zero them before training).
+
+    Example::
+
+        >>> import torch
+        >>> from cpu_offload.optim import grad_arrival_order
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> order = grad_arrival_order(
+        ...     model.parameters(), lambda: model(torch.randn(2, 4)).sum().backward())
+        >>> [name for p in order for name, q in model.named_parameters() if q is p]
+        ['1.bias', '1.weight', '0.bias', '0.weight']
     """
     params = [p for p in params if p.requires_grad]
     order: list[torch.Tensor] = []

@@ -68,7 +68,35 @@ def gather(param_groups: Sequence[dict], placements: Sequence[Placement]) -> dic
 
 
 def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The wrapped optimizer's own format (see the module docstring)."""
+    """Convert a ``HybridDeviceOptimizer.state_dict()`` to the wrapped optimizer's own format.
+
+    Use it to load a checkpoint into the optimizer class the hybrid optimizer wraps (e.g. plain
+    ``torch.optim.AdamW`` when training without offloading). Indices follow the hybrid
+    optimizer's param groups, so the result loads into that class built over the same groups.
+    The reverse needs no conversion: ``HybridDeviceOptimizer.load_state_dict`` accepts the
+    wrapped class's state dict.
+
+    Args:
+        state_dict: what ``HybridDeviceOptimizer.state_dict()`` returned.
+
+    Returns:
+        ``{"state": ..., "param_groups": ...}`` without the ``"hybrid"`` entry (fp32 master
+        weights); state tensors stay where they were (CPU for offloaded parameters).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> from cpu_offload.optim import HybridDeviceOptimizer, to_wrapped_format
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-3,
+        ...                             device=cpu_offload.SimulatedDevice())
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step(); opt.close()
+        >>> plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> plain.load_state_dict(to_wrapped_format(opt.state_dict()))
+        >>> sorted(plain.state[model.weight])
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
     return {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
 
 

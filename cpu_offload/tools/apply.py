@@ -313,6 +313,10 @@ class _OffloadDriver:
 class OffloadingHandle:
     """What ``apply_offloading`` returns: the installed state, and ``remove()`` to undo it.
 
+    Not created directly. Keep it to remove offloading again (``handle.remove()``, or use it as
+    a context manager); ``cpu_offload.offloading_handle(layer)`` finds it from any of its
+    layers.
+
     Attributes:
         layers: the layers offloading is installed on, in order.
         num_layers: how many of the first layers offload their activations.
@@ -320,6 +324,20 @@ class OffloadingHandle:
         plan: the plan applied, if any.
         context, sync: the pair ``get_cpu_offload_context`` returned (``None`` if nothing is
             offloaded, only recomputed).
+        synchronizer: the V2 per-step state (``layer_summary()``: per layer, whether it is
+            offloaded, its storages and bytes), else ``None``.
+        removed: whether ``remove()`` was called.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> with cpu_offload.apply_offloading(
+        ...         layers, num_layers=2, device=cpu_offload.SimulatedDevice()) as handle:
+        ...     print(handle)
+        OffloadingHandle(installed: offload the first 2 of 4 layers, recompute [])
+        >>> handle.removed, type(layers[0]).__name__
+        (True, 'Linear')
     """
 
     def __init__(self, layers: list, num_layers: int, recompute: tuple, plan: Any) -> None:
@@ -341,7 +359,8 @@ class OffloadingHandle:
         return self._undo is None
 
     def remove(self) -> None:
-        """Restore every layer exactly as it was (class, attributes, call path).
+        """Restore every layer exactly as it was (class, attributes, call path). Calling it
+        again does nothing.
 
         Raises:
             OffloadUsageError: called inside a layer's forward, or a layer's class was changed
@@ -417,9 +436,11 @@ def apply_offloading(
 
         >>> import torch, cpu_offload
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
-        >>> device = None if torch.cuda.is_available() else cpu_offload.SimulatedDevice()
-        >>> handle = cpu_offload.apply_offloading(
-        ...     layers, num_layers=2, min_tensor_size_to_offload=1, device=device)
+        >>> handle = cpu_offload.apply_offloading(   # on a GPU: leave out device=
+        ...     layers, num_layers=2, min_tensor_size_to_offload=1,
+        ...     device=cpu_offload.SimulatedDevice())
+        >>> handle
+        OffloadingHandle(installed: offload the first 2 of 4 layers, recompute [])
         >>> x = torch.randn(8, 64, requires_grad=True)
         >>> for layer in layers:
         ...     x = layer(x)
@@ -490,8 +511,28 @@ class _PassDriver:
 
 
 def offloading_handle(module: nn.Module) -> Optional[OffloadingHandle]:
-    """The handle of the ``apply_offloading`` call that installed offloading on ``module``, or
-    ``None`` (e.g. to ``remove()`` it when the original handle is out of reach)."""
+    """The handle of the ``apply_offloading`` call that installed offloading on ``module``.
+
+    Use it to inspect or ``remove()`` offloading when the handle ``apply_offloading`` returned
+    is out of reach (e.g. it was applied inside a library or a ``Trainer`` callback).
+
+    Args:
+        module: any ``nn.Module``.
+
+    Returns:
+        The ``OffloadingHandle``, or ``None`` if ``module`` is not one of the layers offloading
+        was applied to (or it was removed).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> _ = cpu_offload.apply_offloading(
+        ...     layers, num_layers=2, device=cpu_offload.SimulatedDevice())
+        >>> cpu_offload.offloading_handle(layers[3]).remove()
+        >>> print(cpu_offload.offloading_handle(layers[3]))
+        None
+    """
     state = module.__dict__.get(_STATE_ATTR)
     owner = getattr(getattr(state, "driver", None), "owner", None)
     return owner if isinstance(owner, OffloadingHandle) else None

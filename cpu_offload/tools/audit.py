@@ -132,7 +132,31 @@ class LayerAudit:
 
 @dataclass
 class AuditReport:
-    """Result of ``audit_offload_selection``: data (``to_dict``) and a text table (``str``)."""
+    """Result of ``audit_offload_selection``: per layer, what each backend would offload.
+
+    ``print(report)`` shows one summary row per layer and one row per saved tensor (shape,
+    dtype, bytes, storage, and each backend's verdict with its reason); ``table(details=False)``
+    only the summary rows; ``totals()`` sums the per-layer counts; ``to_dict()`` gives all of
+    it as plain data (for logging or JSON).
+
+    Attributes:
+        layers: one ``LayerAudit`` per layer: ``tensors`` (the saved tensors and verdicts),
+            ``v1_count``/``v1_bytes``, ``v2_count``/``v2_bytes``, ``v1_only``/``v2_only``,
+            ``v2_skipped()`` (reason -> count).
+        policy: the V2 selection settings the audit used.
+        notes: how bytes are counted.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        >>> report = cpu_offload.audit_offload_selection(
+        ...     layers, torch.randn(4, 8), is_device_tensor=lambda t: True)
+        >>> report.layers[0].v2_skipped()   # below min_tensor_size_to_offload (1M elements)
+        {'too small': 1}
+        >>> sorted(report.to_dict())
+        ['layers', 'notes', 'policy', 'totals']
+    """
 
     layers: list  # list[LayerAudit]
     policy: dict
@@ -354,11 +378,42 @@ def audit_offload_selection(
       returns), and records what each layer saves during the first forward pass. The gradients
       the step accumulates are left as they are.
 
-    ``model_layers``: a list of layers, an ``nn.ModuleList``/``nn.Sequential`` (each child is a
-    layer), or one module (one layer). ``policy`` is V2's selection (pass the
-    ``offload_weights``/``min_tensor_size_to_offload`` you will use); ``is_device_tensor``
-    replaces the device test of both backends (e.g. ``lambda t: t.device.type == "cpu"`` to audit
-    on a CPU).
+    Use it when moving from V1's tags to V2's automatic detection, or to see why V2 keeps a
+    tensor on the device: then opt tensors or modules out (``mark_not_offload``,
+    ``set_activation_offloading``) until V2 moves what you want moved (README, "Control and
+    migration").
+
+    Args:
+        model_layers: a list of layers, an ``nn.ModuleList``/``nn.Sequential`` (each child is a
+            layer), or one module (one layer).
+        example_input: input of the first layer, for the chain mode.
+        step_fn: one training step, for the real-step mode (instead of ``example_input``).
+        policy: V2's selection, a ``cpu_offload.v2.selection.SelectionPolicy`` (pass the
+            ``offload_weights``/``min_tensor_size_to_offload`` you will use); default: the
+            defaults of ``get_cpu_offload_context``.
+        is_device_tensor: replaces the device test of both backends (e.g. ``lambda t:
+            t.device.type == "cpu"`` to audit on a CPU); default: CUDA tensors.
+        call_layer: how the chain mode calls a layer.
+
+    Returns:
+        An ``AuditReport``: ``print(report)`` for the table, ``report.to_dict()`` for the data.
+
+    Raises:
+        TypeError: neither or both of ``example_input`` and ``step_fn``, or ``model_layers``
+            containing something other than modules.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> from cpu_offload.v2.selection import SelectionPolicy
+        >>> layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        >>> report = cpu_offload.audit_offload_selection(
+        ...     layers, torch.randn(4, 8),
+        ...     policy=SelectionPolicy(min_tensor_size_to_offload=1),
+        ...     is_device_tensor=lambda t: True)    # audit CPU tensors as if on the GPU
+        >>> t = report.totals()
+        >>> t["saved_count"], t["v2_count"], t["v1_count"]   # nothing carries a V1 tag
+        (2, 2, 0)
     """
     if (example_input is None) == (step_fn is None):
         raise TypeError(

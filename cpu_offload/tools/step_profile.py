@@ -369,18 +369,18 @@ def plan_offloading(
 
         >>> import torch, cpu_offload
         >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
-        >>> device = None if torch.cuda.is_available() else cpu_offload.SimulatedDevice()
-        >>> x0 = torch.randn(8, 64, device="cuda" if device is None else "cpu")
-        >>> layers.to(x0.device)  # doctest: +ELLIPSIS
-        ModuleList(...)
+        >>> x0 = torch.randn(8, 64)
         >>> def step():
         ...     x = x0.requires_grad_()
         ...     for layer in layers:
         ...         x = layer(x)
         ...     x.sum().backward()
+        >>> sim = cpu_offload.SimulatedDevice()   # on a GPU: leave out device= and link_gbps=
         >>> plan = cpu_offload.plan_offloading(
-        ...     step, layers, 0.8, device=device, min_tensor_size_to_offload=1)
-        >>> handle = cpu_offload.apply_offloading(layers, plan=plan, device=device)
+        ...     step, layers, 0.8, device=sim, min_tensor_size_to_offload=1, link_gbps=1.0)
+        >>> print(plan.describe())   # doctest: +ELLIPSIS
+        offload the first ... layers (...), recompute layers: ...; predicted step ...
+        >>> handle = cpu_offload.apply_offloading(layers, plan=plan, device=sim)
         >>> step()
         >>> handle.remove()
     """
