@@ -14,9 +14,9 @@ import torch
 from . import markers
 from .device import OffloadDevice
 from .errors import OffloadConfigError
+from .v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 V1_ENV = "NVTE_CPU_OFFLOAD_V1"
-DEFAULT_MIN_TENSOR_SIZE = 1024 * 1024  # elements
 
 
 def use_v1() -> bool:
@@ -56,7 +56,7 @@ def get_cpu_offload_context(
             "min_tensor_size_to_offload": min_tensor_size_to_offload != DEFAULT_MIN_TENSOR_SIZE,
         }
         used = [k for k, v in v2_only.items() if v]
-        if used:
+        if used and enabled:
             raise OffloadConfigError(
                 f"{', '.join(used)} exist only in the V2 backend, but {V1_ENV}=1 selects V1; "
                 f"unset {V1_ENV} to use them"

@@ -44,11 +44,19 @@ class PinnedPool:
                     "its graph) before the next forward, or use retain_pinned_cpu_buffers=False "
                     "(needed only for CUDA graph capture)"
                 )
-            self._retained_in_use.add(key)
             buf = self._retained.get(key)
-            if buf is None or buf.numel() < nbytes:
-                buf = self._allocate(nbytes)
-                self._retained[key] = buf
+            if buf is not None and buf.numel() < nbytes:
+                layer, slot = key
+                raise OffloadUsageError(
+                    f"retain_pinned_cpu_buffers=True: layer {layer}, slot {slot} now saves "
+                    f"{nbytes} bytes, more than the {buf.numel()} its retained host buffer was "
+                    "made for. A captured CUDA graph copies into that buffer, so it cannot be "
+                    "replaced: keep shapes fixed (pad to the largest), or use one context per "
+                    "shape (the reference implementation refuses this too)"
+                )
+            if buf is None:
+                buf = self._retained[key] = self._allocate(nbytes)
+            self._retained_in_use.add(key)
             return buf[:nbytes]
         self._used[nbytes] += 1
         free = self._free.get(nbytes)

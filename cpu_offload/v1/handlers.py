@@ -130,7 +130,9 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
             )
 
     def on_context_exit(self) -> None:
-        self._awaiting_commit = True
+        # Without grad nothing was saved and no backward will come: evaluation loops need not
+        # call the sync function (as in V2).
+        self._awaiting_commit = torch.is_grad_enabled()
 
     def on_group_commit_skipped(self) -> None:
         self._awaiting_commit = self._refused = False

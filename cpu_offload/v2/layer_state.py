@@ -269,6 +269,8 @@ class LayerState:
             entry = Entry(self.rt, pool_key, t, storage)
             self.shared[key] = entry
             ready = getattr(t, READY_EVENT_ATTR, None)
+            if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+                ready = getattr(t._base, READY_EVENT_ATTR, None)
             if self.eager:
                 entry.copy_out(ready)
                 if self.offload_event is not None:  # manual: offload already started

@@ -117,8 +117,11 @@ class Step:
         dev = self.rt.device
         # Join the copy stream: no transfer of ours outlives the backward (CUDA-graph safe).
         dev.wait_stream(dev.current_stream(), self.rt.stream)
+        # Only layers whose backward ran in this pass let go of their reloads. A layer reloaded
+        # ahead for a later pass (each layer's output backpropagated separately, as pipeline
+        # schedules do) keeps its reload instead of copying it back a second time.
         for layer in self.layers:
-            if layer is not None:
+            if layer is not None and layer.index in self.bwd_layers:
                 layer.end_backward()
         self.bwd_layers.clear()
         self.backward_task = None
@@ -315,6 +318,16 @@ class OffloadSynchronizer:
         layers = self.step.layers if self.step else []
         return sum(l.held_device_bytes() for l in layers if l is not None)
 
+    def offloaded_bytes(self) -> int:
+        """Bytes copied to the host in the current (or last) forward pass, each storage once."""
+        layers = self.step.layers if self.step else []
+        entries = {id(e): e for l in layers if l is not None for e in l.entries if e.cpu is not None}
+        return sum(e.nbytes for e in entries.values())
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """The reference implementation's spelling: ``offloaded_bytes()`` in MiB."""
+        return self.offloaded_bytes() / (1024 * 1024)
+
     def held_host_bytes(self) -> int:
         layers = self.step.layers if self.step else []
         return sum(l.held_host_bytes() for l in layers if l is not None)
@@ -363,18 +376,3 @@ class ManualOffloadSynchronizer:
                 f"({count} layers entered so far; ids are 0..{count - 1})"
             )
         return step.layers[layer_id]
-
-
-class DisabledManualSynchronizer:
-    """What ``enabled=False`` returns in manual mode: the same methods, offloading nothing."""
-
-    offload_stream = None
-
-    def start_offload_layer(self, layer_id: int) -> None:
-        """Offloading is disabled: nothing to do."""
-
-    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
-        """Offloading is disabled: nothing to do."""
-
-    def start_reload_layer(self, layer_id: int) -> None:
-        """Offloading is disabled: nothing to do."""
