@@ -13,6 +13,10 @@ class OffloadUsageError(RuntimeError):
     """The context or sync function was used out of order (e.g. sync function not called)."""
 
 
+class OffloadVerifyError(RuntimeError):
+    """Verify mode: a reloaded storage differs from the bytes that were saved."""
+
+
 def check_sync_argument(tensor: Any) -> None:
     """The sync function (both backends) marks a layer boundary on one tensor: refuse others."""
     if not isinstance(tensor, torch.Tensor):

@@ -38,6 +38,8 @@ def get_cpu_offload_context(
     synchronization_dict: Optional[dict] = None,
     *,
     device: Optional[OffloadDevice] = None,
+    verify: Optional[bool] = None,
+    max_host_bytes: Optional[int] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
     """Return ``(context, sync_function)``, or with ``manual_synchronization=True``
     ``(context, sync_function, ManualOffloadSynchronizer)``.
@@ -54,6 +56,8 @@ def get_cpu_offload_context(
             "offload_stream": offload_stream is not None,
             "synchronization_dict": synchronization_dict is not None,
             "min_tensor_size_to_offload": min_tensor_size_to_offload != DEFAULT_MIN_TENSOR_SIZE,
+            "verify": bool(verify),
+            "max_host_bytes": max_host_bytes is not None,
         }
         used = [k for k, v in v2_only.items() if v]
         if used and enabled:
@@ -87,6 +91,8 @@ def get_cpu_offload_context(
         min_tensor_size_to_offload=min_tensor_size_to_offload,
         synchronization_dict=synchronization_dict,
         device=device,
+        verify=verify,
+        max_host_bytes=max_host_bytes,
     )
 
 

@@ -8,6 +8,7 @@ forward; an exception inside it removes them and drops everything the step held.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from typing import Any, Callable, ContextManager, Optional, Tuple, Union
@@ -20,6 +21,7 @@ from ..device import OffloadDevice, default_device
 from ..errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
 from .selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
+from .stats import StepStats
 from .synchronizer import (
     ManualOffloadSynchronizer,
     OffloadSynchronizer,
@@ -35,6 +37,8 @@ class _ThreadState(threading.local):
 
 _state = _ThreadState()
 
+VERIFY_ENV = "CPU_OFFLOAD_VERIFY"  # 1: verify mode for every context (checksums, host syncs)
+
 _RECOMPUTE = object()  # a frame entered during backward: activation-checkpoint recomputation
 
 
@@ -47,6 +51,10 @@ class OffloadContext:
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.synchronizer = synchronizer
         self._frames: list = []  # per entry: the hooks installed, None, or _RECOMPUTE
+
+    def stats(self) -> StepStats:
+        """What the current (or last) step did; see ``OffloadSynchronizer.stats``."""
+        return self.synchronizer.stats()
 
     @property
     def offload_synchronizer(self) -> OffloadSynchronizer:
@@ -128,6 +136,8 @@ def get_cpu_offload_context(
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     synchronization_dict: Optional[dict] = None,
     device: Optional[OffloadDevice] = None,
+    verify: Optional[bool] = None,
+    max_host_bytes: Optional[int] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
     """V2 implementation of ``cpu_offload.get_cpu_offload_context`` (see the facade)."""
     if not enabled:
@@ -172,6 +182,15 @@ def get_cpu_offload_context(
             f"min_tensor_size_to_offload must be an int >= 0 (elements), got "
             f"{min_tensor_size_to_offload!r}"
         )
+    if max_host_bytes is not None and (
+        isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0
+    ):
+        raise OffloadConfigError(
+            f"max_host_bytes must be None (no limit) or an int >= 0 (bytes of pinned host memory), "
+            f"got {max_host_bytes!r}"
+        )
+    if verify is None:
+        verify = os.environ.get(VERIFY_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
     if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
         raise OffloadConfigError(
             f"model_layers must be the total number of layers (an int >= 1), got {model_layers!r}"
@@ -205,6 +224,8 @@ def get_cpu_offload_context(
         stream=offload_stream if offload_stream is not None else device.new_stream(),
         policy=policy,
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        verify=bool(verify),
+        max_host_bytes=max_host_bytes,
     )
     context = OffloadContext(synchronizer)
     if manual_synchronization:
