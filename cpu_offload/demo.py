@@ -70,6 +70,7 @@ def run_cuda(cfg: GPTConfig, ks: Sequence[int]) -> None:
     base_ms, base_peak = _measure_cuda(model, x0)
     print(f"{'offloaded layers':>16} {'step ms':>9} {'x none':>7} {'peak GiB':>9} {'x none':>7}  grads")
     print(f"{0:>16} {base_ms:9.1f} {1.0:7.3f} {base_peak / 2**30:9.2f} {1.0:7.3f}  reference")
+    summaries = []
     for k in ks:
         ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=cfg.layers)
         ms, peak = _measure_cuda(model, x0, ctx, sync)
@@ -79,6 +80,9 @@ def run_cuda(cfg: GPTConfig, ks: Sequence[int]) -> None:
             f"{k:>16} {ms:9.1f} {ms / base_ms:7.3f} {peak / 2**30:9.2f} {peak / base_peak:7.3f}  "
             f"{'bit-identical' if exact else 'DIFFERENT'}"
         )
+        summaries.append((k, ctx.stats().summary()))
+    for k, summary in summaries:
+        print(f"\nWhat did it do? (num_layers={k}, last step: ctx.stats().summary())\n{summary}")
 
 
 def run_simulated(cfg: GPTConfig, k: int) -> None:
@@ -99,6 +103,7 @@ def run_simulated(cfg: GPTConfig, k: int) -> None:
     order = " ".join(f"{kind}{layer}" for kind, layer in device.milestones({"fwd", "bwd", "release", "reload"}))
     print(f"schedule: {order}")
     print(f"gradients vs no offloading: {'bit-identical' if exact else 'DIFFERENT'}")
+    print(f"\nWhat did it do? (ctx.stats().summary())\n{ctx.stats().summary()}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

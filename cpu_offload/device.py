@@ -105,6 +105,11 @@ class OffloadDevice(abc.ABC):
             events.append(self.record_event(stream))
         return events
 
+    def elapsed_ms(self, start: Event, end: Event) -> Optional[float]:
+        """Milliseconds from ``start`` to ``end`` if the device has passed both, else None.
+        Never blocks (statistics are read lazily)."""
+        return None
+
     def will_free(self, t: torch.Tensor) -> None:
         """The scheduler is about to drop its last reference to device buffer ``t``.
 
@@ -158,9 +163,14 @@ class CudaDevice(OffloadDevice):
         return torch.cuda.Stream()
 
     def record_event(self, stream: Stream) -> Event:
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=True)  # timed: statistics report copy waits
         ev.record(stream)
         return ev
+
+    def elapsed_ms(self, start: Event, end: Event) -> Optional[float]:
+        if not (start.query() and end.query()):
+            return None
+        return start.elapsed_time(end)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         stream.wait_event(event)
@@ -204,7 +214,7 @@ class CudaDevice(OffloadDevice):
         try:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=True)
                 ev.record(stream)
                 events.append(ev)
         finally:

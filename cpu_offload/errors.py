@@ -46,6 +46,10 @@ class OffloadUsageError(RuntimeError):
     """
 
 
+class OffloadVerifyError(RuntimeError):
+    """Verify mode: a reloaded storage differs from the bytes that were saved."""
+
+
 def check_sync_argument(tensor: Any) -> None:
     """The sync function (both backends) marks a layer boundary on one tensor: refuse others."""
     if not isinstance(tensor, torch.Tensor):

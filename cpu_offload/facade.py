@@ -14,9 +14,9 @@ import torch
 from . import markers
 from .device import OffloadDevice
 from .errors import OffloadConfigError
+from .v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 V1_ENV = "NVTE_CPU_OFFLOAD_V1"
-DEFAULT_MIN_TENSOR_SIZE = 1024 * 1024  # elements
 
 
 def use_v1() -> bool:
@@ -38,6 +38,8 @@ def get_cpu_offload_context(
     synchronization_dict: Optional[dict] = None,
     *,
     device: Optional[OffloadDevice] = None,
+    verify: Optional[bool] = None,
+    max_host_bytes: Optional[int] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
     """Offload the activations of a stack of layers to CPU memory during forward, and reload
     them just in time for backward.
@@ -132,9 +134,11 @@ def get_cpu_offload_context(
             "offload_stream": offload_stream is not None,
             "synchronization_dict": synchronization_dict is not None,
             "min_tensor_size_to_offload": min_tensor_size_to_offload != DEFAULT_MIN_TENSOR_SIZE,
+            "verify": bool(verify),
+            "max_host_bytes": max_host_bytes is not None,
         }
         used = [k for k, v in v2_only.items() if v]
-        if used:
+        if used and enabled:
             raise OffloadConfigError(
                 f"{', '.join(used)} exist only in the V2 backend, but {V1_ENV}=1 selects V1; "
                 f"unset {V1_ENV} to use them"
@@ -165,6 +169,8 @@ def get_cpu_offload_context(
         min_tensor_size_to_offload=min_tensor_size_to_offload,
         synchronization_dict=synchronization_dict,
         device=device,
+        verify=verify,
+        max_host_bytes=max_host_bytes,
     )
 
 

@@ -31,6 +31,7 @@ class PinnedPool:
         self._retained: dict[Hashable, torch.Tensor] = {}
         self._retained_in_use: set = set()
         self.allocations = 0
+        self.in_use_bytes = 0  # handed out and not given back
 
     def acquire(self, nbytes: int, key: Optional[Hashable] = None) -> torch.Tensor:
         """A host buffer of exactly ``nbytes`` (a prefix of a retained buffer when ``key``)."""
@@ -44,18 +45,30 @@ class PinnedPool:
                     "its graph) before the next forward, or use retain_pinned_cpu_buffers=False "
                     "(needed only for CUDA graph capture)"
                 )
-            self._retained_in_use.add(key)
             buf = self._retained.get(key)
-            if buf is None or buf.numel() < nbytes:
-                buf = self._allocate(nbytes)
-                self._retained[key] = buf
+            if buf is not None and buf.numel() < nbytes:
+                layer, slot = key
+                raise OffloadUsageError(
+                    f"retain_pinned_cpu_buffers=True: layer {layer}, slot {slot} now saves "
+                    f"{nbytes} bytes, more than the {buf.numel()} its retained host buffer was "
+                    "made for. A captured CUDA graph copies into that buffer, so it cannot be "
+                    "replaced: keep shapes fixed (pad to the largest), or use one context per "
+                    "shape (the reference implementation refuses this too)"
+                )
+            if buf is None:
+                buf = self._retained[key] = self._allocate(nbytes)
+            self._retained_in_use.add(key)
+            self.in_use_bytes += nbytes
             return buf[:nbytes]
         self._used[nbytes] += 1
         free = self._free.get(nbytes)
-        return free.pop() if free else self._allocate(nbytes)
+        buf = free.pop() if free else self._allocate(nbytes)
+        self.in_use_bytes += nbytes
+        return buf
 
     def release(self, buf: torch.Tensor, key: Optional[Hashable] = None) -> None:
         """Give a buffer back (retained buffers stay bound to their key, free for the next step)."""
+        self.in_use_bytes -= buf.numel()
         if key is None:
             self._free[buf.numel()].append(buf)
         else:
@@ -79,5 +92,13 @@ class PinnedPool:
         return sum(b.numel() for b in self._retained.values())
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
+        try:
+            buf = self._device.alloc_host(nbytes)
+        except RuntimeError as exc:
+            raise OffloadUsageError(
+                f"allocating {nbytes} bytes of pinned host memory failed ({exc}). Pass "
+                "max_host_bytes=<bytes> to get_cpu_offload_context to keep tensors on the GPU "
+                f"beyond a host budget (pinned now: {self.in_use_bytes} bytes in use)"
+            ) from exc
         self.allocations += 1
-        return self._device.alloc_host(nbytes)
+        return buf

@@ -144,6 +144,10 @@ class SimulatedDevice(OffloadDevice):
     def event_done(self, event: SimEvent) -> bool:
         return event.stream.done >= event.seq
 
+    def elapsed_ms(self, start: SimEvent, end: SimEvent) -> Optional[float]:
+        """The simulation has no clock: 0 once both events are passed."""
+        return 0.0 if self.event_done(start) and self.event_done(end) else None
+
     def synchronize(self) -> None:
         with self._lock:
             for s in self.streams:

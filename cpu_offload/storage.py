@@ -65,6 +65,14 @@ def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
     return t if meta.bits_of is None else copy_view_bits(meta.bits_of, t)
 
 
+def checksum(flat: torch.Tensor) -> torch.Tensor:
+    """A device-side checksum of a flat ``uint8`` storage (verify mode): its bytes summed as
+    64-bit words where the size allows (wrapping is fine: only equality matters), else as bytes."""
+    if flat.numel() % 8 == 0:
+        return flat.view(torch.int64).sum()
+    return flat.sum(dtype=torch.int64)
+
+
 def held_elsewhere(flat: torch.Tensor) -> bool:
     """Whether anything besides ``flat`` (our flat alias of a storage) holds that storage: then
     dropping ``flat`` frees no memory (a tensor the caller keeps, or one saved by a layer that is

@@ -150,7 +150,7 @@ def test_default_policy_on_cpu_reports_not_on_device():
     reasons = {r.v2_reason for r in report.layers[0].tensors}
     assert reasons == {"not on the offload device"}
     assert report.layers[0].v2_bytes == 0
-    assert report.policy["min_tensor_size_to_offload"] == 1024 * 1024
+    assert report.policy["min_tensor_size_to_offload"] == 256 * 1024
 
 
 def test_weight_views_saved_by_linear_are_not_activations():
@@ -348,10 +348,10 @@ def test_audit_agrees_with_what_v1_copies(monkeypatch):
 def test_audit_on_cuda_with_the_default_policy():
     """On a GPU no device override is needed: the default policy is exactly V2's."""
     layer = nn.Linear(1024, 1024).cuda()
-    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)  # exactly the 1M threshold
+    x = torch.randn(512, 1024, device="cuda", requires_grad=True)  # above the 256K-element threshold
     report = audit_offload_selection(layer, x)
     rows = report.layers[0].tensors
     assert {r.v2_reason for r in rows} == {None, "parameter view"}
-    assert report.layers[0].v2_bytes == 1024 * 1024 * 4
+    assert report.layers[0].v2_bytes == 512 * 1024 * 4
     small = audit_offload_selection(layer, x[:8])
     assert {r.v2_reason for r in small.layers[0].tensors} == {"too small", "parameter view"}

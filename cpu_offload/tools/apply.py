@@ -358,6 +358,12 @@ class OffloadingHandle:
     def removed(self) -> bool:
         return self._undo is None
 
+    def stats(self) -> Any:
+        """What the last step did (V2): ``.summary()`` for humans, ``.to_dict()`` for loggers.
+        ``None`` when no layer is offloaded or the legacy V1 backend is in use."""
+        sync = self.synchronizer
+        return sync.stats() if sync is not None and hasattr(sync, "stats") else None
+
     def remove(self) -> None:
         """Restore every layer exactly as it was (class, attributes, call path). Calling it
         again does nothing.

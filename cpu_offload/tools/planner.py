@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import OffloadConfigError
+from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def plan(
 def profile_layers(
     layers: Sequence[nn.Module],
     x: torch.Tensor,
-    min_tensor_size_to_offload: int = 1024 * 1024,
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     repeats: int = 3,
 ) -> list[LayerProfile]:
     """Measure each layer's offloadable bytes (via the audit) and forward/backward times."""

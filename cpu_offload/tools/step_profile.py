@@ -30,7 +30,7 @@ from torch import nn
 from ..compat import queue_backward_callback, saved_tensors_hooks
 from ..device import OffloadDevice, default_device
 from ..errors import OffloadConfigError
-from ..v2.selection import SelectionPolicy
+from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .apply import as_layer_list, hidden_state, instrument
 from .audit import _v2_verdict
 from .planner import LayerProfile, Plan, plan as search_plan
@@ -250,7 +250,7 @@ def profile_step(
     layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
     *,
     device: Optional[OffloadDevice] = None,
-    min_tensor_size_to_offload: int = 1024 * 1024,
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     offload_weights: bool = False,
     link_gbps: Union[None, float, tuple] = None,
     warmup: int = 1,
@@ -327,7 +327,7 @@ def plan_offloading(
     memory_budget: Union[int, float],
     *,
     device: Optional[OffloadDevice] = None,
-    min_tensor_size_to_offload: int = 1024 * 1024,
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     link_gbps: Union[None, float, tuple] = None,
     warmup: int = 1,
     repeats: int = 3,

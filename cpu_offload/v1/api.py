@@ -53,6 +53,8 @@ def get_cpu_offload_context(
     the first ``num_layers`` of ``model_layers`` layers, the saved tensors tagged with
     ``mark_activation_offload`` are offloaded. ``device`` defaults to CUDA.
     """
+    if not enabled:
+        return nullcontext(), _identity  # as in the reference: disabled never raises
     if not offload_weights and not offload_activations:
         raise OffloadConfigError(
             "CPU offloading is enabled while it is not mentioned what to offload: "
@@ -67,8 +69,6 @@ def get_cpu_offload_context(
         )
         if not offload_activations:
             return nullcontext(), _identity
-    if not enabled:
-        return nullcontext(), _identity
     _check_layers(num_layers, model_layers)
     handler = AsyncDoubleBufferGroupOffloadHandler(
         num_offload_group=num_layers,

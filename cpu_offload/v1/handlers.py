@@ -10,6 +10,7 @@ handler state never loses data; it only stops scheduling it.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from .. import markers
 from ..compat import queue_backward_callback, untyped_storage
 from ..device import OffloadDevice, default_device
-from ..errors import OffloadUsageError
+from ..errors import OffloadUsageError, stacklevel_outside_package
 from ..storage import storage_key
 from .saved import PackedTensor, StorageRecord, pack_tensor
 
@@ -88,6 +89,8 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self._phase = "idle"  # "idle" | "forward" | "backward"
         self._awaiting_commit = False  # a layer ran in the context; its output is not synced yet
         self._refused = False  # an entry was refused for a missing sync
+        self._seen = self._selected = 0  # saved tensors in offloaded groups, and tagged ones
+        self._warned_empty = False
         self._groups: Dict[int, Dict[int, StorageRecord]] = {}
         self.groupid_reset()
 
@@ -98,6 +101,17 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
 
     def _finish_step(self) -> None:
         """Forget the step: the graph owns its tensors from here on."""
+        if self._seen and not self._selected and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                f"cpu_offload (V1): a step saved {self._seen} tensors in offloaded layers but "
+                "none is tagged, so nothing was offloaded. V1 offloads only tensors tagged with "
+                "cpu_offload.mark_activation_offload; tag them, or unset NVTE_CPU_OFFLOAD_V1 to "
+                "use V2's automatic detection (this warning is given once per context)",
+                UserWarning,
+                stacklevel=stacklevel_outside_package(),
+            )
+        self._seen = self._selected = 0
         for records in self._groups.values():
             for record in records.values():
                 record.drop_force_clear(clear=False)  # never hold user tensors past the step
@@ -130,7 +144,9 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
             )
 
     def on_context_exit(self) -> None:
-        self._awaiting_commit = True
+        # Without grad nothing was saved and no backward will come: evaluation loops need not
+        # call the sync function (as in V2).
+        self._awaiting_commit = torch.is_grad_enabled()
 
     def on_group_commit_skipped(self) -> None:
         self._awaiting_commit = self._refused = False
@@ -176,6 +192,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         key = storage_key(t)
         record = records.get(key)
         if record is None:
+            self._selected += 1
             record = records[key] = StorageRecord(self.device, t)
             self._on_new_record(record)
         return record
@@ -192,6 +209,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         offload = (
             self.current_group < self.num_offload_group and not markers.module_opt_out_active()
         )
+        self._seen += offload
         packed.entry = pack_tensor(tensor, packed, self._record_for if offload else _keep)
         return packed
 

@@ -8,6 +8,7 @@ forward; an exception inside it removes them and drops everything the step held.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from typing import Any, Callable, ContextManager, Optional, Tuple, Union
@@ -19,9 +20,9 @@ from ..compat import saved_tensors_hooks
 from ..device import OffloadDevice, default_device
 from ..errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
-from .selection import SelectionPolicy
+from .selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
+from .stats import StepStats
 from .synchronizer import (
-    DisabledManualSynchronizer,
     ManualOffloadSynchronizer,
     OffloadSynchronizer,
 )
@@ -36,6 +37,8 @@ class _ThreadState(threading.local):
 
 _state = _ThreadState()
 
+VERIFY_ENV = "CPU_OFFLOAD_VERIFY"  # 1: verify mode for every context (checksums, host syncs)
+
 _RECOMPUTE = object()  # a frame entered during backward: activation-checkpoint recomputation
 
 
@@ -48,6 +51,15 @@ class OffloadContext:
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.synchronizer = synchronizer
         self._frames: list = []  # per entry: the hooks installed, None, or _RECOMPUTE
+
+    def stats(self) -> StepStats:
+        """What the current (or last) step did; see ``OffloadSynchronizer.stats``."""
+        return self.synchronizer.stats()
+
+    @property
+    def offload_synchronizer(self) -> OffloadSynchronizer:
+        """The reference implementation's name for ``synchronizer``."""
+        return self.synchronizer
 
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
@@ -102,7 +114,7 @@ def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = 
         if t is None:
             continue
         if offload_base_tensor and t._base is not None:
-            t = t._base
+            t = t._base  # every view of it, saved later, finds the event on its base
         for c in markers.component_tensors(t):
             setattr(c, markers.READY_EVENT_ATTR, event)
 
@@ -121,16 +133,35 @@ def get_cpu_offload_context(
     manual_synchronization: bool = False,
     retain_pinned_cpu_buffers: bool = False,
     offload_stream: Optional[Any] = None,
-    min_tensor_size_to_offload: int = 1024 * 1024,
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     synchronization_dict: Optional[dict] = None,
     device: Optional[OffloadDevice] = None,
+    verify: Optional[bool] = None,
+    max_host_bytes: Optional[int] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
     """V2 implementation of ``cpu_offload.get_cpu_offload_context`` (see the facade)."""
+    if not enabled:
+        # As in the reference: a disabled context is a null context, whatever else is passed
+        # (configs often set enabled=False and leave the other fields as they are).
+        return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
+            contextlib.nullcontext(), _identity
+        )
     if not offload_activations and not offload_weights:
         raise OffloadConfigError(
             "neither activations nor weights are selected for offloading: set "
             "offload_activations=True (the usual choice) or offload_weights=True"
         )
+    if offload_weights:
+        warnings.warn(
+            "offload_weights=True is deprecated and has no effect: weights stay on the GPU (the "
+            "module holds them, so copying them would free nothing); drop the argument",
+            DeprecationWarning,
+            stacklevel=stacklevel_outside_package(),
+        )
+        if not offload_activations:
+            return (contextlib.nullcontext(), _identity, None) if manual_synchronization else (
+                contextlib.nullcontext(), _identity
+            )
     if offload_stream is not None and not manual_synchronization:
         raise OffloadConfigError(
             "offload_stream is only used with manual synchronization: pass "
@@ -151,11 +182,15 @@ def get_cpu_offload_context(
             f"min_tensor_size_to_offload must be an int >= 0 (elements), got "
             f"{min_tensor_size_to_offload!r}"
         )
-    if not enabled:
-        # Nothing is scheduled, so the layer counts are not checked (the defaults 1/1 must work).
-        if manual_synchronization:
-            return contextlib.nullcontext(), _identity, DisabledManualSynchronizer()
-        return contextlib.nullcontext(), _identity
+    if max_host_bytes is not None and (
+        isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0
+    ):
+        raise OffloadConfigError(
+            f"max_host_bytes must be None (no limit) or an int >= 0 (bytes of pinned host memory), "
+            f"got {max_host_bytes!r}"
+        )
+    if verify is None:
+        verify = os.environ.get(VERIFY_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
     if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
         raise OffloadConfigError(
             f"model_layers must be the total number of layers (an int >= 1), got {model_layers!r}"
@@ -175,18 +210,10 @@ def get_cpu_offload_context(
             DeprecationWarning,
             stacklevel=stacklevel_outside_package(),
         )
-    if offload_weights:
-        warnings.warn(
-            "offload_weights=True copies weights saved for backward to the CPU, but the module "
-            "still holds them, so no GPU memory is freed; prefer offload_weights=False",
-            UserWarning,
-            stacklevel=stacklevel_outside_package(),
-        )
-
     device = device or default_device()
     policy = SelectionPolicy(
-        offload_activations=offload_activations,
-        offload_weights=offload_weights,
+        offload_activations=True,
+        offload_weights=False,  # deprecated, no effect (warned above)
         min_tensor_size_to_offload=min_tensor_size_to_offload,
         is_device_tensor=device.is_device_tensor,
     )
@@ -197,6 +224,8 @@ def get_cpu_offload_context(
         stream=offload_stream if offload_stream is not None else device.new_stream(),
         policy=policy,
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        verify=bool(verify),
+        max_host_bytes=max_host_bytes,
     )
     context = OffloadContext(synchronizer)
     if manual_synchronization:

@@ -13,29 +13,65 @@ reference cycle can form (memory returns to baseline with ``gc.disable()``).
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Hashable, Optional
 
 import torch
 
 from ..device import Event, OffloadDevice
-from ..errors import OffloadUsageError
+from ..errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
 from ..markers import READY_EVENT_ATTR
 from ..pinned_pool import PinnedPool
 from ..compat import tensor_unflatten
-from ..storage import KeptRef, VersionWatch, ViewMeta, held_elsewhere, restore_view, storage_bytes
+from ..storage import (
+    KeptRef,
+    VersionWatch,
+    ViewMeta,
+    checksum,
+    held_elsewhere,
+    restore_view,
+    storage_bytes,
+)
+from .stats import StepStats
 
 
 class Runtime:
     """Step-independent pieces shared by all layers of one offload context."""
 
-    __slots__ = ("device", "stream", "pool", "retain")
+    __slots__ = (
+        "device", "stream", "pool", "retain", "verify", "max_host_bytes", "threshold", "warned",
+    )
 
-    def __init__(self, device: OffloadDevice, stream: Any, pool: PinnedPool, retain: bool) -> None:
+    def __init__(
+        self,
+        device: OffloadDevice,
+        stream: Any,
+        pool: PinnedPool,
+        retain: bool,
+        verify: bool = False,
+        max_host_bytes: Optional[int] = None,
+        threshold: int = 0,
+    ) -> None:
         self.device = device
         self.stream = stream
         self.pool = pool
         self.retain = retain
+        self.verify = verify  # checksum every offloaded storage and check it after reload
+        self.max_host_bytes = max_host_bytes  # pinned bytes in use beyond which tensors stay
+        self.threshold = threshold  # min_tensor_size_to_offload, for messages
+        self.warned: set = set()
+
+    def warn_once(self, message: str, key: Optional[str] = None) -> None:
+        """A ``UserWarning`` pointing at the user's line, given once per context and key."""
+        key = key or message
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(
+                f"cpu_offload: {message} (this warning is given once per context)",
+                UserWarning,
+                stacklevel=stacklevel_outside_package(),
+            )  # one-time warnings already given by this context
 
 
 class Entry:
@@ -48,14 +84,23 @@ class Entry:
     """
 
     __slots__ = (
-        "rt", "pool_key", "nbytes", "device", "key", "version", "owner", "gpu", "cpu", "reloaded",
-        "ready_event", "reload_event", "waited", "watches", "live", "pops", "generation", "error",
+        "rt", "stats", "layer", "pool_key", "nbytes", "device", "key", "version", "owner", "gpu",
+        "cpu", "reloaded", "ready_event", "reload_event", "waited", "watches", "live", "pops",
+        "generation", "checksum", "verified", "error",
     )
 
     def __init__(
-        self, rt: Runtime, pool_key: Optional[Hashable], t: torch.Tensor, storage: Any
+        self,
+        rt: Runtime,
+        stats: StepStats,
+        layer: int,
+        pool_key: Optional[Hashable],
+        t: torch.Tensor,
+        storage: Any,
     ) -> None:
         self.rt = rt
+        self.stats = stats  # of the step that saved it (holds no tensors: no cycle)
+        self.layer = layer  # the first layer that saved it
         self.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
         self.gpu: Optional[torch.Tensor] = storage_bytes(t, storage)  # flat uint8 over it
         self.nbytes = self.gpu.numel()
@@ -74,6 +119,8 @@ class Entry:
         self.live = 0  # SavedRefs alive
         self.pops = 0  # live SavedRefs unpacked since the reload (each counted once)
         self.generation = 0  # bumped whenever the reload is dropped: a new round of unpacks
+        self.checksum: Optional[torch.Tensor] = checksum(self.gpu) if rt.verify else None
+        self.verified = -1  # the generation whose reload passed the verify check
         self.error: Optional[str] = None
 
     def matches(self, t: torch.Tensor, nbytes: int) -> bool:
@@ -107,9 +154,26 @@ class Entry:
             copy_in(self.rt, [self])  # not scheduled (custom schedule / partial backward): now
         if not self.waited:
             dev = self.rt.device
-            dev.wait_event(dev.current_stream(), self.reload_event)
+            compute = dev.current_stream()
+            self.stats.record_wait(dev.record_event(compute), self.reload_event)
+            dev.wait_event(compute, self.reload_event)
             self.waited = True
+            if self.checksum is not None:
+                self.verify_reload()
         return self.reloaded
+
+    def verify_reload(self) -> None:
+        """Verify mode: the reloaded bytes must be the bytes that were saved (blocks the host)."""
+        if self.verified == self.generation:
+            return
+        if not torch.equal(checksum(self.reloaded), self.checksum):
+            raise OffloadVerifyError(
+                f"verify: the storage of {self.nbytes} bytes saved by layer {self.layer} came back "
+                f"different after its reload (awaited event {self.reload_event!r}): a copy was "
+                "read before it finished, or the host buffer was overwritten. Please report this "
+                "with the model, the schedule and the torch version"
+            )
+        self.verified = self.generation
 
     def copy_out(self, ready: Optional[Event]) -> None:
         """Queue the device-to-host copy once the storage is final (``ready`` or now)."""
@@ -120,6 +184,7 @@ class Entry:
         else:
             dev.wait_stream(stream, dev.current_stream())
         dev.copy(stream, self.cpu, self.gpu)
+        self.stats.layer(self.layer).copied_out_bytes += self.nbytes
 
     def release(self) -> None:
         """Drop our references to the device storage (its copy is known done). If nothing else
@@ -127,8 +192,12 @@ class Entry:
         for watch in self.watches or ():
             watch.forget_storage()  # the watches must not be what keeps the memory alive
         self.watches = []
-        if not held_elsewhere(self.gpu):
+        stats = self.stats.layer(self.layer)
+        if held_elsewhere(self.gpu):
+            stats.held_elsewhere_bytes += self.nbytes
+        else:
             self.rt.device.will_free(self.gpu)
+            stats.freed_bytes += self.nbytes
         self.gpu = None
 
     def free_reload(self) -> None:
@@ -165,6 +234,7 @@ def copy_in(rt: Runtime, entries: list) -> None:
     dev.wait_stream(stream, dev.current_stream())
     events = dev.copy_and_record(stream, [(b, e.cpu) for b, e in zip(buffers, entries)])
     for entry, buf, event in zip(entries, buffers, events):
+        entry.stats.layer(entry.layer).reloaded_bytes += entry.nbytes
         entry.reloaded = buf
         entry.reload_event = event
         entry.waited = False
@@ -236,12 +306,16 @@ class LayerState:
     """Storages saved by one offloaded layer, and where they are: device, host, or both."""
 
     __slots__ = (
-        "index", "rt", "entries", "shared", "eager", "offload_event", "released", "reload_started",
+        "index", "rt", "stats", "entries", "shared", "eager", "offload_event", "released",
+        "reload_started",
     )
 
-    def __init__(self, index: int, rt: Runtime, eager: bool, shared: dict) -> None:
+    def __init__(
+        self, index: int, rt: Runtime, eager: bool, shared: dict, stats: StepStats
+    ) -> None:
         self.index = index
         self.rt = rt
+        self.stats = stats
         self.entries: list[Entry] = []
         self.shared = shared  # storage address -> Entry, for the whole forward pass of a step
         self.eager = eager  # copy at save time (default schedule, or manual after start_offload)
@@ -265,10 +339,15 @@ class LayerState:
         key = storage.data_ptr()
         entry = self.shared.get(key)
         if entry is None or not entry.matches(t, nbytes):
+            budget = self.rt.max_host_bytes
+            if budget is not None and self.rt.pool.in_use_bytes + nbytes > budget:
+                return self._over_host_budget(t, nbytes, budget)
             pool_key = (self.index, len(self.entries)) if self.rt.retain else None
-            entry = Entry(self.rt, pool_key, t, storage)
+            entry = Entry(self.rt, self.stats, self.index, pool_key, t, storage)
             self.shared[key] = entry
             ready = getattr(t, READY_EVENT_ATTR, None)
+            if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+                ready = getattr(t._base, READY_EVENT_ATTR, None)
             if self.eager:
                 entry.copy_out(ready)
                 if self.offload_event is not None:  # manual: offload already started
@@ -281,8 +360,17 @@ class LayerState:
             self.entries.append(entry)
         watch = VersionWatch(t)
         entry.watches.append(watch)
+        self.stats.layer(self.index).offloaded_tensors += 1
         cls = torch.Tensor if type(t) is torch.nn.Parameter else type(t)
         return SavedRef(entry, ViewMeta.of(t), cls, watch)
+
+    def _over_host_budget(self, t: torch.Tensor, nbytes: int, budget: int) -> KeptRef:
+        self.stats.layer(self.index).skipped_bytes["over max_host_bytes"] += nbytes
+        self.rt.warn_once(
+            f"pinned host memory reached max_host_bytes={budget}; saved tensors beyond it stay "
+            "on the GPU"
+        )
+        return KeptRef(t)
 
     def finish_forward(self) -> None:
         """End of this layer's forward: mark where its offload copies end on the copy stream."""
@@ -311,7 +399,9 @@ class LayerState:
             )
         dev = self.rt.device
         if on_device:
-            dev.wait_event(dev.current_stream(), self.offload_event)
+            compute = dev.current_stream()
+            self.stats.record_wait(dev.record_event(compute), self.offload_event)
+            dev.wait_event(compute, self.offload_event)
         for entry in on_device:
             entry.release()
         self.released = True

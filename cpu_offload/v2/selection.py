@@ -9,6 +9,10 @@ import torch
 
 from .. import markers
 
+# Saved tensors with fewer elements stay on the device: the reference implementation's fixed
+# threshold (256K elements, 512 KiB in bf16), below which a copy costs more than it frees.
+DEFAULT_MIN_TENSOR_SIZE = 256 * 1024
+
 
 @dataclass(frozen=True)
 class SelectionPolicy:
@@ -16,7 +20,7 @@ class SelectionPolicy:
 
     offload_activations: bool = True
     offload_weights: bool = False
-    min_tensor_size_to_offload: int = 1024 * 1024  # elements, as in the reference API
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE
     is_device_tensor: Callable[[torch.Tensor], bool] = staticmethod(lambda t: t.is_cuda)
 
     def skip_reason(self, t: torch.Tensor) -> Optional[str]:

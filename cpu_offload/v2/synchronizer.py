@@ -26,6 +26,7 @@ from ..storage import KeptRef
 from ..pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy
+from .stats import StepStats
 
 
 class Step:
@@ -33,11 +34,12 @@ class Step:
 
     __slots__ = (
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
-        "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger",
+        "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
     )
 
     def __init__(self, rt: Runtime, schedule: Optional[Schedule], model_layers: int) -> None:
         self.rt = rt
+        self.stats = StepStats(rt.device, rt.pool)
         self.schedule = schedule  # None: manual synchronization
         self.model_layers = model_layers
         self.layers: list[Optional[LayerState]] = []
@@ -71,8 +73,13 @@ class Step:
         self._apply(self.fwd_count)
         self.rt.device.trace("fwd", index)
         manual = self.schedule is None
-        offloaded = grad and (manual or self.schedule.is_offloaded(index))
-        layer = LayerState(index, self.rt, not manual, self.shared) if offloaded else None
+        offloaded = manual or self.schedule.is_offloaded(index)
+        if offloaded and not grad:
+            self.stats.layers_without_grad += 1
+        layer = (
+            LayerState(index, self.rt, not manual, self.shared, self.stats)
+            if offloaded and grad else None
+        )
         self.layers.append(layer)
         return layer
 
@@ -117,12 +124,28 @@ class Step:
         dev = self.rt.device
         # Join the copy stream: no transfer of ours outlives the backward (CUDA-graph safe).
         dev.wait_stream(dev.current_stream(), self.rt.stream)
+        # Only layers whose backward ran in this pass let go of their reloads. A layer reloaded
+        # ahead for a later pass (each layer's output backpropagated separately, as pipeline
+        # schedules do) keeps its reload instead of copying it back a second time.
         for layer in self.layers:
-            if layer is not None:
+            if layer is not None and layer.index in self.bwd_layers:
                 layer.end_backward()
         self.bwd_layers.clear()
         self.backward_task = None
         dev.trace("end_bwd", -1)
+        self._warn_if_nothing_freed()
+
+    def _warn_if_nothing_freed(self) -> None:
+        """Offloading that frees nothing is worse than none: say so once per context."""
+        if self.stats.checked or self.schedule is None:
+            return
+        self.stats.checked = True
+        reason = self.stats.nothing_done_reason(self.rt.threshold)
+        if reason is not None:
+            self.rt.warn_once(
+                f"an offload step freed no GPU memory: {reason}. See ctx.stats().summary()",
+                key="nothing freed",
+            )
 
     def _reset_backward_positions(self) -> None:
         self.bwd_layers.clear()
@@ -172,11 +195,16 @@ class OffloadSynchronizer:
         stream: Any,
         policy: SelectionPolicy,
         retain_pinned_cpu_buffers: bool = False,
+        verify: bool = False,
+        max_host_bytes: Optional[int] = None,
     ) -> None:
         self.model_layers = model_layers
         self.schedule = schedule
         self.policy = policy
-        self.rt = Runtime(device, stream, PinnedPool(device), retain_pinned_cpu_buffers)
+        self.rt = Runtime(
+            device, stream, PinnedPool(device), retain_pinned_cpu_buffers, verify, max_host_bytes,
+            policy.min_tensor_size_to_offload,
+        )
         self.step: Optional[Step] = None
         self.current: Optional[LayerState] = None
         self.current_index = -1
@@ -220,6 +248,8 @@ class OffloadSynchronizer:
         if step is None or step.complete or step.invalid or step.abandoned():
             if step is not None and not step.complete:
                 step.abort()  # a forward left half-way: its graph is gone or unusable
+            if step is not None:
+                step.stats.log()
             self.step = step = Step(self.rt, self.schedule, self.model_layers)
             self.rt.pool.trim()
         self.current = step.begin_forward()
@@ -282,7 +312,11 @@ class OffloadSynchronizer:
             return KeptRef(t)
         if is_traceable_wrapper_subclass(t):
             return self._push_subclass(t, layer)
-        if self.policy.skip_reason(t) is not None:
+        reason = self.policy.skip_reason(t)
+        if reason is not None:
+            if reason == "weight mark" and isinstance(t._base, torch.nn.Parameter):
+                reason = "parameter"  # F.linear saves weight.t()
+            layer.stats.layer(layer.index).skipped_bytes[reason] += t.numel() * t.element_size()
             return KeptRef(t)
         return layer.push(t)
 
@@ -314,6 +348,23 @@ class OffloadSynchronizer:
     def held_device_bytes(self) -> int:
         layers = self.step.layers if self.step else []
         return sum(l.held_device_bytes() for l in layers if l is not None)
+
+    def stats(self) -> StepStats:
+        """What the current (or last) step did: ``.summary()`` for humans, ``.to_dict()`` for
+        loggers. Reading it never blocks the host."""
+        if self.step is None:
+            return StepStats(self.rt.device, self.rt.pool)
+        return self.step.stats
+
+    def offloaded_bytes(self) -> int:
+        """Bytes copied to the host in the current (or last) forward pass, each storage once."""
+        layers = self.step.layers if self.step else []
+        entries = {id(e): e for l in layers if l is not None for e in l.entries if e.cpu is not None}
+        return sum(e.nbytes for e in entries.values())
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """The reference implementation's spelling: ``offloaded_bytes()`` in MiB."""
+        return self.offloaded_bytes() / (1024 * 1024)
 
     def held_host_bytes(self) -> int:
         layers = self.step.layers if self.step else []
@@ -363,18 +414,3 @@ class ManualOffloadSynchronizer:
                 f"({count} layers entered so far; ids are 0..{count - 1})"
             )
         return step.layers[layer_id]
-
-
-class DisabledManualSynchronizer:
-    """What ``enabled=False`` returns in manual mode: the same methods, offloading nothing."""
-
-    offload_stream = None
-
-    def start_offload_layer(self, layer_id: int) -> None:
-        """Offloading is disabled: nothing to do."""
-
-    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
-        """Offloading is disabled: nothing to do."""
-
-    def start_reload_layer(self, layer_id: int) -> None:
-        """Offloading is disabled: nothing to do."""

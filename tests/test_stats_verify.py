@@ -1,0 +1,245 @@
+"""What a step did (statistics, log line, "did nothing" warnings), verify mode, and the host
+memory budget, on the simulated device where every byte can be counted exactly."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cpu_offload import (
+    OffloadUsageError,
+    SimulatedDevice,
+    get_cpu_offload_context,
+)
+from cpu_offload.errors import OffloadVerifyError
+
+D, ROWS = 8, 4
+NBYTES = D * ROWS * 4  # every saved storage below: (4, 8) float32
+
+
+class Sep(nn.Module):
+    """Saves its input (Linear) and its exp output; returns a fresh tensor (``* 1.0``)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x) * 0.1) * 1.0
+
+
+def step(layers, ctx, sync, keep=None):
+    x = torch.randn(ROWS, D, requires_grad=True)
+    h = x
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        if keep is not None:
+            keep.append(h)
+    h.sum().backward()
+    return x
+
+
+def reference_grads(layers, seed):
+    """The input's and every parameter's gradient without offloading (input drawn from seed)."""
+    torch.manual_seed(seed)
+    x = step(layers, *get_cpu_offload_context(enabled=False))
+    grads = [x.grad] + [p.grad.clone() for p in layers.parameters()]
+    for p in layers.parameters():
+        p.grad = None
+    return grads
+
+
+def assert_grads(x, layers, ref):
+    got = [x.grad] + [p.grad for p in layers.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def no_nothing_freed_warning(record):
+    return not [w for w in record if "freed no GPU memory" in str(w.message)]
+
+
+def test_step_statistics_count_every_byte(sim):
+    layers = nn.ModuleList([Sep(i) for i in range(5)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=3, model_layers=5, min_tensor_size_to_offload=0, device=sim
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(layers, ctx, sync)
+    assert no_nothing_freed_warning(record)
+    d = ctx.stats().to_dict()
+    assert sorted(d["layers"]) == [0, 1, 2]
+    for i in range(3):
+        layer = d["layers"][i]
+        assert layer["offloaded_tensors"] == 2 and layer["copied_out_bytes"] == 2 * NBYTES
+        # Layer 0's input is the caller's x: copied, but it stays alive, so it is not reloaded.
+        held = NBYTES if i == 0 else 0
+        assert layer["held_elsewhere_bytes"] == held
+        assert layer["freed_bytes"] == 2 * NBYTES - held
+        assert layer["reloaded_bytes"] == 2 * NBYTES - held
+    assert d["copied_out_bytes"] == sum(c[2] for c in sim.copies("d2h"))
+    assert d["reloaded_bytes"] == sum(c[2] for c in sim.copies("h2d"))
+    assert d["pinned_host_bytes_in_use"] == 0  # the graph is gone: every buffer is back
+    assert d["waits_pending"] == 0 and d["compute_wait_ms"] == 0.0
+    text = ctx.stats().summary()
+    assert "offloaded 6 saved tensors in 3 layers" in text and "layer 2:" in text
+
+
+def test_one_log_line_per_step(sim, caplog):
+    layers = nn.ModuleList([Sep(i) for i in range(4)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=4, min_tensor_size_to_offload=0, device=sim
+    )
+    with caplog.at_level(logging.INFO, logger="cpu_offload"):
+        for _ in range(3):
+            step(layers, ctx, sync)
+    lines = [r.getMessage() for r in caplog.records if r.name == "cpu_offload"]
+    assert len(lines) == 2  # a step is logged when the next one starts (its copies are done)
+    assert all(line.startswith("offload step: 4 tensors") for line in lines)
+
+
+def test_warns_once_when_everything_is_below_the_threshold(sim):
+    layers = nn.ModuleList([Sep(i) for i in range(3)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=D * ROWS + 1,
+        device=sim,
+    )
+    with pytest.warns(UserWarning, match=r"freed no GPU memory.*min_tensor_size_to_offload=33"):
+        step(layers, ctx, sync)
+    assert ctx.stats().to_dict()["skipped_bytes"] == {"too small": 2 * NBYTES, "parameter": D * D * 4}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(layers, ctx, sync)
+    assert no_nothing_freed_warning(record)  # once per context
+
+
+def test_warns_when_copies_free_nothing_because_the_caller_holds_them(sim):
+    layers = nn.ModuleList([Sep(i) for i in range(4)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=4, min_tensor_size_to_offload=0, device=sim
+    )
+    keep = []
+    layers[0].register_forward_hook(lambda m, a, out: keep.extend(a))  # holds layer 0's input
+
+    class Keep(nn.Module):  # and its exp output
+        def forward(self, x):
+            e = torch.exp(x)
+            keep.append(e)
+            return e * 1.0
+
+    layers[0] = Keep()
+    with pytest.warns(UserWarning, match="held elsewhere"):
+        step(layers, ctx, sync)
+    assert ctx.stats().to_dict()["freed_bytes"] == 0
+
+
+def test_v1_warns_once_when_no_tensor_is_tagged(monkeypatch):
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    layers = nn.ModuleList([Sep(i) for i in range(3)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, device=SimulatedDevice()
+    )
+    with pytest.warns(UserWarning, match="mark_activation_offload"):
+        step(layers, ctx, sync)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        step(layers, ctx, sync)
+    assert not [w for w in record if "none is tagged" in str(w.message)]
+
+
+# --- verify mode ---------------------------------------------------------------------------------
+
+
+def racy(sim, monkeypatch):
+    """Make unpack skip the wait for its reload (an injected stream race)."""
+    wait = sim.wait_event
+
+    def skip_reload_waits(stream, event):
+        if stream is sim.compute and event.stream is not sim.compute and sim.in_backward:
+            return
+        wait(stream, event)
+
+    sim.in_backward = False
+    monkeypatch.setattr(sim, "wait_event", skip_reload_waits)
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_verify_mode_catches_a_reload_that_skips_its_wait(sim, monkeypatch, via_env):
+    if via_env:
+        monkeypatch.setenv("CPU_OFFLOAD_VERIFY", "1")
+    layers = nn.ModuleList([Sep(i) for i in range(4)])
+    kw = {} if via_env else {"verify": True}
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=4, min_tensor_size_to_offload=0, device=sim, **kw
+    )
+    racy(sim, monkeypatch)
+    x = torch.randn(ROWS, D, requires_grad=True)
+    h = x
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    sim.in_backward = True
+    with pytest.raises(OffloadVerifyError, match=r"saved by layer [01] came back different"):
+        h.sum().backward()
+
+
+def test_verify_mode_passes_on_a_correct_schedule(sim):
+    layers = nn.ModuleList([Sep(i) for i in range(4)])
+    ref = reference_grads(layers, 5)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=4, min_tensor_size_to_offload=0, device=sim,
+        verify=True,
+    )
+    torch.manual_seed(5)
+    assert_grads(step(layers, ctx, sync), layers, ref)
+
+
+# --- host memory budget ----------------------------------------------------------------------------
+
+
+def test_max_host_bytes_keeps_the_rest_on_the_gpu_and_warns_once(sim):
+    layers = nn.ModuleList([Sep(i) for i in range(5)])
+    ref = reference_grads(layers, 3)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=3, model_layers=5, min_tensor_size_to_offload=0, device=sim,
+        max_host_bytes=3 * NBYTES,
+    )
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="max_host_bytes=384"):
+        x = step(layers, ctx, sync)
+    d = ctx.stats().to_dict()
+    assert d["copied_out_bytes"] == 3 * NBYTES
+    assert d["skipped_bytes"] == {"over max_host_bytes": 3 * NBYTES, "parameter": 3 * D * D * 4}
+    assert_grads(x, layers, ref)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_max_host_bytes_must_be_a_byte_count(bad):
+    from cpu_offload import OffloadConfigError
+
+    with pytest.raises(OffloadConfigError, match="max_host_bytes"):
+        get_cpu_offload_context(
+            enabled=True, num_layers=1, model_layers=3, device=SimulatedDevice(),
+            max_host_bytes=bad,
+        )
+
+
+def test_failed_pinned_allocation_names_the_bytes_and_the_option():
+    class NoPinned(SimulatedDevice):
+        def alloc_host(self, nbytes):
+            raise RuntimeError("cudaHostAlloc failed")
+
+    layers = nn.ModuleList([Sep(i) for i in range(3)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=0,
+        device=NoPinned(),
+    )
+    with pytest.raises(OffloadUsageError, match=rf"{NBYTES} bytes of pinned.*max_host_bytes"):
+        step(layers, ctx, sync)
