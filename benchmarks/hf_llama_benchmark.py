@@ -1,8 +1,9 @@
 """Hugging Face Llama benchmark: ``apply_offloading`` and planned offloading vs HF's own options.
 
-One ``LlamaForCausalLM`` built from a config (random weights, nothing downloaded; default: the
-issue's workload, 16 layers, hidden 2048, 16 heads, MLP 5632, vocab 32000, sequence 4096, batch 1,
-bf16), one training step = forward + loss + backward. Rows, all in one process on one model:
+One ``LlamaForCausalLM`` built from a config (random weights, nothing downloaded; default: a
+Llama of 0.95B parameters, 16 layers, hidden 2048, 16 heads, MLP 5632, vocab 32000, sequence
+4096, batch 1, bf16), one training step = forward + loss + backward. Rows, all in one process on
+one model:
 
 - ``none``          no offloading, no recomputation (the reference of every ratio and of "exact");
 - ``hf_ckpt``       HF activation checkpointing of every layer (``gradient_checkpointing_enable()``,
@@ -345,7 +346,7 @@ def main(argv: Optional[list] = None) -> list:
 
 
 def verdicts(rows: list) -> list:
-    """The issue's targets: plan @0.8 at most 1.03x time; at budget 0.5 the plan faster than HF
+    """The targets: plan @0.8 at most 1.03x time; at budget 0.5 the plan faster than HF
     checkpointing and HF offload at equal or lower peak. The second is checked twice: literally
     (the @0.5 row, whose peak is usually above HF's), and at HF's own measured peak (@=hf_*)."""
     by = {r.method: r for r in rows if r.time_ratio is not None}

@@ -1,6 +1,6 @@
 """Host overhead of the saved-tensor hooks, per saved tensor.
 
-The SPEC asks that a model with many small layers is not slowed by offloading. This benchmark
+A model with many small layers must not be slowed by offloading. This benchmark
 builds exactly that: ``--layers`` (64) tiny ``Linear + GELU`` layers on a small batch, so compute
 is negligible and the Python work in the pack/unpack hooks and the schedule dominates the step.
 

@@ -1,4 +1,4 @@
-"""SPEC performance benchmark: step time and peak memory of activation offloading vs baselines.
+"""Performance benchmark: step time and peak memory of activation offloading vs baselines.
 
 All methods run in one process on one model, so ratios compare like with like:
 
@@ -68,7 +68,7 @@ from cpu_offload.tools.planner import Plan, plan as make_plan, profile_layers  #
 from cpu_offload.v2.selection import SelectionPolicy  # noqa: E402
 
 GIB = 1024**3
-# SPEC "Performance contract": k -> (max step-time ratio, max peak-memory ratio), 8-layer stack.
+# Performance targets: k -> (max step-time ratio, max peak-memory ratio), 8-layer stack.
 TARGETS = {2: (1.01, 0.88), 6: (1.45, 0.64)}
 BASELINES = ("none", "checkpoint", "save_on_cpu")
 LIBRARY = ("v2", "v1")
@@ -352,7 +352,7 @@ def _fill_timings(res: Result, steps: list[StepStats]) -> None:
 
 
 def derive(res: Result, base: Result, per_layer: dict[str, int], n_layers: int) -> None:
-    """Ratios vs ``none``, offloaded bytes, achieved GB/s and the SPEC verdict."""
+    """Ratios vs ``none``, offloaded bytes, achieved GB/s and the verdict against the target."""
     if res.error or res.step_ms is None:
         return
     if res.method in LIBRARY:
@@ -369,7 +369,7 @@ def derive(res: Result, base: Result, per_layer: dict[str, int], n_layers: int) 
         res.d2h_gbps = res.offloaded_bytes / 1e9 / (res.fwd_ms / 1e3)
         res.h2d_gbps = res.offloaded_bytes / 1e9 / (res.bwd_ms / 1e3)
     target = TARGETS.get(res.k) if res.method in LIBRARY else None
-    if res.method == PLANNED:  # judged by the SPEC row whose memory bound it was planned for
+    if res.method == PLANNED:  # judged by the target whose memory bound it was planned for
         budget = float(res.tag.split("@")[1].split()[0])
         target = next((t for t in TARGETS.values() if abs(t[1] - budget) < 1e-9), None)
     if target is not None and n_layers == 8:
@@ -441,7 +441,7 @@ def _timed_copies(device: BenchDevice, pairs: list[tuple[torch.Tensor, torch.Ten
 
 HEADERS = (
     "method", "k", "step ms", "fwd ms", "bwd ms", "time x", "peak GiB", "peak x", "exact",
-    "offl GiB", "D2H GB/s", "H2D GB/s", "SPEC target", "verdict",
+    "offl GiB", "D2H GB/s", "H2D GB/s", "target", "verdict",
 )
 
 
@@ -484,7 +484,7 @@ def print_report(results: list[Result], link: Optional[dict], device: BenchDevic
 
 
 def plot(results: list[Result], path: Path) -> None:
-    """Time ratio vs peak-memory ratio per method, with the SPEC target regions shaded."""
+    """Time ratio vs peak-memory ratio per method, with the target regions shaded."""
     try:
         import matplotlib
 
@@ -500,7 +500,7 @@ def plot(results: list[Result], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 5))
     for k, (t_max, m_max) in TARGETS.items():
         ax.add_patch(plt.Rectangle((0, 0), m_max, t_max, alpha=0.08, color=f"C{k}"))
-        ax.annotate(f"SPEC k={k}", (m_max, t_max), fontsize=8, ha="right", va="bottom")
+        ax.annotate(f"target k={k}", (m_max, t_max), fontsize=8, ha="right", va="bottom")
     markers = {"none": "o", "checkpoint": "s", "save_on_cpu": "D", "v2": "^", "v1": "v", "plan": "*"}
     for i, name in enumerate(dict.fromkeys(r.method for r in points)):
         group = [r for r in points if r.method == name]

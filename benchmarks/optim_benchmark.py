@@ -1,4 +1,4 @@
-"""Optimizer-state offloading benchmark (issue 11): HybridDeviceOptimizer vs plain GPU AdamW.
+"""Optimizer-state offloading benchmark: HybridDeviceOptimizer vs plain GPU AdamW.
 
 Workload: a GPT-style stack of ``cpu_offload.models`` blocks, about 1.5B parameters (hidden 2048,
 30 layers, 16 heads, sequence 2048, batch 2), bf16 weights, fp32 optimizer state (AdamW with fp32
@@ -15,8 +15,8 @@ after a step: weights plus GPU optimizer state), step time (wall clock per train
 host and device, median-free mean over ``--iters`` consecutive iterations), GPU forward+backward
 time alone (same model, no optimizer), CPU update time (worker thread), bytes over the link per
 step and the achieved rate, the share of the CPU update that ran before ``step()`` was called
-(i.e. overlapped backward), the largest loss difference to ``plain`` over the same steps (seed
-004: < 0.001), and the issue's target: step <= 1.10 x max(fwd+bwd, CPU update, link time), link
+(i.e. overlapped backward), the largest loss difference to ``plain`` over the same steps (Megatron's
+bound: < 0.001), and the target: step <= 1.10 x max(fwd+bwd, CPU update, link time), link
 time = bytes to host / D2H GB/s + bytes to device / H2D GB/s (measured here).
 
 ``--big`` adds a model that does not fit on one 80 GB GPU with plain AdamW (about 5.6B

@@ -2,7 +2,8 @@
 
     python benchmarks/timeline.py --ks 2,6 --out bench_out      # CUDA only
 
-Writes ``timeline_k{k}.png`` and ``timeline_k{k}.json`` per k on the SPEC reference workload.
+Writes ``timeline_k{k}.png`` and ``timeline_k{k}.json`` per k on the reference workload (README
+"Performance").
 """
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ class ActivationOffloadConfig:
         cpu_offloading_num_layers: offload the first ``k`` layers; in ``[0, num_layers - 1)``
             so that at least two layers' activations stay on the GPU and copies overlap compute.
         cpu_offloading_activations: offload activations (``offload_activations``).
-        cpu_offloading_weights: also offload weights saved for backward (``offload_weights``).
+        cpu_offloading_weights: ``offload_weights`` (deprecated, no effect: weights stay on
+            the GPU).
         cpu_offloading_double_buffering: ``double_buffering`` (legacy V1 backend only).
         cpu_offloading_retain_pinned_cpu_buffers: ``retain_pinned_cpu_buffers``; required with
             CUDA graphs.

@@ -3,7 +3,7 @@
 On a CUDA machine it trains a few steps without offloading and with ``k`` offloaded layers and
 prints step time, peak memory above the pre-step baseline, and whether gradients are bit-identical.
 Without CUDA it runs the same code on the simulated device and shows what was offloaded per layer
-and the order of releases and reloads (the schedule of seed 003).
+and the order of releases and reloads (the default schedule, README "Use (per layer, by hand)").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from . import SimulatedDevice, get_cpu_offload_context
 from .models import GPTConfig, build_model, make_input, reference_config, tiny_config
 
-CUDA_DEMO = reference_config()  # SPEC's workload: 8 GPT blocks, hidden 4096, seq 4096, bf16
+CUDA_DEMO = reference_config()  # README "Performance": 8 GPT blocks, hidden 4096, seq 4096, bf16
 
 
 def _step(model, x0, ctx=None, sync=None):

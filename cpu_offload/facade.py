@@ -61,9 +61,8 @@ def get_cpu_offload_context(
     "Backends").
 
     Args:
-        enabled: ``False`` returns a no-op context and an identity sync function (nothing is
-            checked beyond the arguments' types), so the same loop runs with and without
-            offloading.
+        enabled: ``False`` returns a no-op context and an identity sync function, whatever
+            else is passed, so the same loop runs with and without offloading.
         num_layers: default schedule: offload the first ``num_layers`` of ``model_layers``
             layers. Layer ``i`` is released before the forward of layer
             ``model_layers - num_layers + i`` and reloaded after that layer's backward, so at
@@ -71,20 +70,20 @@ def get_cpu_offload_context(
             Must be smaller than ``model_layers``; ``model_layers - 1`` warns (no overlap).
         model_layers: how many ``with context:`` blocks one forward pass enters.
         offload_activations: offload activations (tensors that are not weights).
-        offload_weights: V2 also copies weights saved for backward (this frees nothing while
-            the module holds them, and warns); V1 ignores it (deprecated).
+        offload_weights: deprecated, no effect: weights stay on the device (the module holds
+            them, so copying them would free nothing); warns ``DeprecationWarning``.
         double_buffering: V1 only: two alternating reload buffers. V2 ignores it
             (``DeprecationWarning``).
         manual_synchronization: V2: you decide when each layer is offloaded, released and
             reloaded; a third return value, the ``ManualOffloadSynchronizer``, has
             ``start_offload_layer(i)``, ``release_activation_forward_gpu_memory(i)`` and
-            ``start_reload_layer(i)``. For pipeline schedules (README, "Use").
+            ``start_reload_layer(i)``. For pipeline schedules (README, "Use (per layer, by hand)").
         retain_pinned_cpu_buffers: V2: keep the pinned host buffers at fixed addresses across
             steps (needed to capture forward and backward in a CUDA graph).
         offload_stream: V2 with ``manual_synchronization``: the CUDA stream the copies run on
             (contexts of several micro-batches may share one).
         min_tensor_size_to_offload: V2: saved tensors with fewer elements stay on the device
-            (default ``1024 * 1024``); small tensors cost more in per-copy overhead than they
+            (default ``256 * 1024``); small tensors cost more in per-copy overhead than they
             free.
         synchronization_dict: V2: ``{layer: (offload_fwd, offload_num, reload_fwd,
             reload_num)}`` instead of the default schedule: ``layer`` is released when
@@ -93,12 +92,20 @@ def get_cpu_offload_context(
         device: where activations are offloaded from. ``None`` or ``"cuda"``: the current CUDA
             device. ``cpu_offload.SimulatedDevice()`` runs the same schedule on a CPU-only
             machine.
+        verify: V2: check every reloaded storage against a checksum taken when its copy out was
+            queued, and raise ``OffloadVerifyError`` (naming the layer and the awaited event) on
+            a mismatch. For debugging: it adds device work and host synchronizations. ``None``:
+            on if the environment variable ``CPU_OFFLOAD_VERIFY=1``.
+        max_host_bytes: V2: pinned host memory this context may use, in bytes (default: no
+            limit). Saved tensors beyond it stay on the device, with one warning.
 
     Returns:
         V2: ``(context, sync_function)``, or ``(context, sync_function, manual)`` with
-        ``manual_synchronization=True``. V1: ``(context, group_prefetch_offload_commit)``, used
+        ``manual_synchronization=True`` (``manual`` is ``None`` when ``enabled=False``). V1:
+        ``(context, group_prefetch_offload_commit)``, used
         the same way. ``sync_function(x)`` returns ``x`` (as a tensor autograd tracks: use the
-        returned value).
+        returned value). V2's ``context.stats()`` tells what the current or last step did
+        (README, "What did it do?").
 
     Raises:
         OffloadConfigError: an argument or combination that cannot work, e.g. ``num_layers >=

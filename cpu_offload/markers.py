@@ -6,7 +6,7 @@ attribute lookup in the saved-tensor hook. Both backends read them:
 - ``activation_offloading`` -- the legacy V1 tag: V1 offloads exactly the tensors carrying it.
 - ``_cpu_offload_skip`` -- ``mark_not_offload``: never offload this tensor (both backends).
 - ``_cpu_offload_weight`` / ``is_weight`` -- a weight that is not an ``nn.Parameter``; V2 treats it
-  like a parameter (offloaded only with ``offload_weights=True``).
+  like a parameter (kept on the device).
 - ``_cpu_offload_ready_event`` -- set by ``start_offload``: the point on the compute stream after
   which the tensor is final, so its copy may start before it is saved for backward.
 """
@@ -88,7 +88,7 @@ def mark_weight(*tensors: Optional[torch.Tensor]) -> None:
     V2 offloads every saved tensor that is not a parameter; a weight that is a plain tensor
     (a dequantized or gathered copy, a weight held by a custom container) would otherwise be
     copied to the CPU on every forward, freeing nothing while the module still holds it. Marked
-    weights are offloaded only with ``offload_weights=True``. Views of a marked weight
+    weights stay on the device, like parameters. Views of a marked weight
     (``F.linear`` saves ``w.t()``) count as weights too. A tensor attribute ``is_weight = True``
     has the same effect.
 

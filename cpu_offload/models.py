@@ -1,6 +1,6 @@
 """A plain-torch GPT block stack: the workload of the demo, the benchmarks and the GPU tests.
 
-Why it is embedded here instead of taken from a model library: the SPEC's reference workload must
+Why it is embedded here instead of taken from a model library: the reference workload must
 be built from plain torch (``LayerNorm``, ``Linear``, ``scaled_dot_product_attention``, GELU MLP)
 and must exercise exactly the tensor layouts offloading has to survive:
 
@@ -79,7 +79,8 @@ class GPTConfig:
 
 
 def reference_config() -> GPTConfig:
-    """The SPEC's reference workload: hidden 4096, 32 heads, sequence 4096, batch 1, 8 layers, bf16.
+    """The reference workload (README, "Performance"): hidden 4096, 32 heads, sequence 4096,
+    batch 1, 8 layers, bf16.
 
     About 0.5 GiB of offloadable activations per layer (so ~3 GiB each way for k=6) and
     0.4 GB of bf16 weights per layer.

@@ -1,4 +1,5 @@
-"""Megatron-style config: every constraint of seed 004 (error type and fix), and the context."""
+"""Megatron-style config: every constraint Megatron documents for CPU offloading (error type and
+fix), and the context."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,7 @@ def enabled(**fields) -> ActivationOffloadConfig:
     return ActivationOffloadConfig(cpu_offloading=True, **fields)
 
 
-def test_seed_004_defaults():
+def test_megatron_defaults():
     cfg = ActivationOffloadConfig(num_layers=4)
     assert (cfg.cpu_offloading, cfg.cpu_offloading_num_layers) == (False, 0)
     assert cfg.cpu_offloading_activations and not cfg.cpu_offloading_weights

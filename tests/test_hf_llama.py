@@ -1,8 +1,9 @@
 """A Hugging Face ``LlamaForCausalLM`` end to end through ``apply_offloading``.
 
 CPU tests build a tiny model from a config (random weights, nothing downloaded) and run it on the
-simulated device; ``gpu``-marked tests run the issue's workload (16 layers, hidden 2048, seq 4096,
-bf16) on CUDA with deterministic kernels. Skipped when transformers is not installed.
+simulated device; ``gpu``-marked tests run the workload of ``benchmarks/hf_llama_benchmark.py``
+(16 layers, hidden 2048, seq 4096, bf16) on CUDA with deterministic kernels. Skipped when
+transformers is not installed.
 """
 from __future__ import annotations
 
@@ -261,7 +262,7 @@ def test_trainer_callback(tmp_path, sim):
     assert cpu_offload.offloading_handle(model.model.layers[0]) is None
 
 
-# --- the issue's workload on a GPU ---------------------------------------------------------------
+# --- the benchmark's workload on a GPU -----------------------------------------------------------
 
 GPU_CFG = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,

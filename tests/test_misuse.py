@@ -1,7 +1,7 @@
-"""Every misuse in SPEC's correctness contract: exact error type, and a message naming the fix.
+"""Every documented misuse: exact error type, and a message naming the fix.
 
 All through the public facade, on the simulated device, so CI without a GPU checks them. The
-misuses SPEC lists are checked on both backends (``backend`` fixture); V2-only arguments and the
+misuses common to both backends are checked on both (``backend`` fixture); V2-only arguments and the
 extra checks of V2's context are checked on V2.
 """
 from __future__ import annotations

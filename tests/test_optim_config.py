@@ -1,4 +1,4 @@
-"""Seed 004's optimizer-offloading config: defaults, every constraint (error names the fix),
+"""The Megatron-style optimizer-offloading config: defaults, every constraint (error names the fix),
 and the builder; plus the DDP communication-hook path on gloo (two CPU processes)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.optim import HybridDeviceOptimizer
 
 
-def test_seed_004_defaults_and_megatron_field_names():
+def test_megatron_defaults_and_field_names():
     cfg = OptimizerOffloadConfig()
     assert (cfg.optimizer_cpu_offload, cfg.optimizer_offload_fraction) == (False, 0.0)
     assert not cfg.overlap_cpu_optimizer_d2h_h2d and not cfg.use_torch_optimizer_for_cpu_offload

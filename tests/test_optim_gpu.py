@@ -142,8 +142,8 @@ def test_fraction_one_holds_no_optimizer_state_on_the_gpu_and_no_late_pinned_all
 
 
 def test_loss_matches_the_gpu_baseline_and_checkpoint_scheduler_clipping():
-    """Seed 004: loss within 0.001 of the non-offloaded baseline; plus a checkpoint round trip
-    with an LR scheduler and clipping that continues bit-exact."""
+    """Megatron's documented bound: loss within 0.001 of the non-offloaded baseline; plus a
+    checkpoint round trip with an LR scheduler and clipping that continues bit-exact."""
     base = model()
     base_opt = MasterWeightOptimizer(base.parameters(), **KW)
     base_sched = torch.optim.lr_scheduler.StepLR(base_opt.optimizer, 2, gamma=0.5)

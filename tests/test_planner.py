@@ -7,7 +7,8 @@ from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.tools.planner import LayerProfile, plan, profile_layers, simulate
 
 MIB = 1 << 20
-# SPEC's reference workload as measured on an H100: 512 MiB per layer, 2.84 / 6.5 ms per layer.
+# The reference workload (README "Performance") as measured on an H100: 512 MiB per layer,
+# 2.84 / 6.5 ms per layer.
 REFERENCE = [LayerProfile(512 * MIB, 32 * MIB, 2.84, 6.5)] * 8
 
 

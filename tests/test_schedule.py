@@ -1,4 +1,4 @@
-"""Pure schedule logic (no tensors): seed 003's default schedule and synchronization_dict rules."""
+"""Pure schedule logic (no tensors): the default schedule and synchronization_dict rules."""
 import pytest
 
 from cpu_offload.errors import OffloadConfigError
@@ -10,7 +10,7 @@ from cpu_offload.v2.schedule import (
 )
 
 
-def test_default_dict_matches_seed_003_for_two_of_five():
+def test_default_dict_for_two_of_five():
     # Layer i released before forward of layer n-k+i (the (n-k+i+1)-th forward start),
     # reloaded after backward of layer n-k+i (when k-i+1 backward passes have begun).
     assert default_synchronization_dict(2, 5) == {0: (True, 4, False, 3), 1: (True, 5, False, 2)}

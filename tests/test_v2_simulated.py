@@ -112,7 +112,7 @@ def milestones_to_residency(milestones):
 
 
 @pytest.mark.parametrize("n, k", [(5, 2), (5, 3), (6, 4), (4, 1), (8, 6)])
-def test_recorded_schedule_matches_seed_003(sim, n, k):
+def test_recorded_schedule_matches_the_default_schedule(sim, n, k):
     layers = make_layers(n)
     run_step(layers, torch.randn(2, 8, HIDDEN), *offload_ctx(sim, k, n))
     ms = sim.milestones({"fwd", "bwd", "release", "reload"})

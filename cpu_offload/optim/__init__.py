@@ -1,4 +1,5 @@
-"""Optimizer-state CPU offloading: ``HybridDeviceOptimizer`` (README, "Optimizer-state offloading").
+"""Optimizer-state CPU offloading: ``HybridDeviceOptimizer`` (README, "Optimizer-state
+offloading").
 
 Modules, one job each:
 

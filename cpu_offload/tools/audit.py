@@ -152,7 +152,7 @@ class AuditReport:
         >>> layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
         >>> report = cpu_offload.audit_offload_selection(
         ...     layers, torch.randn(4, 8), is_device_tensor=lambda t: True)
-        >>> report.layers[0].v2_skipped()   # below min_tensor_size_to_offload (1M elements)
+        >>> report.layers[0].v2_skipped()   # 32 elements: below min_tensor_size_to_offload
         {'too small': 1}
         >>> sorted(report.to_dict())
         ['layers', 'notes', 'policy', 'totals']

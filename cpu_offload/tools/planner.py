@@ -1,7 +1,7 @@
 """Choose what to offload (and what to recompute) from measured layer costs.
 
 Offloading hides only as many bytes as the link moves while compute runs; beyond that the
-schedule stalls (seed 003: at most ``n-k`` layers resident). Recomputation
+schedule stalls (the default schedule keeps at most ``n-k`` layers resident). Recomputation
 (``torch.utils.checkpoint``) costs one extra forward per layer but no link time. Given per-layer
 activation bytes, forward/backward times and the link's bandwidth, ``simulate`` predicts step
 time and peak activation memory of "offload the first ``k`` layers with the default schedule,

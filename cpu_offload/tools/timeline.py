@@ -4,7 +4,7 @@
 at every schedule milestone (layer forward/backward start, release, reload) together with the
 allocated memory at that point of the stream, and one pair around every copy on the offload
 stream. ``timeline()`` converts them to milliseconds from ``start()``; ``plot_timeline`` draws
-the three lanes like the scheduling figures of the user guide (seed 000).
+the three lanes like the scheduling figures of Transformer Engine's CPU offloading guide.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Legacy V1 backend (``NVTE_CPU_OFFLOAD_V1=1``): tag-based selection, offload handlers with the
 layer-window schedule, and a group commit on each layer's output -- Transformer Engine's
-``cpu_offload_v1`` behaviour on top of ``OffloadDevice``, with the correctness fixes of SPEC.md.
+``cpu_offload_v1`` behaviour on top of ``OffloadDevice``, with the correctness guarantees of V2
+(README, "Guarantees").
 
 Modules: ``api`` (``get_cpu_offload_context``), ``hooks`` (context managers), ``handlers`` and
 ``async_handler`` (schedules), ``commit`` (``GroupCommitFunction``), ``saved`` (packed tensors and

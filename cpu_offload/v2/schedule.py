@@ -3,7 +3,7 @@
 No tensors, no streams: positions are counted in "layer starts" of one training step. Forward
 start of layer ``j`` is position ``j + 1``; the ``c``-th backward start (layer ``n - c``) is
 position ``n + c``. A ``synchronization_dict`` entry ``i -> (offload_fwd, offload_num, reload_fwd,
-reload_num)`` (seed 003) says: layer ``i`` finishes offloading (and its GPU memory is released) when
+reload_num)`` says: layer ``i`` finishes offloading (and its GPU memory is released) when
 ``offload_num`` layers have begun their forward (``offload_fwd``) or backward pass, and its reload
 starts when ``reload_num`` layers have begun their forward (``reload_fwd``) or backward pass.
 """
@@ -24,8 +24,8 @@ def position(fwd: bool, num: int, model_layers: int) -> int:
 
 
 def default_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, SyncEntry]:
-    """Seed 003: offload the first ``k`` of ``n`` layers; layer ``i`` is released before the
-    forward of layer ``n-k+i`` and reloaded after the backward of layer ``n-k+i``."""
+    """The default schedule: offload the first ``k`` of ``n`` layers; layer ``i`` is released
+    before the forward of layer ``n-k+i`` and reloaded after the backward of layer ``n-k+i``."""
     n, k = model_layers, num_layers
     return {i: (True, n - k + i + 1, False, k - i + 1) for i in range(k)}
 

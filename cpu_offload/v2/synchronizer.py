@@ -1,4 +1,4 @@
-"""The V2 per-step state machine (seed 003): ``fwd_step``/``bwd_step`` drive the schedule,
+"""The V2 per-step state machine: ``fwd_step``/``bwd_step`` drive the schedule,
 ``push``/``pop`` are the saved-tensor hooks.
 
 A *step* is one forward over ``model_layers`` layers and the backward passes that follow. Each
@@ -372,8 +372,8 @@ class OffloadSynchronizer:
 
 
 class ManualOffloadSynchronizer:
-    """Explicit control of offload, release and reload per layer (seed 000, "Manual
-    Synchronization"). Layer ids are the positions of the `with ctx:` blocks in the current
+    """Explicit control of offload, release and reload per layer (README, "Use (per layer,
+    by hand)"). Layer ids are the positions of the `with ctx:` blocks in the current
     forward pass; a layer for which none of these is called is simply not offloaded.
     For several micro-batches in flight (pipeline schedules), create one context per micro-batch;
     they may share one ``offload_stream``."""
