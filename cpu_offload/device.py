@@ -15,6 +15,7 @@ Rules every implementation follows:
 from __future__ import annotations
 
 import abc
+import threading
 from typing import Any, Optional
 
 import torch
@@ -117,7 +118,10 @@ class CudaDevice(OffloadDevice):
 
     def __init__(self) -> None:
         self._streams: dict[tuple, Stream] = {}
-        self._fences: dict[int, Event] = {}
+        # One reusable fence event per device and thread: a fence is recorded and waited on in one
+        # call, and the autograd engine's device threads or the optimizer's worker must not
+        # re-record another thread's fence in between.
+        self._fences = threading.local()
 
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.is_cuda
@@ -149,9 +153,10 @@ class CudaDevice(OffloadDevice):
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
         if waiter == waitee:
             return
-        fence = self._fences.get(waitee.device_index)
+        fences = self._fences.__dict__
+        fence = fences.get(waitee.device_index)
         if fence is None:
-            fence = self._fences[waitee.device_index] = torch.cuda.Event()
+            fence = fences[waitee.device_index] = torch.cuda.Event()
         fence.record(waitee)
         waiter.wait_event(fence)
 
