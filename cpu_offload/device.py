@@ -138,14 +138,19 @@ class CudaDevice(OffloadDevice):
         return torch.cuda.Stream()
 
     def record_event(self, stream: Stream) -> Event:
-        ev = torch.cuda.Event(enable_timing=True)  # timed: statistics report copy waits
+        # Timed, so statistics can report copy waits; not while a CUDA graph is being captured
+        # (capture needs plain events, and statistics of a replay are not recorded anyway).
+        ev = torch.cuda.Event(enable_timing=not torch.cuda.is_current_stream_capturing())
         ev.record(stream)
         return ev
 
     def elapsed_ms(self, start: Event, end: Event) -> Optional[float]:
-        if not (start.query() and end.query()):
+        try:
+            if not (start.query() and end.query()):
+                return None
+            return start.elapsed_time(end)
+        except RuntimeError:  # an untimed event (recorded during graph capture)
             return None
-        return start.elapsed_time(end)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         stream.wait_event(event)
@@ -185,12 +190,13 @@ class CudaDevice(OffloadDevice):
 
     def copy_and_record(self, stream: Stream, pairs: list) -> list:
         previous = self.current_stream()
+        timing = not torch.cuda.is_current_stream_capturing()
         torch.cuda.set_stream(stream)
         events = []
         try:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event(enable_timing=True)
+                ev = torch.cuda.Event(enable_timing=timing)
                 ev.record(stream)
                 events.append(ev)
         finally:
