@@ -15,6 +15,7 @@ Rules every implementation follows:
 from __future__ import annotations
 
 import abc
+import os
 import threading
 from typing import Any, Optional
 
@@ -28,6 +29,7 @@ class OffloadDevice(abc.ABC):
     """Streams, events, allocation and copies for one accelerator (or a simulation of one)."""
 
     name: str = "abstract"
+    times_events: bool = False  # whether elapsed_ms can answer (statistics' copy-wait time)
 
     @abc.abstractmethod
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -116,7 +118,12 @@ class CudaDevice(OffloadDevice):
 
     name = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, time_waits: Optional[bool] = None) -> None:
+        # Timed events cost a little on every stream wait, so timing the copy waits in the
+        # statistics is opt-in: CudaDevice(time_waits=True) or CPU_OFFLOAD_TIME_WAITS=1.
+        if time_waits is None:
+            time_waits = os.environ.get("CPU_OFFLOAD_TIME_WAITS", "0").strip() in ("1", "true")
+        self.times_events = bool(time_waits)
         self._streams: dict[tuple, Stream] = {}
         # One reusable fence event per device and thread: a fence is recorded and waited on in one
         # call, and the autograd engine's device threads or the optimizer's worker must not
@@ -140,7 +147,9 @@ class CudaDevice(OffloadDevice):
     def record_event(self, stream: Stream) -> Event:
         # Timed, so statistics can report copy waits; not while a CUDA graph is being captured
         # (capture needs plain events, and statistics of a replay are not recorded anyway).
-        ev = torch.cuda.Event(enable_timing=not torch.cuda.is_current_stream_capturing())
+        ev = torch.cuda.Event(
+            enable_timing=self.times_events and not torch.cuda.is_current_stream_capturing()
+        )
         ev.record(stream)
         return ev
 
@@ -190,7 +199,7 @@ class CudaDevice(OffloadDevice):
 
     def copy_and_record(self, stream: Stream, pairs: list) -> list:
         previous = self.current_stream()
-        timing = not torch.cuda.is_current_stream_capturing()
+        timing = self.times_events and not torch.cuda.is_current_stream_capturing()
         torch.cuda.set_stream(stream)
         events = []
         try:
