@@ -15,6 +15,8 @@ Rules every implementation follows:
 from __future__ import annotations
 
 import abc
+import os
+import threading
 from typing import Any, Optional
 
 import torch
@@ -44,6 +46,7 @@ class OffloadDevice(abc.ABC):
     """
 
     name: str = "abstract"
+    times_events: bool = False  # whether elapsed_ms can answer (statistics' copy-wait time)
 
     @abc.abstractmethod
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -144,9 +147,17 @@ class CudaDevice(OffloadDevice):
 
     name = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, time_waits: Optional[bool] = None) -> None:
+        # Timed events cost a little on every stream wait, so timing the copy waits in the
+        # statistics is opt-in: CudaDevice(time_waits=True) or CPU_OFFLOAD_TIME_WAITS=1.
+        if time_waits is None:
+            time_waits = os.environ.get("CPU_OFFLOAD_TIME_WAITS", "0").strip() in ("1", "true")
+        self.times_events = bool(time_waits)
         self._streams: dict[tuple, Stream] = {}
-        self._fences: dict[int, Event] = {}
+        # One reusable fence event per device and thread: a fence is recorded and waited on in one
+        # call, and the autograd engine's device threads or the optimizer's worker must not
+        # re-record another thread's fence in between.
+        self._fences = threading.local()
 
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.is_cuda
@@ -163,14 +174,21 @@ class CudaDevice(OffloadDevice):
         return torch.cuda.Stream()
 
     def record_event(self, stream: Stream) -> Event:
-        ev = torch.cuda.Event(enable_timing=True)  # timed: statistics report copy waits
+        # Timed, so statistics can report copy waits; not while a CUDA graph is being captured
+        # (capture needs plain events, and statistics of a replay are not recorded anyway).
+        ev = torch.cuda.Event(
+            enable_timing=self.times_events and not torch.cuda.is_current_stream_capturing()
+        )
         ev.record(stream)
         return ev
 
     def elapsed_ms(self, start: Event, end: Event) -> Optional[float]:
-        if not (start.query() and end.query()):
+        try:
+            if not (start.query() and end.query()):
+                return None
+            return start.elapsed_time(end)
+        except RuntimeError:  # an untimed event (recorded during graph capture)
             return None
-        return start.elapsed_time(end)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         stream.wait_event(event)
@@ -178,9 +196,10 @@ class CudaDevice(OffloadDevice):
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
         if waiter == waitee:
             return
-        fence = self._fences.get(waitee.device_index)
+        fences = self._fences.__dict__
+        fence = fences.get(waitee.device_index)
         if fence is None:
-            fence = self._fences[waitee.device_index] = torch.cuda.Event()
+            fence = fences[waitee.device_index] = torch.cuda.Event()
         fence.record(waitee)
         waiter.wait_event(fence)
 
@@ -209,12 +228,13 @@ class CudaDevice(OffloadDevice):
 
     def copy_and_record(self, stream: Stream, pairs: list) -> list:
         previous = self.current_stream()
+        timing = self.times_events and not torch.cuda.is_current_stream_capturing()
         torch.cuda.set_stream(stream)
         events = []
         try:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event(enable_timing=True)
+                ev = torch.cuda.Event(enable_timing=timing)
                 ev.record(stream)
                 events.append(ev)
         finally:

@@ -243,3 +243,15 @@ def test_failed_pinned_allocation_names_the_bytes_and_the_option():
     )
     with pytest.raises(OffloadUsageError, match=rf"{NBYTES} bytes of pinned.*max_host_bytes"):
         step(layers, ctx, sync)
+
+
+def test_untimed_device_reports_the_wait_as_not_timed(monkeypatch):
+    sim = SimulatedDevice()
+    monkeypatch.setattr(sim, "times_events", False)
+    layers = nn.ModuleList([Sep(i) for i in range(3)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=0, device=sim
+    )
+    step(layers, ctx, sync)
+    assert ctx.stats().to_dict()["compute_wait_ms"] is None
+    assert "not timed (CPU_OFFLOAD_TIME_WAITS=1" in ctx.stats().summary()

@@ -155,7 +155,8 @@ class Entry:
         if not self.waited:
             dev = self.rt.device
             compute = dev.current_stream()
-            self.stats.record_wait(dev.record_event(compute), self.reload_event)
+            if dev.times_events:
+                self.stats.record_wait(dev.record_event(compute), self.reload_event)
             dev.wait_event(compute, self.reload_event)
             self.waited = True
             if self.checksum is not None:
@@ -400,7 +401,8 @@ class LayerState:
         dev = self.rt.device
         if on_device:
             compute = dev.current_stream()
-            self.stats.record_wait(dev.record_event(compute), self.offload_event)
+            if dev.times_events:
+                self.stats.record_wait(dev.record_event(compute), self.offload_event)
             dev.wait_event(compute, self.offload_event)
         for entry in on_device:
             entry.release()

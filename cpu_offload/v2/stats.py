@@ -63,6 +63,10 @@ class StepStats:
             stats = self.layers[index] = LayerStats()
         return stats
 
+    @property
+    def timed(self) -> bool:
+        return self._device.times_events
+
     def record_wait(self, arrived: Any, done: Any) -> None:
         self._waits.append((arrived, done))
 
@@ -90,7 +94,7 @@ class StepStats:
 
     def to_dict(self) -> dict:
         """Everything, for loggers and dashboards."""
-        wait, pending = self.wait_ms()
+        wait, pending = self.wait_ms() if self.timed else (None, 0)
         return {
             "layers": {i: s.to_dict() for i, s in sorted(self.layers.items())},
             "offloaded_tensors": self.total("offloaded_tensors"),
@@ -109,7 +113,10 @@ class StepStats:
     def summary(self) -> str:
         """A few lines for humans."""
         d = self.to_dict()
-        wait = f"{d['compute_wait_ms']:.2f} ms"
+        if d["compute_wait_ms"] is None:
+            wait = "not timed (CPU_OFFLOAD_TIME_WAITS=1 to time it)"
+        else:
+            wait = f"{d['compute_wait_ms']:.2f} ms"
         if d["waits_pending"]:
             wait += f" (+{d['waits_pending']} copies still running)"
         lines = [
@@ -167,7 +174,8 @@ class StepStats:
             d = self.to_dict()
             logger.info(
                 "offload step: %d tensors, %s out, %s back, %s freed, %s pinned in use, "
-                "compute waited %.2f ms",
+                "compute waited %s ms",
                 d["offloaded_tensors"], _mib(d["copied_out_bytes"]), _mib(d["reloaded_bytes"]),
-                _mib(d["freed_bytes"]), _mib(d["pinned_host_bytes_in_use"]), d["compute_wait_ms"],
+                _mib(d["freed_bytes"]), _mib(d["pinned_host_bytes_in_use"]),
+                "?" if d["compute_wait_ms"] is None else f"{d['compute_wait_ms']:.2f}",
             )
