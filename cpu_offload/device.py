@@ -131,6 +131,11 @@ class CudaDevice(OffloadDevice):
     host buffers; device memory is allocated on the current (compute) stream. Constructing it
     does not touch CUDA; using it needs a CUDA build of torch and a GPU.
 
+    Args:
+        time_waits: record timed CUDA events, so that ``ctx.stats()`` reports how long compute
+            waited for copies (costs a little on every stream wait). ``None``: on if the
+            environment variable ``CPU_OFFLOAD_TIME_WAITS=1``.
+
     Example::
 
         >>> import torch, cpu_offload

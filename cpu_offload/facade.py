@@ -235,7 +235,7 @@ def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = Tr
 
 def is_cpu_offload_enabled() -> bool:
     """Whether code runs inside an enabled offload context (of the backend
-    ``NVTE_CPU_OFFLOAD_V1`` selects), on this thread.
+    ``NVTE_CPU_OFFLOAD_V1`` selects; V2 answers per thread).
 
     Use it in layer code that should behave differently while its activations may be offloaded,
     e.g. to call ``start_offload`` or ``mark_not_offload`` only then.

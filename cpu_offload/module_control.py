@@ -68,7 +68,7 @@ def set_activation_offloading(module: nn.Module, enabled: Optional[bool]) -> Non
     module whose saved tensors something else still holds. The innermost module with a setting
     wins, so a child can switch offloading back on inside an opted-out parent. It can only
     restrict what the context selects; it never offloads a tensor the backend would keep.
-    Works with both backends, and across ``copy.deepcopy`` and pickling of the module.
+    Works with both backends; a module with a setting can still be deep-copied and pickled.
 
     Args:
         module: any ``nn.Module``.
