@@ -19,6 +19,7 @@ real-step mode of the audit: anything that needs to see each layer's call of a r
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -490,9 +491,14 @@ def apply_offloading(
     if offloads:
         from ..facade import get_cpu_offload_context
 
-        handle.context, handle.sync = get_cpu_offload_context(
-            enabled=True, num_layers=num_layers or 0, model_layers=n, **context_kwargs
-        )
+        with warnings.catch_warnings():
+            if plan is not None:
+                # The plan weighed overlap against memory with measured costs: offloading all
+                # but one layer is its informed choice, not the misconfiguration warned about.
+                warnings.filterwarnings("ignore", message="num_layers=model_layers-1")
+            handle.context, handle.sync = get_cpu_offload_context(
+                enabled=True, num_layers=num_layers or 0, model_layers=n, **context_kwargs
+            )
         driver: Any = _OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)
