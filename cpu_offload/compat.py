@@ -6,7 +6,7 @@ backends read as plain code and a new torch release means editing one module.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from packaging.version import Version
@@ -25,8 +25,52 @@ except ImportError:  # pragma: no cover
         return hasattr(t, "__tensor_flatten__") and hasattr(type(t), "__tensor_unflatten__")
 
 
-# Public since torch 1.10; kept behind a name so V1 and V2 share one entry point.
-saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
+# ``tree_map`` over nested containers, as ``__torch_dispatch__`` implementations use it (a private
+# module in every release, same signature from 1.x to 2.14).
+from torch.utils._pytree import tree_map  # noqa: E402,F401
+
+# torch >= 2.5 can report the innermost saved-tensor hooks of the current thread; older releases
+# cannot (and calling a hook to find out would run it).
+_top_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+if _top_default_hooks is not None:
+    # Public since torch 1.10; kept behind a name so V1 and V2 share one entry point.
+    saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
+else:  # pragma: no cover - torch < 2.5
+    import threading
+
+    _installed = threading.local()
+
+    class saved_tensors_hooks(torch.autograd.graph.saved_tensors_hooks):  # type: ignore[no-redef]
+        """``torch.autograd.graph.saved_tensors_hooks`` that also records, per thread, that it is
+        installed, so that ``top_saved_tensors_hooks`` can answer where torch cannot."""
+
+        def __enter__(self) -> None:
+            super().__enter__()
+            stack = getattr(_installed, "stack", None)
+            if stack is None:
+                stack = _installed.stack = []
+            stack.append((self.pack_hook, self.unpack_hook))
+
+        def __exit__(self, *args: Any) -> None:
+            stack = getattr(_installed, "stack", None)
+            if stack:
+                stack.pop()
+            super().__exit__(*args)
+
+
+def top_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
+    """The innermost ``(pack_hook, unpack_hook)`` installed on this thread, or None.
+
+    On torch >= 2.5 this asks torch, so it sees every installed pair. Older torch releases keep
+    no queryable record: there it sees only the pairs installed through this module's
+    ``saved_tensors_hooks`` (which is what every backend of this package uses), enough to check
+    that the package left no hook behind.
+    """
+    if _top_default_hooks is not None:
+        return _top_default_hooks(False)
+    stack = getattr(_installed, "stack", None)
+    return stack[-1] if stack else None
 
 
 def untyped_storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -70,3 +114,22 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
 def register_forward_hook_always(module: torch.nn.Module, hook: Callable) -> Any:
     """Forward hook that also runs when forward raises (``always_call`` exists from torch 2.1)."""
     return module.register_forward_hook(hook, always_call=True)
+
+
+def cuda_allocated_bytes(device: Any = None) -> int:
+    """``torch.cuda.memory_allocated(device)`` without its garbage: that function builds a
+    recursive closure (a reference cycle) on every call, which would mask cycles made elsewhere."""
+    index = None
+    if device is not None:
+        index = device if isinstance(device, int) else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]["current"]
+
+
+def make_wrapper_subclass(cls: type, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The outer tensor of a wrapper subclass (``__torch_dispatch__`` style) with ``like``'s shape,
+    strides and device and the given dtype, as ``Tensor._make_wrapper_subclass`` builds it."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, like.shape, strides=like.stride(), dtype=dtype, device=like.device
+    )
