@@ -25,6 +25,10 @@ except ImportError:  # pragma: no cover
         return hasattr(t, "__tensor_flatten__") and hasattr(type(t), "__tensor_unflatten__")
 
 
+# What an allocation failure raises: ``torch.OutOfMemoryError`` from torch 2.4, only under
+# ``torch.cuda`` before (the same class where both exist).
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
 # ``tree_map`` over nested containers, as ``__torch_dispatch__`` implementations use it (a private
 # module in every release, same signature from 1.x to 2.14).
 from torch.utils._pytree import tree_map  # noqa: E402,F401
