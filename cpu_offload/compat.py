@@ -94,11 +94,49 @@ def tensor_on_storage(
     return torch.empty(0, dtype=dtype, device=device).set_(storage, storage_offset, size, stride)
 
 
+class _FlattenCtx:
+    """``tensor_flatten``'s context when a subclass listed non-tensor attributes as inner."""
+
+    __slots__ = ("ctx", "opaque")
+
+    def __init__(self, ctx: Any, opaque: dict) -> None:
+        self.ctx = ctx
+        self.opaque = opaque
+
+
+def tensor_flatten(t: torch.Tensor) -> Tuple[list, Any]:
+    """``t.__tensor_flatten__()`` for saving ``t``'s inner tensors elsewhere; pair it with
+    ``tensor_unflatten``.
+
+    - Only names of inner *tensors* are returned. Some subclasses list other objects among their
+      inner attributes (DTensor lists its ``device_mesh`` from torch 2.10 or so, an opaque
+      object for PT2); those travel in the returned context and ``tensor_unflatten`` puts them
+      back.
+    - A tensor whose data is still being written by a collective (``AsyncCollectiveTensor``) is
+      awaited first (``wait_pending_collective``), so copies of its inner tensors ordered after
+      the current stream read final data.
+    """
+    wait_pending_collective(t)
+    names, ctx = t.__tensor_flatten__()
+    tensors, opaque = [], {}
+    for name in names:
+        value = getattr(t, name)
+        if isinstance(value, torch.Tensor):
+            tensors.append(name)
+        else:
+            opaque[name] = value
+    return tensors, (_FlattenCtx(ctx, opaque) if opaque else ctx)
+
+
 _unflatten_arity: dict = {}
 
 
 def tensor_unflatten(cls: type, inner: dict, ctx: Any, size: torch.Size, stride: tuple) -> Any:
-    """``cls.__tensor_unflatten__``: ``(inner, ctx)`` before torch 2.2, plus size/stride after."""
+    """``cls.__tensor_unflatten__``: ``(inner, ctx)`` before torch 2.2, plus size/stride after.
+    Accepts ``tensor_flatten``'s context as well as the subclass's own."""
+    if isinstance(ctx, _FlattenCtx):
+        inner = {**inner, **ctx.opaque}
+        ctx = ctx.ctx
     arity = _unflatten_arity.get(cls)
     if arity is None:
         arity = _unflatten_arity[cls] = len(inspect.signature(cls.__tensor_unflatten__).parameters)
@@ -137,3 +175,47 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, dtype: torch.dtype) -> 
     return torch.Tensor._make_wrapper_subclass(
         cls, like.shape, strides=like.stride(), dtype=dtype, device=like.device
     )
+
+
+def wait_pending_collective(t: torch.Tensor) -> torch.Tensor:
+    """Make the current stream wait for the collective that produces ``t``, if one may still run.
+
+    Tensor parallelism's ``RowwiseParallel`` returns an ``AsyncCollectiveTensor``: its data is
+    final only after the all-reduce, which is awaited at the tensor's first use. Autograd saves an
+    op's inputs *before* running the op, so a saved-tensor hook sees it not yet awaited, and a
+    side-stream copy ordered after the current stream would read it while the collective still
+    writes it. Waiting here orders the collective before anything queued next on this stream.
+    Returns ``t`` (still the same object); anything else is returned untouched.
+    """
+    # ``completed`` exists from torch 2.2 or so; before, waiting again is a no-op (idempotent).
+    if type(t).__name__ == "AsyncCollectiveTensor" and not getattr(t, "completed", False):
+        t.trigger_wait()
+    return t
+
+
+def fully_shard() -> Optional[Callable]:
+    """FSDP2's ``fully_shard``: ``torch.distributed.fsdp`` from torch 2.6, under
+    ``torch.distributed._composable.fsdp`` in 2.4-2.5, absent before (None)."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn  # type: ignore[attr-defined]
+
+        return fn
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._composable.fsdp import fully_shard as fn
+
+        return fn
+    except ImportError:
+        return None
+
+
+def pipelining() -> Any:
+    """``torch.distributed.pipelining`` (PipelineStage, ScheduleGPipe, Schedule1F1B), torch >= 2.4;
+    None before."""
+    try:
+        import torch.distributed.pipelining as pp
+
+        return pp
+    except ImportError:
+        return None

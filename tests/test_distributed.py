@@ -1,0 +1,54 @@
+"""Offloading under torch.distributed on the CPU (CI): 2 processes, gloo, SimulatedDevice.
+
+One ``torchrun --standalone --nproc-per-node 2`` run (``tests/distributed_cases.py``) executes
+every case; each test below checks its case's outcome: gradients with offloading ``torch.equal``
+to the same distributed run without it, on both ranks, and copies actually made. The same file
+runs the 2-GPU variants (``tests/test_multigpu.py``).
+"""
+from __future__ import annotations
+
+import pytest
+
+from distributed_cases import CASES, TP_FIX, launch
+
+# Seconds for the whole CPU run: ~15 s on 2 idle cores; a hang (a collective waiting forever)
+# is killed after this and fails every case.
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def cpu_run():
+    return launch(list(CASES), "cpu", timeout=TIMEOUT)
+
+
+def check_case(run, case: str) -> dict:
+    code, out, results = run
+    if case not in results:
+        what = "timed out (hang?)" if code is None else f"exit code {code}"
+        pytest.fail(f"case {case!r} reported no result: torchrun {what}\n{out[-6000:]}")
+    result = results[case]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    return result
+
+
+def test_ddp_distributed_gloo_simulated_exact_gradients(cpu_run):
+    check_case(cpu_run, "ddp")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(not TP_FIX and c == "tp", reason="needs the "
+                 "compat.tensor_flatten line in v2/synchronizer.py (see TP_FIX)"))
+    for c in CASES if c != "ddp"
+])
+def test_distributed_gloo_simulated_exact_gradients(cpu_run, case):
+    check_case(cpu_run, case)
+
+
+def test_distributed_run_ends_cleanly(cpu_run):
+    code, out, results = cpu_run
+    if TP_FIX or "tp" in results:
+        assert code == 0, out[-6000:]
+        assert set(results) == set(CASES)
+    else:  # tp runs last; only it may have failed
+        assert set(results) == set(CASES) - {"tp"}, out[-6000:]
