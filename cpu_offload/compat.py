@@ -37,24 +37,76 @@ from torch.utils._pytree import tree_map  # noqa: E402,F401
 # cannot (and calling a hook to find out would run it).
 _top_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
+_tracing_types: Optional[tuple] = None
+
+
+def is_tracing_tensor(t: Any) -> bool:
+    """True for the stand-ins ``torch.compile`` traces with (FakeTensor, FunctionalTensor, and
+    before torch 2.2 plain-typed C++ functional wrappers): they have no data, so saved-tensor
+    hooks must leave them alone."""
+    global _tracing_types
+    if _tracing_types is None:
+        found = []
+        try:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            found.append(FakeTensor)
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from torch._subclasses.functional_tensor import FunctionalTensor
+
+            found.append(FunctionalTensor)
+        except ImportError:  # pragma: no cover
+            pass
+        _tracing_types = tuple(found)
+    return isinstance(t, _tracing_types) or _is_functional_wrapper(t)
+
+
+def _is_functional_wrapper(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)
+
+
 if _top_default_hooks is not None:
-    # Public since torch 1.10; kept behind a name so V1 and V2 share one entry point.
+    # Public since torch 1.10; kept behind a name so V1 and V2 share one entry point. From torch
+    # 2.5 on, torch.compile's tracing does not run the installed hooks either.
     saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
 else:  # pragma: no cover - torch < 2.5
     import threading
 
     _installed = threading.local()
 
+    class _Traced:
+        __slots__ = ("t",)
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
     class saved_tensors_hooks(torch.autograd.graph.saved_tensors_hooks):  # type: ignore[no-redef]
-        """``torch.autograd.graph.saved_tensors_hooks`` that also records, per thread, that it is
-        installed, so that ``top_saved_tensors_hooks`` can answer where torch cannot."""
+        """``torch.autograd.graph.saved_tensors_hooks`` for torch < 2.5, where two things differ:
+
+        - torch.compile's tracing (the first call of a compiled function) runs the installed
+          hooks on FakeTensors, which have no data to copy: those pass through untouched;
+        - torch cannot report the installed hooks: this records them per thread, for
+          ``top_saved_tensors_hooks``.
+        """
+
+        def __init__(self, pack_hook: Callable, unpack_hook: Callable) -> None:
+            def pack(t: torch.Tensor) -> Any:
+                return _Traced(t) if is_tracing_tensor(t) else pack_hook(t)
+
+            def unpack(packed: Any) -> torch.Tensor:
+                return packed.t if type(packed) is _Traced else unpack_hook(packed)
+
+            super().__init__(pack, unpack)
+            self.user_hooks = (pack_hook, unpack_hook)
 
         def __enter__(self) -> None:
             super().__enter__()
             stack = getattr(_installed, "stack", None)
             if stack is None:
                 stack = _installed.stack = []
-            stack.append((self.pack_hook, self.unpack_hook))
+            stack.append(self.user_hooks)
 
         def __exit__(self, *args: Any) -> None:
             stack = getattr(_installed, "stack", None)
@@ -219,3 +271,22 @@ def pipelining() -> Any:
         return pp
     except ImportError:
         return None
+
+
+def compile_supported() -> bool:
+    """Whether ``torch.compile`` works here (TorchDynamo supports this Python and platform)."""
+    try:
+        from torch._dynamo.eval_frame import is_dynamo_supported
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        return bool(is_dynamo_supported())
+    except Exception:  # pragma: no cover - raises instead of answering in some releases
+        return False
+
+
+def reset_compiled() -> None:
+    """Forget every ``torch.compile`` result (``torch._dynamo.reset``), e.g. between tests."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
