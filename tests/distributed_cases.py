@@ -369,6 +369,12 @@ def launch(cases: List[str], device_kind: str, timeout: float, nproc: int = 2) -
     """Run this file under ``torchrun --standalone --nproc-per-node nproc`` (a subprocess of the
     current interpreter, importing the same ``cpu_offload``). Returns (returncode, output,
     {case: result}); a run past ``timeout`` seconds (a hang) is killed and returns code None."""
+    return torchrun([os.path.abspath(__file__), "--case", ",".join(cases),
+                     "--device", device_kind], timeout, nproc)
+
+
+def torchrun(script_and_args: List[str], timeout: float, nproc: int = 2) -> tuple:
+    """``torchrun --standalone --nproc-per-node nproc script args...``; see ``launch``."""
     import subprocess
 
     import cpu_offload
@@ -380,8 +386,7 @@ def launch(cases: List[str], device_kind: str, timeout: float, nproc: int = 2) -
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
-        os.path.abspath(__file__), "--case", ",".join(cases), "--device", device_kind,
+        "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *script_and_args,
     ]
     # Own session, so that a hang is ended with torchrun's workers, not only torchrun itself.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -7,9 +7,13 @@ runs the 2-GPU variants (``tests/test_multigpu.py``).
 """
 from __future__ import annotations
 
-import pytest
+import pathlib
 
-from distributed_cases import CASES, TP_FIX, launch
+import pytest
+from packaging.version import Version
+
+from cpu_offload.compat import TORCH_VERSION
+from distributed_cases import CASES, TP_FIX, launch, torchrun
 
 # Seconds for the whole CPU run: ~15 s on 2 idle cores; a hang (a collective waiting forever)
 # is killed after this and fails every case.
@@ -52,3 +56,19 @@ def test_distributed_run_ends_cleanly(cpu_run):
         assert set(results) == set(CASES)
     else:  # tp runs last; only it may have failed
         assert set(results) == set(CASES) - {"tp"}, out[-6000:]
+
+
+def test_distributed_benchmark_runs_on_cpu():
+    """benchmarks/distributed_benchmark.py (2 GPUs) as a smoke test: gloo + SimulatedDevice."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "distributed_benchmark.py"
+    if not script.exists():
+        pytest.skip("benchmarks/ not in this tree")
+    # FSDP2 runs on the CPU from torch 2.8 (see distributed_cases.CPU_NEEDS_2_8)
+    wrappers = ["ddp"] + (["fsdp2"] if TORCH_VERSION >= Version("2.8") else [])
+    code, out, _ = torchrun([str(script), "--device", "cpu", "--layers", "4", "--k", "2",
+                             "--warmup", "1", "--steps", "1", "--wrappers", ",".join(wrappers)],
+                            timeout=TIMEOUT)
+    assert code == 0, out[-6000:]
+    for name in wrappers:
+        assert f"{name} + offload k=2" in out, out[-3000:]
+    assert " NO" not in out, out[-3000:]
