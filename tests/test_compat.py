@@ -7,9 +7,11 @@ import re
 
 import pytest
 import torch
+from packaging.version import Version
 
 from cpu_offload import SimulatedDevice, get_cpu_offload_context
 from cpu_offload.compat import (
+    MIN_TORCH,
     TORCH_VERSION,
     make_wrapper_subclass,
     saved_tensors_hooks,
@@ -124,3 +126,23 @@ def test_tensor_flatten_waits_for_a_pending_collective(tmp_path):
         assert getattr(out, "completed", True)
     finally:
         dist.destroy_process_group()
+
+
+def test_readme_setup_cfg_and_tox_name_the_same_torch_releases():
+    """Supported torch releases are exactly the ones tox tests; install_requires names the
+    oldest; README.md lists them all."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if not (root / "tox.ini").exists():
+        pytest.skip("not run from a checkout")
+    tested = sorted(
+        {Version(v) for v in re.findall(r"^\s*torch\w*:\s*torch==([\d.]+)\s*$",
+                                        (root / "tox.ini").read_text(), re.M)}
+    )
+    assert len(tested) >= 5, tested
+    lower = re.search(r"^\s*torch>=([\d.]+)\s*$", (root / "setup.cfg").read_text(), re.M)
+    assert lower and Version(lower.group(1)) == tested[0]
+    assert MIN_TORCH <= tested[0]
+    readme = (root / "README.md").read_text()
+    assert f"torch {tested[0]} to {tested[-1]}" in readme
+    for v in tested:
+        assert str(v) in readme, v
