@@ -30,9 +30,13 @@ HIDDEN, HEADS, N = 32, 4, 4
 
 @pytest.fixture(autouse=True)
 def _fresh_compile_caches():
-    reset_compiled()
+    # torch 2.1.2 crashes (SIGSEGV) in torch._dynamo.reset() once compiled layers have run
+    # under offloading (seen in tox; 2.4.1 and later do not): keep its caches.
+    if TORCH_VERSION >= Version("2.4"):
+        reset_compiled()
     yield
-    reset_compiled()
+    if TORCH_VERSION >= Version("2.4"):
+        reset_compiled()
 
 
 def step(layers, params, x0, ctx=None, sync=None):
