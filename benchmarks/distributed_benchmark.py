@@ -167,6 +167,7 @@ def main(argv=None) -> None:
                 write_json(args.out / "distributed.json",
                            {"args": {k: str(v) for k, v in vars(args).items()},
                             "torch": torch.__version__, "world": r.world, "rows": records})
+        dist.barrier()  # gloo on torch 2.1 hangs in teardown when one rank gets there first
     finally:
         dist.destroy_process_group()
 
