@@ -6,7 +6,7 @@ backends read as plain code and a new torch release means editing one module.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from packaging.version import Version
@@ -25,8 +25,108 @@ except ImportError:  # pragma: no cover
         return hasattr(t, "__tensor_flatten__") and hasattr(type(t), "__tensor_unflatten__")
 
 
-# Public since torch 1.10; kept behind a name so V1 and V2 share one entry point.
-saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
+# What an allocation failure raises: ``torch.OutOfMemoryError`` from torch 2.4, only under
+# ``torch.cuda`` before (the same class where both exist).
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+# ``tree_map`` over nested containers, as ``__torch_dispatch__`` implementations use it (a private
+# module in every release, same signature from 1.x to 2.14).
+from torch.utils._pytree import tree_map  # noqa: E402,F401
+
+# torch >= 2.5 can report the innermost saved-tensor hooks of the current thread; older releases
+# cannot (and calling a hook to find out would run it).
+_top_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+_tracing_types: Optional[tuple] = None
+
+
+def is_tracing_tensor(t: Any) -> bool:
+    """True for the stand-ins ``torch.compile`` traces with (FakeTensor, FunctionalTensor, and
+    before torch 2.2 plain-typed C++ functional wrappers): they have no data, so saved-tensor
+    hooks must leave them alone."""
+    global _tracing_types
+    if _tracing_types is None:
+        found = []
+        try:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            found.append(FakeTensor)
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from torch._subclasses.functional_tensor import FunctionalTensor
+
+            found.append(FunctionalTensor)
+        except ImportError:  # pragma: no cover
+            pass
+        _tracing_types = tuple(found)
+    return isinstance(t, _tracing_types) or _is_functional_wrapper(t)
+
+
+def _is_functional_wrapper(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)
+
+
+if _top_default_hooks is not None:
+    # Public since torch 1.10; kept behind a name so V1 and V2 share one entry point. From torch
+    # 2.5 on, torch.compile's tracing does not run the installed hooks either.
+    saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
+else:  # pragma: no cover - torch < 2.5
+    import threading
+
+    _installed = threading.local()
+
+    class _Traced:
+        __slots__ = ("t",)
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class saved_tensors_hooks(torch.autograd.graph.saved_tensors_hooks):  # type: ignore[no-redef]
+        """``torch.autograd.graph.saved_tensors_hooks`` for torch < 2.5, where two things differ:
+
+        - torch.compile's tracing (the first call of a compiled function) runs the installed
+          hooks on FakeTensors, which have no data to copy: those pass through untouched;
+        - torch cannot report the installed hooks: this records them per thread, for
+          ``top_saved_tensors_hooks``.
+        """
+
+        def __init__(self, pack_hook: Callable, unpack_hook: Callable) -> None:
+            def pack(t: torch.Tensor) -> Any:
+                return _Traced(t) if is_tracing_tensor(t) else pack_hook(t)
+
+            def unpack(packed: Any) -> torch.Tensor:
+                return packed.t if type(packed) is _Traced else unpack_hook(packed)
+
+            super().__init__(pack, unpack)
+            self.user_hooks = (pack_hook, unpack_hook)
+
+        def __enter__(self) -> None:
+            super().__enter__()
+            stack = getattr(_installed, "stack", None)
+            if stack is None:
+                stack = _installed.stack = []
+            stack.append(self.user_hooks)
+
+        def __exit__(self, *args: Any) -> None:
+            stack = getattr(_installed, "stack", None)
+            if stack:
+                stack.pop()
+            super().__exit__(*args)
+
+
+def top_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
+    """The innermost ``(pack_hook, unpack_hook)`` installed on this thread, or None.
+
+    On torch >= 2.5 this asks torch, so it sees every installed pair. Older torch releases keep
+    no queryable record: there it sees only the pairs installed through this module's
+    ``saved_tensors_hooks`` (which is what every backend of this package uses), enough to check
+    that the package left no hook behind.
+    """
+    if _top_default_hooks is not None:
+        return _top_default_hooks(False)
+    stack = getattr(_installed, "stack", None)
+    return stack[-1] if stack else None
 
 
 def untyped_storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -46,11 +146,49 @@ def tensor_on_storage(
     return torch.empty(0, dtype=dtype, device=device).set_(storage, storage_offset, size, stride)
 
 
+class _FlattenCtx:
+    """``tensor_flatten``'s context when a subclass listed non-tensor attributes as inner."""
+
+    __slots__ = ("ctx", "opaque")
+
+    def __init__(self, ctx: Any, opaque: dict) -> None:
+        self.ctx = ctx
+        self.opaque = opaque
+
+
+def tensor_flatten(t: torch.Tensor) -> Tuple[list, Any]:
+    """``t.__tensor_flatten__()`` for saving ``t``'s inner tensors elsewhere; pair it with
+    ``tensor_unflatten``.
+
+    - Only names of inner *tensors* are returned. Some subclasses list other objects among their
+      inner attributes (DTensor lists its ``device_mesh`` from torch 2.10 or so, an opaque
+      object for PT2); those travel in the returned context and ``tensor_unflatten`` puts them
+      back.
+    - A tensor whose data is still being written by a collective (``AsyncCollectiveTensor``) is
+      awaited first (``wait_pending_collective``), so copies of its inner tensors ordered after
+      the current stream read final data.
+    """
+    wait_pending_collective(t)
+    names, ctx = t.__tensor_flatten__()
+    tensors, opaque = [], {}
+    for name in names:
+        value = getattr(t, name)
+        if isinstance(value, torch.Tensor):
+            tensors.append(name)
+        else:
+            opaque[name] = value
+    return tensors, (_FlattenCtx(ctx, opaque) if opaque else ctx)
+
+
 _unflatten_arity: dict = {}
 
 
 def tensor_unflatten(cls: type, inner: dict, ctx: Any, size: torch.Size, stride: tuple) -> Any:
-    """``cls.__tensor_unflatten__``: ``(inner, ctx)`` before torch 2.2, plus size/stride after."""
+    """``cls.__tensor_unflatten__``: ``(inner, ctx)`` before torch 2.2, plus size/stride after.
+    Accepts ``tensor_flatten``'s context as well as the subclass's own."""
+    if isinstance(ctx, _FlattenCtx):
+        inner = {**inner, **ctx.opaque}
+        ctx = ctx.ctx
     arity = _unflatten_arity.get(cls)
     if arity is None:
         arity = _unflatten_arity[cls] = len(inspect.signature(cls.__tensor_unflatten__).parameters)
@@ -70,17 +208,6 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
 def register_forward_hook_always(module: torch.nn.Module, hook: Callable) -> Any:
     """Forward hook that also runs when forward raises (``always_call`` exists from torch 2.1)."""
     return module.register_forward_hook(hook, always_call=True)
-
-
-def top_saved_tensors_hooks() -> Any:
-    """The innermost saved-tensor hooks installed now (``None`` if none): tests and checks."""
-    get = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if get is None:  # pragma: no cover - very old torch
-        return None
-    try:
-        return get(False)
-    except TypeError:  # pragma: no cover - older signature without the flag
-        return get()
 
 
 def in_backward() -> bool:
@@ -131,3 +258,85 @@ def graph_task_id() -> int:
     that ended in an exception, whose end-of-backward callback never ran, is told from the next."""
     get = getattr(torch._C, "_current_graph_task_id", None)
     return get() if get is not None else -1
+
+
+def cuda_allocated_bytes(device: Any = None) -> int:
+    """``torch.cuda.memory_allocated(device)`` without its garbage: that function builds a
+    recursive closure (a reference cycle) on every call, which would mask cycles made elsewhere."""
+    index = None
+    if device is not None:
+        index = device if isinstance(device, int) else torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return torch._C._cuda_memoryStats(index)["allocated_bytes"]["all"]["current"]
+
+
+def make_wrapper_subclass(cls: type, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The outer tensor of a wrapper subclass (``__torch_dispatch__`` style) with ``like``'s shape,
+    strides and device and the given dtype, as ``Tensor._make_wrapper_subclass`` builds it."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, like.shape, strides=like.stride(), dtype=dtype, device=like.device
+    )
+
+
+def wait_pending_collective(t: torch.Tensor) -> torch.Tensor:
+    """Make the current stream wait for the collective that produces ``t``, if one may still run.
+
+    Tensor parallelism's ``RowwiseParallel`` returns an ``AsyncCollectiveTensor``: its data is
+    final only after the all-reduce, which is awaited at the tensor's first use. Autograd saves an
+    op's inputs *before* running the op, so a saved-tensor hook sees it not yet awaited, and a
+    side-stream copy ordered after the current stream would read it while the collective still
+    writes it. Waiting here orders the collective before anything queued next on this stream.
+    Returns ``t`` (still the same object); anything else is returned untouched.
+    """
+    # ``completed`` exists from torch 2.2 or so; before, waiting again is a no-op (idempotent).
+    if type(t).__name__ == "AsyncCollectiveTensor" and not getattr(t, "completed", False):
+        t.trigger_wait()
+    return t
+
+
+def fully_shard() -> Optional[Callable]:
+    """FSDP2's ``fully_shard``: ``torch.distributed.fsdp`` from torch 2.6, under
+    ``torch.distributed._composable.fsdp`` in 2.4-2.5, absent before (None)."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn  # type: ignore[attr-defined]
+
+        return fn
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._composable.fsdp import fully_shard as fn
+
+        return fn
+    except ImportError:
+        return None
+
+
+def pipelining() -> Any:
+    """``torch.distributed.pipelining`` (PipelineStage, ScheduleGPipe, Schedule1F1B), torch >= 2.4;
+    None before."""
+    try:
+        import torch.distributed.pipelining as pp
+
+        return pp
+    except ImportError:
+        return None
+
+
+def compile_supported() -> bool:
+    """Whether ``torch.compile`` works here (TorchDynamo supports this Python and platform)."""
+    try:
+        from torch._dynamo.eval_frame import is_dynamo_supported
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        return bool(is_dynamo_supported())
+    except Exception:  # pragma: no cover - raises instead of answering in some releases
+        return False
+
+
+def reset_compiled() -> None:
+    """Forget every ``torch.compile`` result (``torch._dynamo.reset``), e.g. between tests."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -18,12 +18,14 @@ from cpu_offload import SimulatedDevice
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the accelerator machine)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the accelerator machine)")
+    skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus}")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multigpu)
 
 
 @pytest.fixture

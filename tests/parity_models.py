@@ -12,10 +12,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 
 import cpu_offload
+from cpu_offload.compat import cuda_allocated_bytes, make_wrapper_subclass, tree_map
 from cpu_offload.simulated import SimulatedDevice
 
 
@@ -153,9 +153,9 @@ def train_step(
 
 
 def allocated_bytes() -> int:
-    """``torch.cuda.memory_allocated()`` without its garbage: that function builds a recursive
-    closure (a reference cycle) on every call, which would mask cycles made by offloading."""
-    return torch._C._cuda_memoryStats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+    """``torch.cuda.memory_allocated()`` without its garbage (a reference cycle per call), which
+    would mask cycles made by offloading."""
+    return cuda_allocated_bytes()
 
 
 def cyclic_garbage() -> list:
@@ -238,9 +238,7 @@ class Scaled(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data, scale):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), dtype=torch.float32, device=data.device
-        )
+        return make_wrapper_subclass(cls, data, torch.float32)
 
     def __init__(self, data, scale):
         self._data, self._scale = data, scale
@@ -268,4 +266,4 @@ class Scaled(torch.Tensor):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return Scaled(func(args[0]._data), args[0]._scale)
         unwrap = lambda t: t.dequantize() if isinstance(t, Scaled) else t  # noqa: E731
-        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))

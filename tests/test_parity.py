@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import cpu_offload
+from cpu_offload.compat import top_saved_tensors_hooks
 
 from parity_models import (
     ActivationWatch,
@@ -67,11 +68,6 @@ def backend(request, monkeypatch) -> Backend:
     if request.param == "v2" and not HAVE_V2:
         pytest.skip("cpu_offload.v2 not available yet")
     return Backend(request.param, monkeypatch)
-
-
-def top_saved_tensor_hooks():
-    """The innermost saved-tensor hooks installed on this thread (None when there are none)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 class Boom(RuntimeError):
@@ -220,7 +216,7 @@ def test_exception_inside_context_leaves_no_hooks_and_nothing_held(backend):
                 with ctx:
                     h = layer(h)
                 h = sync(h)
-        assert top_saved_tensor_hooks() is None, "a saved-tensor hook is still installed"
+        assert top_saved_tensors_hooks() is None, "a saved-tensor hook is still installed"
         assert not cpu_offload.is_cpu_offload_enabled()
         del h
         assert watch.alive() == 0
@@ -305,7 +301,7 @@ def test_gpu_retain_graph_no_grad_and_exception(backend, deterministic):
         with ctx:
             layers[0](x)
             raise Boom()
-    assert top_saved_tensor_hooks() is None
+    assert top_saved_tensors_hooks() is None
     _, ref1 = train_step(layers, x)
     assert_bit_identical(train_step(layers, x, ctx, sync)[1], ref1)
 

@@ -16,6 +16,7 @@ from torch import nn
 import cpu_offload
 from cpu_offload import markers
 from cpu_offload.errors import OffloadConfigError
+from cpu_offload.compat import top_saved_tensors_hooks
 from cpu_offload.simulated import SimulatedHazard
 from cpu_offload.v1 import (
     AsyncDoubleBufferGroupOffloadHandler,
@@ -60,10 +61,6 @@ def v1_context(k, n, device=None, **kw):
         enabled=True, num_layers=k, model_layers=n, device=device, **kw
     )
     return ctx, sync, device
-
-
-def top_saved_tensor_hooks():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 # --- layer-window map --------------------------------------------------------------------------
@@ -387,7 +384,7 @@ def test_exception_inside_context_leaves_nothing_behind():
                     x1 = layer(x if i == 0 else h)
                     failing(i, x1)
                 h = sync(x1)
-        assert top_saved_tensor_hooks() is None
+        assert top_saved_tensors_hooks() is None
         assert not is_cpu_offload_enabled()
         assert handler.live_records() == 0 and handler.current_group == 0
         del h, x1
@@ -605,7 +602,7 @@ def test_global_queries():
                ctx, sync)
     assert seen == [(True, True), (True, False), (True, False)]
     assert not is_cpu_offload_enabled()
-    assert top_saved_tensor_hooks() is None
+    assert top_saved_tensors_hooks() is None
 
 
 def test_nested_contexts_restore_state():
@@ -615,8 +612,8 @@ def test_nested_contexts_restore_state():
         with inner:
             assert is_cpu_offload_enabled()
         assert is_cpu_offload_enabled()
-        assert top_saved_tensor_hooks() is not None
-    assert not is_cpu_offload_enabled() and top_saved_tensor_hooks() is None
+        assert top_saved_tensors_hooks() is not None
+    assert not is_cpu_offload_enabled() and top_saved_tensors_hooks() is None
 
 
 def test_synchronized_handler():
@@ -644,7 +641,7 @@ def test_base_classes_raise_not_implemented():
     with pytest.raises(NotImplementedError):
         with CpuOffloadSavedTensorHook():
             torch.randn(2, requires_grad=True).exp()
-    assert top_saved_tensor_hooks() is None
+    assert top_saved_tensors_hooks() is None
 
 
 def test_async_handler_direct_use_and_tags():

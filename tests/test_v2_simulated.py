@@ -18,6 +18,7 @@ from cpu_offload import (
     mark_not_offload,
     start_offload,
 )
+from cpu_offload.compat import OutOfMemoryError, top_saved_tensors_hooks
 from cpu_offload.models import GPTBlock, run_layers
 from cpu_offload.v2.schedule import Schedule
 
@@ -177,7 +178,7 @@ def test_exception_inside_context_leaves_no_hooks_and_no_tensors(sim, x0):
             layers[1](h)
             raise RuntimeError("boom")
     assert not is_cpu_offload_enabled()
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensors_hooks() is None
     assert ctx.synchronizer.held_device_bytes() == 0
     assert ctx.synchronizer.held_host_bytes() == 0
     # The partial graph from the aborted step says what happened if used...
@@ -191,11 +192,11 @@ def test_exception_inside_context_leaves_no_hooks_and_no_tensors(sim, x0):
 def test_out_of_memory_inside_context_is_cleaned_up_like_any_error(sim, x0):
     layers = make_layers(2)
     ctx, sync = offload_ctx(sim, 1, 2)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(OutOfMemoryError):
         with ctx:
             layers[0](x0.requires_grad_())
-            raise torch.OutOfMemoryError("simulated OOM")
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+            raise OutOfMemoryError("simulated OOM")
+    assert top_saved_tensors_hooks() is None
     assert ctx.synchronizer.held_host_bytes() == 0
     run_step(layers, x0.detach(), ctx, sync)
 

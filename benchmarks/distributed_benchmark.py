@@ -1,0 +1,176 @@
+"""DDP and FSDP2 with and without activation offloading: step time and peak memory per rank.
+
+Run on a host with 2 GPUs (one process per GPU, NCCL)::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/distributed_benchmark.py --out bench_out
+
+Workload (defaults, as in issue 12): 8 plain-torch GPT blocks (``cpu_offload.models``), hidden
+2048, 16 heads, sequence 4096, batch 1 per rank, bf16, deterministic kernels; offloading the first
+``--k`` (4) of the 8 layers with the default V2 schedule. DDP wraps the whole stack; FSDP2 calls
+``fully_shard`` on every block and on the stack. For each row: median step time over ``--steps``
+timed steps (after ``--warmup``), peak allocated memory above the memory held before the step
+(parameters, gradients, optimizer-free), the ratio of both to the same wrapper without offloading,
+and whether every gradient on this rank is ``torch.equal`` to that run. Rank 0 prints the table
+(the maximum over ranks of time and peak) and writes ``distributed.json`` under ``--out``.
+
+``--device cpu`` runs the same code on the CPU with gloo and the simulated device (a smoke test
+of the script: times there mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench_common import format_table, median, write_json  # also puts the checkout on sys.path
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from cpu_offload import SimulatedDevice, compat, get_cpu_offload_context  # noqa: E402
+from cpu_offload.models import GPTConfig, build_model, make_input  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--k", type=int, default=4, help="layers offloaded (the first k)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--wrappers", default="ddp,fsdp2")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cuda = args.device == "cuda"
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        if self.cuda:
+            local = int(os.environ.get("LOCAL_RANK", self.rank))
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            self.cfg = GPTConfig(args.hidden, args.heads, args.seq, args.batch, args.layers,
+                                 dtype=torch.bfloat16)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(1)
+            self.cfg = GPTConfig(32, 4, 16, 2, args.layers)
+        dist.init_process_group("nccl" if self.cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=600))
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def wrap(self, name: str) -> torch.nn.Module:
+        model = build_model(self.cfg, self.device, seed=0)
+        if name == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            return DDP(model, device_ids=[self.device.index] if self.cuda else None)
+        fully_shard = compat.fully_shard()
+        if fully_shard is None:
+            raise SystemExit(f"FSDP2 needs torch >= 2.4, found {torch.__version__}")
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    def step(self, model, x, ctx, sync) -> None:
+        for p in model.parameters():
+            p.grad = None
+        x.grad = None
+        model(x, ctx, sync).float().square().mean().backward()
+
+    def measure(self, name: str, k: int) -> dict:
+        model = self.wrap(name)
+        x = make_input(self.cfg, self.device, seed=10 + self.rank)
+        if k:
+            kw = {} if self.cuda else {"device": SimulatedDevice(), "min_tensor_size_to_offload": 0}
+            ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k,
+                                                model_layers=self.cfg.layers, **kw)
+        else:
+            ctx = sync = None
+        for _ in range(self.args.warmup):
+            self.step(model, x, ctx, sync)
+        times, peaks = [], []
+        for _ in range(self.args.steps):
+            self.sync()
+            dist.barrier()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if self.cuda else 0
+            t0 = time.perf_counter()
+            self.step(model, x, ctx, sync)
+            self.sync()
+            times.append(time.perf_counter() - t0)
+            peaks.append(torch.cuda.max_memory_allocated() - base if self.cuda else 0)
+        grads = [compat_local(p.grad).detach().clone() for p in model.parameters()]
+        grads.append(x.grad.detach().clone())
+        del model
+        return {"time_s": median(times), "peak_bytes": max(peaks), "grads": grads}
+
+    def gather_max(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64,
+                         device=self.device if self.cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+
+def compat_local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    r = Runner(args)
+    rows, records = [], []
+    try:
+        for name in args.wrappers.split(","):
+            base = r.measure(name, 0)
+            off = r.measure(name, args.k)
+            exact = all(torch.equal(a, b) for a, b in zip(off["grads"], base["grads"]))
+            all_exact = r.gather_max(0.0 if exact else 1.0) == 0.0
+            for label, m in ((f"{name}", base), (f"{name} + offload k={args.k}", off)):
+                t, peak = r.gather_max(m["time_s"]), r.gather_max(m["peak_bytes"])
+                t0, p0 = r.gather_max(base["time_s"]), r.gather_max(base["peak_bytes"])
+                rec = {"method": label, "step_ms": t * 1e3, "time_x": t / t0,
+                       "peak_gib": peak / 2**30, "peak_x": (peak / p0) if p0 else None,
+                       "exact": all_exact}
+                records.append(rec)
+                rows.append([label, f"{rec['step_ms']:.1f}", f"{rec['time_x']:.3f}",
+                             f"{rec['peak_gib']:.2f}",
+                             "" if rec["peak_x"] is None else f"{rec['peak_x']:.3f}",
+                             "yes" if all_exact else "NO"])
+        if r.rank == 0:
+            cfg = r.cfg
+            print(f"torch {torch.__version__} | {r.world} ranks | {args.device} | hidden "
+                  f"{cfg.hidden}, heads {cfg.heads}, seq {cfg.seq}, batch {cfg.batch}/rank, "
+                  f"{cfg.layers} layers, {str(cfg.dtype).replace('torch.', '')}")
+            print(format_table(["method", "step ms", "time x", "peak GiB", "peak x", "exact"],
+                               rows))
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                write_json(args.out / "distributed.json",
+                           {"args": {k: str(v) for k, v in vars(args).items()},
+                            "torch": torch.__version__, "world": r.world, "rows": records})
+        dist.barrier()  # gloo on torch 2.1 hangs in teardown when one rank gets there first
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""Offloading composed with torch.distributed, one case per run, executed on every rank.
+
+Launched by ``tests/test_distributed.py`` (CPU: gloo + SimulatedDevice, in CI) and
+``tests/test_multigpu.py`` (2 GPUs: NCCL + real streams), or by hand::
+
+    torchrun --standalone --nproc-per-node 2 tests/distributed_cases.py --case ddp --device cuda
+
+Cases (``--case``): ``ddp``, ``fsdp2``, ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``. Each one
+runs the same training step with and without offloading on the same model and inputs and checks
+on every rank that every gradient is ``torch.equal`` to the run without offloading; on CUDA it
+also measures peak memory above the pre-step baseline (and checks it shrinks where the case says
+so). Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
+torchrun reports the case as failed.
+
+``--device cpu`` uses gloo, the simulated device and a tiny model (seconds on 2 cores);
+``--device cuda`` uses NCCL, one GPU per rank, deterministic kernels and a model big enough that
+activations dominate memory.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import signal
+import sys
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from packaging.version import Version
+from torch import nn
+
+from cpu_offload import SimulatedDevice, get_cpu_offload_context
+from cpu_offload import compat
+from cpu_offload.models import GPTConfig, build_model, make_input, run_layers
+from cpu_offload.v2.synchronizer import OffloadSynchronizer
+
+CASES = ("ddp", "fsdp2", "pipeline-gpipe", "pipeline-1f1b", "tp")
+
+# Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
+# compat.tensor_flatten for them (non-tensor inner attributes such as DTensor's device_mesh on
+# recent torch; the pending all-reduce awaited before copying): a one-line change in
+# v2/synchronizer.py's _push_subclass, `names, ctx = tensor_flatten(t)`.
+TP_FIX = "tensor_flatten(" in inspect.getsource(OffloadSynchronizer._push_subclass)
+
+
+class Env:
+    """What a case needs to know about where it runs."""
+
+    def __init__(self, device_kind: str) -> None:
+        self.cuda = device_kind == "cuda"
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", self.rank))
+        if self.cuda:
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            # Bit-identical comparisons need deterministic kernels (tests/conftest.py says why).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(1)
+        dist.init_process_group(
+            "nccl" if self.cuda else "gloo", timeout=datetime.timedelta(seconds=120)
+        )
+        self.sims: List[SimulatedDevice] = []
+
+    def config(self, layers: int) -> GPTConfig:
+        if self.cuda:  # ~270 MB of activations per layer against 25 MB of weights
+            return GPTConfig(hidden=1024, heads=16, seq=2048, batch=4, layers=layers,
+                             dtype=torch.bfloat16)
+        return GPTConfig(hidden=32, heads=4, seq=16, batch=4, layers=layers)
+
+    def offload_kwargs(self) -> dict:
+        """Where offloading runs: the real GPU, or a fresh simulated device (tiny tensors)."""
+        if self.cuda:
+            return {}
+        sim = SimulatedDevice()
+        self.sims.append(sim)
+        return {"device": sim, "min_tensor_size_to_offload": 0}
+
+    def copies(self) -> int:
+        """Offload/reload copies the simulated devices saw (CPU runs only)."""
+        return sum(1 for s in self.sims for e in s.log if e[0] == "copy")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def measure(self, fn: Callable[[], Any]) -> tuple:
+        """``fn()`` and its peak allocated bytes above the bytes held before it (0 on CPU)."""
+        if not self.cuda:
+            return fn(), 0
+        self.sync()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        self.sync()
+        return out, torch.cuda.max_memory_allocated() - base
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2 and tensor-parallel gradients), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grads_of(params, x: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    out = [local(p.grad).detach().clone() for p in params]
+    if x is not None:
+        out.append(x.grad.detach().clone())
+    return out
+
+
+def assert_equal(got: List[torch.Tensor], ref: List[torch.Tensor], what: str) -> None:
+    assert len(got) == len(ref), (what, len(got), len(ref))
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs().max().item()
+            raise AssertionError(f"{what}: gradient {i} differs (max abs diff {diff:g})")
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def train_step(model: nn.Module, x: torch.Tensor, ctx=None, sync=None) -> List[torch.Tensor]:
+    """Zero grads, forward through ``model(x, ctx, sync)`` (GPTStack's signature), backward."""
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    loss_of(model(x, ctx, sync)).backward()
+    return grads_of(model.parameters(), x)
+
+
+def compare_steps(env: Env, model: nn.Module, x: torch.Tensor, k: int, n: int, what: str) -> dict:
+    """The run without offloading, then 3 steps offloading the first ``k`` of ``n`` layers."""
+    ref, ref_peak = env.measure(lambda: train_step(model, x))
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=k, model_layers=n, **env.offload_kwargs()
+    )
+    for step in range(3):
+        got, peak = env.measure(lambda: train_step(model, x, ctx, sync))
+        assert_equal(got, ref, f"{what} step {step}")
+    if env.cuda:
+        assert peak < ref_peak, f"{what}: peak {peak} not below {ref_peak} without offloading"
+    else:
+        assert env.copies() > 0, f"{what}: nothing was offloaded"
+    return {"peak_ratio": peak / ref_peak if ref_peak else None, "grads": len(ref)}
+
+
+# --- cases -----------------------------------------------------------------------------------
+
+
+def case_ddp(env: Env) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n, k = 4, 2
+    cfg = env.config(n)
+    model = build_model(cfg, env.device, seed=0)
+    ddp = DDP(model, device_ids=[env.device.index] if env.cuda else None)
+    x = make_input(cfg, env.device, seed=10 + env.rank)  # every rank its own batch
+    return compare_steps(env, ddp, x, k, n, "DDP")
+
+
+# Seen on the tox releases: FSDP2 creates CUDA streams even for CPU parameters before torch 2.8
+# (fails on 2.4.1 and 2.6.0), and Schedule1F1B over gloo hangs in its fused send/recv before 2.8
+# (2.4.1, 2.6.0). Both work on 2.8.0 and later; on GPUs (NCCL) they are run on every release.
+CPU_NEEDS_2_8 = ("fsdp2", "pipeline-1f1b")
+
+
+def case_fsdp2(env: Env) -> dict:
+    fully_shard = compat.fully_shard()
+    if fully_shard is None:
+        return {"skipped": f"no FSDP2 fully_shard in torch {torch.__version__}"}
+    n, k = 4, 2
+    cfg = env.config(n)
+    model = build_model(cfg, env.device, seed=0)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    x = make_input(cfg, env.device, seed=10 + env.rank)
+    return compare_steps(env, model, x, k, n, "FSDP2")
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage's blocks. With offloading, one manual-synchronization context per
+    micro-batch: after a micro-batch's forward its layers are copied out and released; its
+    reload starts when the gradient of the stage output arrives (its backward begins)."""
+
+    def __init__(self, layers: nn.ModuleList, contexts: Optional[list]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.contexts = contexts
+        self.calls = 0  # micro-batch index of the next forward; reset before each step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mb, self.calls = self.calls, self.calls + 1
+        if self.contexts is None:
+            return run_layers(self.layers, x)
+        ctx, sync, manual = self.contexts[mb]
+        h = x
+        for i, layer in enumerate(self.layers):
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+            manual.start_offload_layer(i)
+        for i in range(len(self.layers)):
+            manual.release_activation_forward_gpu_memory(i)
+        n = len(self.layers)
+
+        def reload(grad: torch.Tensor) -> None:
+            for i in reversed(range(n)):  # the last layer's backward runs first
+                manual.start_reload_layer(i)
+
+        if h.requires_grad:
+            h.register_hook(reload)
+        return h
+
+
+def case_pipeline(env: Env, schedule_name: str) -> dict:
+    pp = compat.pipelining()
+    if pp is None:
+        return {"skipped": f"no torch.distributed.pipelining in torch {torch.__version__}"}
+    assert env.world == 2, "a 2-stage pipeline: one stage per rank"
+    per_stage, microbatches = 2, 4
+    cfg = env.config(2 * per_stage)
+    full = build_model(cfg, env.device, seed=0)
+    stage_layers = nn.ModuleList(list(full.layers)[env.rank * per_stage:(env.rank + 1) * per_stage])
+    x = make_input(cfg, env.device, seed=10, requires_grad=False)  # same batch on both ranks
+    mb_shape = (cfg.batch // microbatches,) + tuple(x.shape[1:])
+    # The stage's input and output of one micro-batch (skips shape inference, which would run
+    # the stage's forward an extra time); the received activation needs a gradient.
+    example = torch.zeros(mb_shape, dtype=cfg.dtype, device=env.device, requires_grad=True)
+    schedule_cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}[schedule_name]
+
+    def run(contexts: Optional[list]) -> tuple:
+        module = PipelineStageModule(stage_layers, contexts)
+        stage = pp.PipelineStage(module, env.rank, 2, env.device,
+                                 input_args=(example,), output_args=example)
+        schedule = schedule_cls(stage, microbatches, loss_fn=lambda out, tgt: loss_of(out))
+
+        def step() -> None:
+            for p in stage_layers.parameters():
+                p.grad = None
+            module.calls = 0
+            if env.rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=torch.zeros_like(x))
+            assert module.calls == microbatches, module.calls
+
+        _, peak = env.measure(step)
+        return grads_of(stage_layers.parameters()), peak
+
+    ref, ref_peak = run(None)
+    kw = env.offload_kwargs()  # one device (real or simulated) for all micro-batches
+    stream = kw["device"].new_stream() if "device" in kw else torch.cuda.Stream()
+    contexts = [  # one context per micro-batch, sharing one offload stream
+        get_cpu_offload_context(enabled=True, model_layers=per_stage,
+                                manual_synchronization=True, offload_stream=stream, **kw)
+        for _ in range(microbatches)
+    ]
+    for step in range(2):
+        got, peak = run(contexts)
+        assert_equal(got, ref, f"pipeline {schedule_name} rank {env.rank} step {step}")
+    if env.cuda:
+        assert peak < ref_peak, f"pipeline {schedule_name}: peak {peak} not below {ref_peak}"
+    else:
+        assert env.copies() > 0, "pipeline: nothing was offloaded"
+    return {"peak_ratio": peak / ref_peak if ref_peak else None, "grads": len(ref)}
+
+
+class TPBlock(nn.Module):
+    """``x + silu(fc2(gelu(fc1(ln(x)))))`` with fc1 column- and fc2 row-parallel. ``silu`` saves
+    fc2's output for backward: under RowwiseParallel that is an ``AsyncCollectiveTensor`` whose
+    all-reduce may still be running when the saved-tensor hook sees it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class TPStack(nn.Module):
+    def __init__(self, layers: nn.ModuleList) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x, ctx=None, sync=None):
+        return run_layers(self.layers, x, ctx, sync)
+
+
+def case_tp(env: Env) -> dict:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+    except ImportError as e:
+        return {"skipped": f"no tensor parallel API in torch {torch.__version__}: {e}"}
+    n, k = 4, 2
+    cfg = env.config(n)
+    torch.manual_seed(0)  # the same weights on every rank before sharding
+    with torch.device(env.device):
+        model = TPStack(nn.ModuleList(TPBlock(cfg.hidden) for _ in range(n))).to(cfg.dtype)
+    mesh = init_device_mesh(env.device.type, (env.world,))
+    for block in model.layers:
+        parallelize_module(block, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    x = make_input(cfg, env.device, seed=10)  # tensor parallel: the same batch on every rank
+    return compare_steps(env, model, x, k, n, "tensor parallel")
+
+
+def run_cases(cases: List[str], device_kind: str) -> None:
+    """Run ``cases`` one after the other in one process group; stop at the first failure."""
+    env = Env(device_kind)
+    try:
+        for case in cases:
+            env.sims.clear()
+            if not env.cuda and case in CPU_NEEDS_2_8 and compat.TORCH_VERSION < Version("2.8"):
+                if env.rank == 0:
+                    print("RESULT " + json.dumps({"case": case, "skipped": f"{case} on CPU/gloo "
+                          f"needs torch >= 2.8, found {torch.__version__}"}), flush=True)
+                continue
+            if case == "ddp":
+                result = case_ddp(env)
+            elif case == "fsdp2":
+                result = case_fsdp2(env)
+            elif case in ("pipeline-gpipe", "pipeline-1f1b"):
+                result = case_pipeline(env, case.split("-", 1)[1])
+            elif case == "tp":
+                result = case_tp(env)
+            else:
+                raise ValueError(f"unknown case {case!r}; one of {CASES}")
+            dist.barrier()
+            result.update(case=case, device=device_kind, torch=torch.__version__, world=env.world)
+            if env.rank == 0:
+                print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[list] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", required=True,
+                        help=f"one of {', '.join(CASES)}, or several separated by commas")
+    parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    args = parser.parse_args(argv)
+    cases = args.case.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {CASES}")
+    run_cases(cases, args.device)
+
+
+# --- launching from pytest ---------------------------------------------------------------------
+
+
+def launch(cases: List[str], device_kind: str, timeout: float, nproc: int = 2) -> tuple:
+    """Run this file under ``torchrun --standalone --nproc-per-node nproc`` (a subprocess of the
+    current interpreter, importing the same ``cpu_offload``). Returns (returncode, output,
+    {case: result}); a run past ``timeout`` seconds (a hang) is killed and returns code None."""
+    return torchrun([os.path.abspath(__file__), "--case", ",".join(cases),
+                     "--device", device_kind], timeout, nproc)
+
+
+def torchrun(script_and_args: List[str], timeout: float, nproc: int = 2) -> tuple:
+    """``torchrun --standalone --nproc-per-node nproc script args...``; see ``launch``."""
+    import subprocess
+
+    import cpu_offload
+
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *script_and_args,
+    ]
+    # Own session, so that a hang is ended with torchrun's workers, not only torchrun itself.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        code = None
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["case"]] = r
+    return code, out, results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

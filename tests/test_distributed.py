@@ -1,0 +1,78 @@
+"""Offloading under torch.distributed on the CPU (CI): 2 processes, gloo, SimulatedDevice.
+
+One ``torchrun --standalone --nproc-per-node 2`` run (``tests/distributed_cases.py``) executes
+every case; each test below checks its case's outcome: gradients with offloading ``torch.equal``
+to the same distributed run without it, on both ranks, and copies actually made. The same file
+runs the 2-GPU variants (``tests/test_multigpu.py``).
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from packaging.version import Version
+
+from cpu_offload.compat import TORCH_VERSION
+from distributed_cases import CASES, TP_FIX, launch, torchrun
+
+# Seconds for the whole CPU run: ~15 s on 2 idle cores; a hang (a collective waiting forever)
+# is killed after this and fails every case.
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def cpu_run():
+    return launch(list(CASES), "cpu", timeout=TIMEOUT)
+
+
+def check_case(run, case: str) -> dict:
+    code, out, results = run
+    if case not in results:
+        what = "timed out (hang?)" if code is None else f"exit code {code}"
+        pytest.fail(f"case {case!r} reported no result: torchrun {what}\n{out[-6000:]}")
+    result = results[case]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    return result
+
+
+def test_ddp_distributed_gloo_simulated_exact_gradients(cpu_run):
+    check_case(cpu_run, "ddp")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(not TP_FIX and c == "tp", reason="needs the "
+                 "compat.tensor_flatten line in v2/synchronizer.py (see TP_FIX)"))
+    for c in CASES if c != "ddp"
+])
+def test_distributed_gloo_simulated_exact_gradients(cpu_run, case):
+    check_case(cpu_run, case)
+
+
+def test_distributed_run_ends_cleanly(cpu_run):
+    code, out, results = cpu_run
+    if TP_FIX or "tp" in results:
+        assert code == 0, out[-6000:]
+        assert set(results) == set(CASES)
+    else:  # tp runs last; only it may have failed
+        assert set(results) == set(CASES) - {"tp"}, out[-6000:]
+
+
+def test_distributed_benchmark_runs_on_cpu():
+    """benchmarks/distributed_benchmark.py (2 GPUs) as a smoke test: gloo + SimulatedDevice."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "distributed_benchmark.py"
+    if not script.exists():
+        pytest.skip("benchmarks/ not in this tree")
+    if TORCH_VERSION < Version("2.4"):
+        # The benchmark is for FSDP2 (torch >= 2.4). On 2.1.2 under tox its workers printed the
+        # table and then never exited (twice, also with a barrier before teardown).
+        pytest.skip("the distributed benchmark needs torch >= 2.4")
+    # FSDP2 runs on the CPU from torch 2.8 (see distributed_cases.CPU_NEEDS_2_8)
+    wrappers = ["ddp"] + (["fsdp2"] if TORCH_VERSION >= Version("2.8") else [])
+    code, out, _ = torchrun([str(script), "--device", "cpu", "--layers", "4", "--k", "2",
+                             "--warmup", "1", "--steps", "1", "--wrappers", ",".join(wrappers)],
+                            timeout=TIMEOUT)
+    assert code == 0, out[-6000:]
+    for name in wrappers:
+        assert f"{name} + offload k=2" in out, out[-3000:]
+    assert " NO" not in out, out[-3000:]
