@@ -4,7 +4,7 @@ Run on a host with 2 GPUs (one process per GPU, NCCL)::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/distributed_benchmark.py --out bench_out
 
-Workload (defaults, as in issue 12): 8 plain-torch GPT blocks (``cpu_offload.models``), hidden
+Workload (defaults): 8 plain-torch GPT blocks (``cpu_offload.models``), hidden
 2048, 16 heads, sequence 4096, batch 1 per rank, bf16, deterministic kernels; offloading the first
 ``--k`` (4) of the 8 layers with the default V2 schedule. DDP wraps the whole stack; FSDP2 calls
 ``fully_shard`` on every block and on the stack. For each row: median step time over ``--steps``

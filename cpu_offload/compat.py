@@ -340,3 +340,22 @@ def reset_compiled() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def compiler_disable(fn: Callable) -> Callable:
+    """Keep ``fn`` out of torch.compile's traced graphs: it runs eagerly, between graphs (the
+    offload context and sync function change Python state that a graph cannot replay).
+
+    ``torch._disable_dynamo`` is what torch itself uses for this: it imports ``torch._dynamo``
+    (about 2 s) only when ``fn`` is first called, not when ``cpu_offload`` is imported, and its
+    wrapper lives in torch's own files, which dynamo never traces.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is not None:
+        return lazy(fn)
+    return torch.compiler.disable(fn)  # pragma: no cover - torch without _disable_dynamo
+
+
+def neg_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` with the lazy negation bit set (``torch._neg_view``), for tests."""
+    return torch._neg_view(t)

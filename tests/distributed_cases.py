@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import signal
@@ -36,7 +35,6 @@ from torch import nn
 from cpu_offload import SimulatedDevice, get_cpu_offload_context
 from cpu_offload import compat
 from cpu_offload.models import GPTConfig, build_model, make_input, run_layers
-from cpu_offload.v2.synchronizer import OffloadSynchronizer
 
 CASES = ("ddp", "fsdp2", "pipeline-gpipe", "pipeline-1f1b", "tp")
 
@@ -44,9 +42,6 @@ CASES = ("ddp", "fsdp2", "pipeline-gpipe", "pipeline-1f1b", "tp")
 # compat.tensor_flatten for them (non-tensor inner attributes such as DTensor's device_mesh on
 # recent torch; the pending all-reduce awaited before copying): a one-line change in
 # v2/synchronizer.py's _push_subclass, `names, ctx = tensor_flatten(t)`.
-TP_FIX = "tensor_flatten(" in inspect.getsource(OffloadSynchronizer._push_subclass)
-
-
 class Env:
     """What a case needs to know about where it runs."""
 

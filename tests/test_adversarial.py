@@ -21,7 +21,7 @@ from cpu_offload import (
     mark_not_offload,
     mark_weight,
 )
-from cpu_offload.compat import top_saved_tensors_hooks
+from cpu_offload.compat import neg_view, top_saved_tensors_hooks
 
 # These tests keep saved tensors alive on purpose (to compare them, or to check what is kept),
 # so offloading frees nothing there and says so; tests/test_stats_verify.py checks that warning.
@@ -237,7 +237,7 @@ def test_conj_and_neg_bits_survive(backend):
             c = x.conj()  # conj bit set: mul saves the conj view
             mark_activation_offload(c)
             out = c * w
-            n = torch._neg_view(out)  # neg bit set
+            n = neg_view(out)  # neg bit set
             mark_activation_offload(n)
             return (n * w).real.sum(-1, keepdim=True) * x
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import cpu_offload
+from cpu_offload.compat import top_saved_tensors_hooks
 from cpu_offload import (
     OffloadConfigError,
     OffloadUsageError,
@@ -127,7 +128,7 @@ def test_names_state_dict_and_remove_restore_exactly(x0, sim):
     n_copies = copies(sim)
     assert_equal(step(layers, x0), ref)
     assert copies(sim) == n_copies  # nothing offloaded any more
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensors_hooks() is None
 
 
 def test_applying_twice_is_refused_with_the_fix(sim):
@@ -174,7 +175,7 @@ def test_exception_in_a_layer_or_between_layers_leaves_the_next_step_exact(x0, s
     with pytest.raises(TypeError):
         layers[0](x0, scale=1.0)
         layers[1](x0, scale="bad")  # raises inside layer 1's forward
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensors_hooks() is None
     assert_equal(step(layers, x0), ref)
     # Two layers ran, then the model raised outside them: the next forward starts afresh.
     h = layers[0](x0, scale=1.0)

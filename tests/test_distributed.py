@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 from cpu_offload.compat import TORCH_VERSION
-from distributed_cases import CASES, TP_FIX, launch, torchrun
+from distributed_cases import CASES, launch, torchrun
 
 # Seconds for the whole CPU run: ~15 s on 2 idle cores; a hang (a collective waiting forever)
 # is killed after this and fails every case.
@@ -40,22 +40,15 @@ def test_ddp_distributed_gloo_simulated_exact_gradients(cpu_run):
     check_case(cpu_run, "ddp")
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(not TP_FIX and c == "tp", reason="needs the "
-                 "compat.tensor_flatten line in v2/synchronizer.py (see TP_FIX)"))
-    for c in CASES if c != "ddp"
-])
+@pytest.mark.parametrize("case", [c for c in CASES if c != "ddp"])
 def test_distributed_gloo_simulated_exact_gradients(cpu_run, case):
     check_case(cpu_run, case)
 
 
 def test_distributed_run_ends_cleanly(cpu_run):
     code, out, results = cpu_run
-    if TP_FIX or "tp" in results:
-        assert code == 0, out[-6000:]
-        assert set(results) == set(CASES)
-    else:  # tp runs last; only it may have failed
-        assert set(results) == set(CASES) - {"tp"}, out[-6000:]
+    assert code == 0, out[-6000:]
+    assert set(results) == set(CASES)
 
 
 def test_distributed_benchmark_runs_on_cpu():

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import cpu_offload  # noqa: E402
+from cpu_offload.compat import reset_compiled  # noqa: E402
 from cpu_offload import apply_offloading, plan_offloading  # noqa: E402
 
 TINY = dict(
@@ -102,7 +103,7 @@ def test_llama_compiled_layers_before_and_after_applying(sim):
                 assert torch.equal(got, want), name
         assert handle.synchronizer.layer_summary()[0]["bytes"] > 0
     finally:
-        torch._dynamo.reset()
+        reset_compiled()
 
 
 @pytest.mark.parametrize("order", ["checkpointing_first", "offloading_first"])

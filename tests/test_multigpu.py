@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import CASES, TP_FIX, launch
+from distributed_cases import CASES, launch
 
 TIMEOUT = 600
 
 pytestmark = pytest.mark.multigpu
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(not TP_FIX and c == "tp", reason="needs the "
-                 "compat.tensor_flatten line in v2/synchronizer.py (see TP_FIX)"))
-    for c in CASES
-])
+@pytest.mark.parametrize("case", CASES)
 def test_multigpu_distributed_exact_gradients_and_lower_peak(case):
     code, out, results = launch([case], "cuda", timeout=TIMEOUT)
     if code is None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..compat import in_backward
+from ..compat import compiler_disable, in_backward
 from ..errors import OffloadConfigError, OffloadUsageError
 
 __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
@@ -34,19 +34,6 @@ __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
 _STATE_ATTR = "_cpu_offload_layer"
 _classes: dict[type, type] = {}  # original class -> its Offloaded<Name> subclass
 _bases: dict[type, type] = {}  # the reverse
-
-
-def _compiler_disable(fn: Callable) -> Callable:
-    """Keep ``fn`` out of torch.compile's traced graphs (it runs eagerly, between graphs).
-
-    ``torch._disable_dynamo`` is what torch itself uses for this: it imports ``torch._dynamo``
-    (about 2 s) only when ``fn`` is first called, not when ``cpu_offload`` is imported, and its
-    wrapper lives in torch's own files, which dynamo never traces.
-    """
-    lazy = getattr(torch, "_disable_dynamo", None)
-    if lazy is not None:
-        return lazy(fn)
-    return torch.compiler.disable(fn)
 
 
 class _LayerState:
@@ -61,7 +48,7 @@ class _LayerState:
         self.recompute = recompute
 
 
-@_compiler_disable
+@compiler_disable
 def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """``(state, token)``; ``token is None``: run the layer untouched."""
     state = self.__dict__.get(_STATE_ATTR)
@@ -70,12 +57,12 @@ def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return state, state.driver.before(state.index, self, args, kwargs)
 
 
-@_compiler_disable
+@compiler_disable
 def _end(state: _LayerState, token: Any, out: Any) -> Any:
     return state.driver.after(token, out)
 
 
-@_compiler_disable
+@compiler_disable
 def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
     state.driver.abort(token, exc)
 

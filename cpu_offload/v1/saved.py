@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..compat import is_traceable_wrapper_subclass, tensor_unflatten
+from ..compat import is_traceable_wrapper_subclass, tensor_flatten, tensor_unflatten
 from ..device import Event, OffloadDevice, Stream
 from ..storage import KeptRef as Kept
 from ..storage import ViewMeta, check_version, restore_view, storage_bytes
@@ -222,7 +222,7 @@ def pack_tensor(t: torch.Tensor, owner: PackedTensor, record_for: RecordFor) -> 
     if _STRAY_TYPES and isinstance(t, _STRAY_TYPES):
         return Kept(t)
     if is_traceable_wrapper_subclass(t):
-        names, ctx = t.__tensor_flatten__()
+        names, ctx = tensor_flatten(t)
         inner = {name: pack_tensor(getattr(t, name), owner, record_for) for name in names}
         if all(isinstance(e, Kept) for e in inner.values()):
             return Kept(t)

@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 import torch
 
 from .. import markers
-from ..compat import saved_tensors_hooks
+from ..compat import compiler_disable, saved_tensors_hooks
 from ..device import OffloadDevice, default_device
 from ..errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
@@ -61,6 +61,7 @@ class OffloadContext:
         """The reference implementation's name for ``synchronizer``."""
         return self.synchronizer
 
+    @compiler_disable
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
         if not sync.fwd_step():
@@ -78,6 +79,7 @@ class OffloadContext:
         _state.active.append(sync)
         return self
 
+    @compiler_disable
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         sync = self.synchronizer
         hooks = self._frames.pop() if self._frames else None

@@ -255,7 +255,9 @@ class SavedRef:
         entry.live += 1
 
     def __del__(self) -> None:
-        entry = self.entry
+        entry = getattr(self, "entry", None)
+        if entry is None:  # __init__ did not finish (torch 2.1 can drop a half-built ref)
+            return
         entry.live -= 1
         if self.popped == entry.generation:
             entry.pops -= 1  # autograd freed it after its node ran: it no longer waits

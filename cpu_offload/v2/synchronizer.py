@@ -14,10 +14,12 @@ from typing import Any, Optional
 import torch
 
 from ..compat import (
+    compiler_disable,
     graph_task_id,
     in_backward,
     is_traceable_wrapper_subclass,
     queue_backward_callback,
+    tensor_flatten,
 )
 from ..device import OffloadDevice
 from ..errors import OffloadUsageError, check_sync_argument
@@ -266,6 +268,7 @@ class OffloadSynchronizer:
         if self.step is not None:
             self.step.end_forward_layer()
 
+    @compiler_disable
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
         check_sync_argument(tensor)
@@ -325,7 +328,7 @@ class OffloadSynchronizer:
     def _push_subclass(self, t: torch.Tensor, layer: LayerState) -> Any:
         if self.policy.wrapper_skip_reason(t) is not None:
             return KeptRef(t)
-        names, ctx = t.__tensor_flatten__()
+        names, ctx = tensor_flatten(t)
         inner = {name: self.push(getattr(t, name)) for name in names}
         if all(type(v) is KeptRef for v in inner.values()):
             return KeptRef(t)  # nothing inside was offloaded
