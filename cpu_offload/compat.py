@@ -12,7 +12,7 @@ import torch
 from packaging.version import Version
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
-MIN_TORCH = Version("2.1")
+MIN_TORCH = Version("2.6")
 
 if TORCH_VERSION < MIN_TORCH:  # pragma: no cover - guarded by setup.cfg too
     raise ImportError(f"cpu_offload needs torch>={MIN_TORCH}, found {torch.__version__}")

@@ -21,7 +21,7 @@ from cpu_offload import (
     mark_not_offload,
     mark_weight,
 )
-from cpu_offload.compat import neg_view, top_saved_tensors_hooks
+from cpu_offload.compat import OutOfMemoryError, neg_view, top_saved_tensors_hooks
 
 # These tests keep saved tensors alive on purpose (to compare them, or to check what is kept),
 # so offloading frees nothing there and says so; tests/test_stats_verify.py checks that warning.
@@ -162,7 +162,7 @@ class FailingAlloc(SimulatedDevice):
     def alloc_device(self, nbytes, device):
         self.calls += 1
         if self.fail_at is not None and self.calls == self.fail_at:
-            raise torch.OutOfMemoryError("simulated out of memory")
+            raise OutOfMemoryError("simulated out of memory")
         return super().alloc_device(nbytes, device)
 
 
@@ -188,7 +188,7 @@ def test_oom_during_reload_then_retried_backward_is_exact(first_backward_ok, fai
             p.grad = None
         x.grad = None
     sim.calls, sim.fail_at = 0, fail_at
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(OutOfMemoryError):
         loss.backward(retain_graph=True)
     sim.fail_at = None
     for p in layers.parameters():
@@ -726,7 +726,7 @@ def test_gpu_oom_during_reload_then_retried_backward(deterministic):
         def alloc_device(self, nbytes, device):
             self.calls += 1
             if self.calls == self.fail_at:
-                raise torch.OutOfMemoryError("simulated out of memory")
+                raise OutOfMemoryError("simulated out of memory")
             return super().alloc_device(nbytes, device)
 
     dev = FailingCuda()
@@ -742,7 +742,7 @@ def test_gpu_oom_during_reload_then_retried_backward(deterministic):
     x, loss = _cuda_step(layers, x0, ctx, sync)
     loss.backward(retain_graph=True)
     dev.calls, dev.fail_at = 0, 2
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(OutOfMemoryError):
         loss.backward(retain_graph=True)
     dev.fail_at = None
     for p in layers.parameters():
