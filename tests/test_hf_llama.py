@@ -87,10 +87,15 @@ def test_llama_gradients_bit_identical_and_state_dict_unchanged(sim):
 
 
 def test_llama_compiled_layers_before_and_after_applying(sim):
-    """Layer 0 compiled in place before applying, layer 1 after (aot_eager: no C++ compiler)."""
+    """Layer 0 compiled in place before applying, layer 1 after (aot_eager: no C++ compiler).
+    The reference is the same compiled model without offloading: compiled kernels may round
+    differently from eager ones (they do on torch 2.6 and 2.8)."""
     model, ids = tiny_llama(layers=3), batch()
-    ref = train_step(model, ids)
     model.model.layers[0].compile(backend="aot_eager")
+    plain = model.model.layers[1]
+    model.model.layers[1] = torch.compile(plain, backend="aot_eager")
+    ref = train_step(model, ids)
+    model.model.layers[1] = plain
     handle = apply_offloading(
         model.model.layers, num_layers=1, min_tensor_size_to_offload=MIN_SIZE, device=sim
     )
