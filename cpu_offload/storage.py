@@ -121,20 +121,16 @@ class VersionWatch:
         check_version(self.alias, self.version, self.size)
 
 
-class KeptRef:
-    """A saved tensor that stays on the device, stored detached.
+class KeptRef(VersionWatch):
+    """A saved tensor that stays on the device, stored detached (its ``VersionWatch`` alias).
 
     Returning the tensor itself from a pack hook makes autograd keep a node alive through its own
     saved output (node -> saved variable -> tensor -> grad_fn -> node): an uncollectable cycle in
     C++. A detached alias shares storage and version counter but has no ``grad_fn``.
     """
 
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()
-        self.version = t._version
+    __slots__ = ()
 
     def unpack(self) -> torch.Tensor:
-        check_version(self.tensor, self.version, self.tensor.size())
-        return self.tensor
+        self.check()
+        return self.alias
