@@ -17,10 +17,15 @@ one model:
 - ``plan @=hf_*``   the plan whose budget is the peak an HF row measured (bytes): at the same
   memory, is the plan faster?
 
-Per row: ``--warmup`` untimed steps, ``--iters`` timed steps (CUDA events, median); peak is
+Per row, first: ``--warmup`` untimed steps and ``--iters`` measured steps, whose peak is
 ``max_memory_allocated`` above what the step starts with (gradient buffers persist and are zeroed
-in place), the max over the timed steps; "exact" runs one more step with deterministic algorithms
-and compares the loss and every gradient with ``none``'s by ``torch.equal``.
+in place), the max over those steps; "exact" runs one more step with deterministic algorithms
+and compares the loss and every gradient with ``none``'s by ``torch.equal``. Then the step time:
+``--rounds`` rounds in which every row in turn is set up again, warmed up and timed for
+``--iters`` steps (CUDA events); a row's time is the median over all its rounds, and ``spread``
+the range of its per-round medians relative to that time. Interleaving rows this way makes
+clock and neighbour drift hit every row alike (a step of this workload varies by several percent
+from minute to minute on a shared host).
 
 GPU (about a minute on an H100)::
 
@@ -35,7 +40,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -150,6 +155,8 @@ class Row:
     peak_ratio: Optional[float] = None
     exact: Optional[bool] = None
     error: Optional[str] = None
+    spread: Optional[float] = None  # (max - min) / median of the per-round median step times
+    round_ms: list = field(default_factory=list)  # median step time of each round
 
 
 def measure(
@@ -174,6 +181,7 @@ def measure(
                 times.append(device.elapsed_ms(start, end))
                 if device.is_cuda:
                     peaks.append(device.max_memory_allocated() - before)
+        row.round_ms.append(median(times))
         row.step_ms = median(times)
         row.peak_bytes = max(peaks) if peaks else None
         if args.no_exact:
@@ -195,11 +203,47 @@ def offload_kwargs(device: BenchDevice, args: argparse.Namespace) -> dict:
     return kw
 
 
+def time_steps(wl: Workload, device: BenchDevice, args: argparse.Namespace) -> float:
+    """Median time of ``args.iters`` steps after ``args.warmup`` untimed ones."""
+    for _ in range(args.warmup):
+        wl.step()
+    times = []
+    with gc_paused():
+        for _ in range(args.iters):
+            device.synchronize()
+            start = device.mark()
+            wl.step()
+            end = device.mark()
+            device.synchronize()
+            times.append(device.elapsed_ms(start, end))
+    return median(times)
+
+
+def interleaved_rounds(
+    setups: dict, rows: list, wl: Workload, device: BenchDevice, args: argparse.Namespace
+) -> None:
+    """Time every row again in ``args.rounds`` rounds, rows in turn; set ``step_ms``/``spread``."""
+    live = [r for r in rows if r.error is None and r.method in setups]
+    for _ in range(args.rounds):
+        for row in live:
+            note, teardown = setups[row.method]()
+            try:
+                row.round_ms.append(time_steps(wl, device, args))
+            finally:
+                teardown()
+                device.free_memory()
+    for row in live:
+        row.step_ms = median(row.round_ms)
+        if len(row.round_ms) > 1 and row.step_ms:
+            row.spread = (max(row.round_ms) - min(row.round_ms)) / row.step_ms
+
+
 def run_row(
     name: str, setup: Callable[[], tuple], wl: Workload, device: BenchDevice,
-    args: argparse.Namespace, reference: Optional[list], rows: list,
+    args: argparse.Namespace, reference: Optional[list], rows: list, setups: dict,
 ) -> Optional[list]:
-    """``setup()`` returns ``(note, teardown)``; ``note is None`` skips the row."""
+    """``setup()`` returns ``(note, teardown)``; ``note is None`` skips the row. The row's
+    setup is kept in ``setups`` for the interleaved timing rounds."""
     row = Row(name)
     snapshot = None
     try:
@@ -211,6 +255,7 @@ def run_row(
     if note is None:
         return None
     row.setup_note = note
+    setups[name] = setup
     try:
         snapshot = measure(row, wl, device, args, reference)
     finally:
@@ -234,7 +279,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, help="sequence length (cuda 4096, sim 32)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, help="untimed steps per row (cuda 3, sim 1)")
-    p.add_argument("--iters", type=int, help="timed steps per row (cuda 10, sim 2)")
+    p.add_argument("--iters", type=int, help="timed steps per row and round (cuda 5, sim 2)")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds after the first pass "
+                   "(cuda 3, sim 1)")
     p.add_argument("--min-tensor-size", type=int,
                    help=f"min_tensor_size_to_offload (library default on cuda, {SIM_MIN_TENSOR_SIZE} on sim)")
     p.add_argument("--no-exact", action="store_true", help="skip the deterministic exactness step")
@@ -252,7 +299,8 @@ def main(argv: Optional[list] = None) -> list:
     device = BenchDevice.from_flag(args.device)
     prepare_determinism(device)
     args.warmup = args.warmup if args.warmup is not None else (3 if device.is_cuda else 1)
-    args.iters = max(1, args.iters if args.iters is not None else (10 if device.is_cuda else 2))
+    args.iters = max(1, args.iters if args.iters is not None else (5 if device.is_cuda else 2))
+    args.rounds = max(0, args.rounds if args.rounds is not None else (3 if device.is_cuda else 1))
     if not device.is_cuda:
         torch.set_num_threads(1)  # tiny tensors: more threads only oversubscribe small CI machines
         if args.min_tensor_size is None:
@@ -266,9 +314,10 @@ def main(argv: Optional[list] = None) -> list:
           f"{wl.config.hidden_size}, seq {wl.seq}, batch {args.batch}, {wl.dtype}")
     rows: list[Row] = []
     notes: list[str] = []
+    setups: dict[str, Callable[[], tuple]] = {}
     nothing = lambda: None  # noqa: E731
 
-    reference = run_row("none", lambda: ("", nothing), wl, device, args, None, rows)
+    reference = run_row("none", lambda: ("", nothing), wl, device, args, None, rows, setups)
     if rows[0].error:
         raise SystemExit(f"the none row failed: {rows[0].error}")
 
@@ -285,8 +334,8 @@ def main(argv: Optional[list] = None) -> list:
             return call, lambda: hf_checkpointing_off(wl.model)
         return setup
 
-    run_row("hf_ckpt", hf(False), wl, device, args, reference, rows)
-    run_row("hf_offload", hf(True), wl, device, args, reference, rows)
+    run_row("hf_ckpt", hf(False), wl, device, args, reference, rows, setups)
+    run_row("hf_offload", hf(True), wl, device, args, reference, rows, setups)
 
     def applied(**kw: Any) -> Callable[[], tuple]:
         def setup() -> tuple:
@@ -297,7 +346,7 @@ def main(argv: Optional[list] = None) -> list:
 
     for k in (int(k) for k in args.ks.split(",") if k.strip()):
         if 1 <= k < n:
-            run_row(f"apply k={k}", applied(num_layers=k), wl, device, args, reference, rows)
+            run_row(f"apply k={k}", applied(num_layers=k), wl, device, args, reference, rows, setups)
         else:
             notes.append(f"apply k={k} skipped: needs 1 <= k < {n}")
 
@@ -319,8 +368,9 @@ def main(argv: Optional[list] = None) -> list:
                 notes.append(f"{name}: {exc}")
                 continue
             notes.append(f"{name}: {plan.describe()}")
-            run_row(name, applied(plan=plan), wl, device, args, reference, rows)
+            run_row(name, applied(plan=plan), wl, device, args, reference, rows, setups)
 
+    interleaved_rounds(setups, rows, wl, device, args)
     base = rows[0]
     for r in rows:
         if r.step_ms and base.step_ms:
@@ -371,10 +421,11 @@ def verdicts(rows: list) -> list:
 
 
 def report(rows: list, notes: list, device: BenchDevice) -> None:
-    headers = ("method", "step ms", "time x", "peak GiB", "peak x", "exact", "setup")
+    headers = ("method", "step ms", "spread %", "time x", "peak GiB", "peak x", "exact", "setup")
     table = [
-        [r.method, r.step_ms, r.time_ratio, None if r.peak_bytes is None else r.peak_bytes / GIB,
-         r.peak_ratio, r.exact, r.error or r.setup_note]
+        [r.method, r.step_ms, None if r.spread is None else 100 * r.spread, r.time_ratio,
+         None if r.peak_bytes is None else r.peak_bytes / GIB, r.peak_ratio, r.exact,
+         r.error or r.setup_note]
         for r in rows
     ]
     print()

@@ -7,7 +7,9 @@ All methods run in one process on one model, so ratios compare like with like:
 - ``save_on_cpu``  ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the whole forward;
 - ``v2`` / ``v1``  this library, ``get_cpu_offload_context(enabled=True, num_layers=k,
   model_layers=n)`` for each k of ``--ks``; V1 via ``NVTE_CPU_OFFLOAD_V1=1``, with the blocks'
-  ``tag_activations`` switched on because V1 offloads only tagged tensors (see ``cpu_offload.models``).
+  ``tag_activations`` switched on because V1 offloads only tagged tensors (see ``cpu_offload.models``);
+- ``v2 verify``    V2 at k=2 (else the smallest k of ``--ks``) with ``verify=True`` (a device checksum of every
+  offloaded storage, checked after its reload; the check blocks the host): the cost of verify mode.
 
 Per method: ``--warmup`` untimed steps, then ``--iters`` timed steps (CUDA events, median).
 Peak memory is ``max_memory_allocated() - memory_allocated()`` taken right before each step (the
@@ -72,6 +74,8 @@ GIB = 1024**3
 TARGETS = {2: (1.01, 0.88), 6: (1.45, 0.64)}
 BASELINES = ("none", "checkpoint", "save_on_cpu")
 LIBRARY = ("v2", "v1")
+VERIFY = "verify"  # --methods name of the "v2 verify" row
+VERIFY_TAG = " verify"
 PLANNED = "plan"  # cpu_offload.tools.planner: offload + recompute chosen for a memory budget
 PLANS: dict[str, Plan] = {}  # method label -> the plan it runs
 SIM_MIN_TENSOR_SIZE = 1024  # tiny model: offload what a real model would (skip LN stats, lse)
@@ -229,6 +233,8 @@ def make_forward(method: Method, wl: Workload, device: BenchDevice, min_size: Op
     )
     if method.name == "v2" and min_size is not None:
         kwargs["min_tensor_size_to_offload"] = min_size  # V1 rejects this V2-only argument
+    if method.tag == VERIFY_TAG:
+        kwargs["verify"] = True
     if method.name == PLANNED:
         chosen = PLANS[method.label]
         kwargs["num_layers"] = chosen.num_layers
@@ -368,7 +374,7 @@ def derive(res: Result, base: Result, per_layer: dict[str, int], n_layers: int) 
     if res.offloaded_bytes:
         res.d2h_gbps = res.offloaded_bytes / 1e9 / (res.fwd_ms / 1e3)
         res.h2d_gbps = res.offloaded_bytes / 1e9 / (res.bwd_ms / 1e3)
-    target = TARGETS.get(res.k) if res.method in LIBRARY else None
+    target = TARGETS.get(res.k) if res.method in LIBRARY and not res.tag else None
     if res.method == PLANNED:  # judged by the target whose memory bound it was planned for
         budget = float(res.tag.split("@")[1].split()[0])
         target = next((t for t in TARGETS.values() if abs(t[1] - budget) < 1e-9), None)
@@ -533,7 +539,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cuda", "sim"), default="auto",
                    help="cuda: real GPU; sim: CPU + SimulatedDevice smoke test (default: auto)")
-    p.add_argument("--methods", default="none,checkpoint,save_on_cpu,v2,v1,plan",
+    p.add_argument("--methods", default="none,checkpoint,save_on_cpu,v2,v1,verify,plan",
                    help="comma list of none,checkpoint,save_on_cpu,v2,v1,plan (none always runs)")
     p.add_argument("--ks", default="1,2,4,6", help="offloaded layers k for v2/v1")
     p.add_argument("--plan-budgets", default="0.88,0.64",
@@ -573,10 +579,11 @@ def workload_config(args: argparse.Namespace, device: BenchDevice) -> GPTConfig:
 
 def plan_methods(args: argparse.Namespace, n_layers: int, notes: list[str]) -> list[Method]:
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(names) - set(BASELINES) - set(LIBRARY) - {PLANNED}
+    unknown = set(names) - set(BASELINES) - set(LIBRARY) - {PLANNED, VERIFY}
     if unknown:
         raise SystemExit(
-            f"unknown --methods {sorted(unknown)}; choose from {BASELINES + LIBRARY + (PLANNED,)}"
+            f"unknown --methods {sorted(unknown)}; choose from "
+            f"{BASELINES + LIBRARY + (VERIFY, PLANNED)}"
         )
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     too_big = [k for k in ks if not 1 <= k < n_layers]
@@ -586,6 +593,8 @@ def plan_methods(args: argparse.Namespace, n_layers: int, notes: list[str]) -> l
     plan = [Method("none")]
     plan += [Method(n) for n in BASELINES[1:] if n in names]
     plan += [Method(n, k) for n in LIBRARY if n in names for k in ks]
+    if VERIFY in names and ks:
+        plan.append(Method("v2", 2 if 2 in ks else min(ks), tag=VERIFY_TAG))
     if not args.no_recheck:
         plan.append(Method("none", tag="@end"))
     return plan

@@ -32,6 +32,7 @@ class PinnedPool:
         self._retained_in_use: set = set()
         self.allocations = 0
         self.in_use_bytes = 0  # handed out and not given back
+        self.peak_in_use_bytes = 0  # the most in use at once since the last trim (step start)
 
     def acquire(self, nbytes: int, key: Optional[Hashable] = None) -> torch.Tensor:
         """A host buffer of exactly ``nbytes`` (a prefix of a retained buffer when ``key``)."""
@@ -58,13 +59,17 @@ class PinnedPool:
             if buf is None:
                 buf = self._retained[key] = self._allocate(nbytes)
             self._retained_in_use.add(key)
-            self.in_use_bytes += nbytes
+            self._count_in_use(nbytes)
             return buf[:nbytes]
         self._used[nbytes] += 1
         free = self._free.get(nbytes)
         buf = free.pop() if free else self._allocate(nbytes)
-        self.in_use_bytes += nbytes
+        self._count_in_use(nbytes)
         return buf
+
+    def _count_in_use(self, nbytes: int) -> None:
+        self.in_use_bytes += nbytes
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
 
     def release(self, buf: torch.Tensor, key: Optional[Hashable] = None) -> None:
         """Give a buffer back (retained buffers stay bound to their key, free for the next step)."""
@@ -83,6 +88,7 @@ class PinnedPool:
             if not free:
                 del self._free[nbytes]
         self._used.clear()
+        self.peak_in_use_bytes = self.in_use_bytes
 
     def cached_bytes(self) -> int:
         """Bytes sitting in free lists (not counting retained or in-use buffers)."""

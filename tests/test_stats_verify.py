@@ -86,9 +86,12 @@ def test_step_statistics_count_every_byte(sim):
     assert d["copied_out_bytes"] == sum(c[2] for c in sim.copies("d2h"))
     assert d["reloaded_bytes"] == sum(c[2] for c in sim.copies("h2d"))
     assert d["pinned_host_bytes_in_use"] == 0  # the graph is gone: every buffer is back
+    # Every host copy is held from its forward to its backward: all of them at once at the peak.
+    assert d["pinned_host_bytes_peak"] == d["copied_out_bytes"]
     assert d["waits_pending"] == 0 and d["compute_wait_ms"] == 0.0
     text = ctx.stats().summary()
     assert "offloaded 6 saved tensors in 3 layers" in text and "layer 2:" in text
+    assert f"pinned host memory: peak {6 * NBYTES / 1024:.1f} KiB, in use now 0.0 KiB" in text
 
 
 def test_one_log_line_per_step(sim, caplog):

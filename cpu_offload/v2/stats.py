@@ -104,6 +104,7 @@ class StepStats:
             "held_elsewhere_bytes": self.total("held_elsewhere_bytes"),
             "skipped_bytes": self.skipped(),
             "pinned_host_bytes_in_use": self._pool.in_use_bytes,
+            "pinned_host_bytes_peak": self._pool.peak_in_use_bytes,
             "pinned_host_bytes_cached": self._pool.cached_bytes() + self._pool.retained_bytes(),
             "compute_wait_ms": wait,
             "waits_pending": pending,
@@ -125,8 +126,8 @@ class StepStats:
             f"freed {_mib(d['freed_bytes'])} of GPU memory"
             + (f" ({_mib(d['held_elsewhere_bytes'])} copied but held elsewhere)"
                if d["held_elsewhere_bytes"] else ""),
-            f"pinned host memory in use {_mib(d['pinned_host_bytes_in_use'])}; compute waited "
-            f"for copies {wait}",
+            f"pinned host memory: peak {_mib(d['pinned_host_bytes_peak'])}, in use now "
+            f"{_mib(d['pinned_host_bytes_in_use'])}; compute waited for copies {wait}",
         ]
         if d["skipped_bytes"]:
             why = ", ".join(f"{r}: {_mib(n)}" for r, n in sorted(d["skipped_bytes"].items()))
@@ -173,9 +174,9 @@ class StepStats:
         if logger.isEnabledFor(logging.INFO):
             d = self.to_dict()
             logger.info(
-                "offload step: %d tensors, %s out, %s back, %s freed, %s pinned in use, "
+                "offload step: %d tensors, %s out, %s back, %s freed, %s pinned at peak, "
                 "compute waited %s ms",
                 d["offloaded_tensors"], _mib(d["copied_out_bytes"]), _mib(d["reloaded_bytes"]),
-                _mib(d["freed_bytes"]), _mib(d["pinned_host_bytes_in_use"]),
+                _mib(d["freed_bytes"]), _mib(d["pinned_host_bytes_peak"]),
                 "?" if d["compute_wait_ms"] is None else f"{d['compute_wait_ms']:.2f}",
             )
