@@ -166,23 +166,10 @@ def measure(
     """Time ``args.iters`` steps after ``args.warmup``; then one deterministic step compared with
     ``reference`` (``None``: return its snapshot, the reference itself)."""
     try:
-        for _ in range(args.warmup):
-            wl.step()
-        times, peaks = [], []
-        with gc_paused():
-            for _ in range(args.iters):
-                device.synchronize()
-                before = device.memory_allocated()
-                device.reset_peak()
-                start = device.mark()
-                wl.step()
-                end = device.mark()
-                device.synchronize()
-                times.append(device.elapsed_ms(start, end))
-                if device.is_cuda:
-                    peaks.append(device.max_memory_allocated() - before)
-        row.round_ms.append(median(times))
-        row.step_ms = median(times)
+        peaks: list = []
+        step_ms = time_steps(wl, device, args, peaks)
+        row.round_ms.append(step_ms)
+        row.step_ms = step_ms
         row.peak_bytes = max(peaks) if peaks else None
         if args.no_exact:
             return None
@@ -203,19 +190,26 @@ def offload_kwargs(device: BenchDevice, args: argparse.Namespace) -> dict:
     return kw
 
 
-def time_steps(wl: Workload, device: BenchDevice, args: argparse.Namespace) -> float:
-    """Median time of ``args.iters`` steps after ``args.warmup`` untimed ones."""
+def time_steps(
+    wl: Workload, device: BenchDevice, args: argparse.Namespace, peaks: Optional[list] = None
+) -> float:
+    """Median time of ``args.iters`` steps after ``args.warmup`` untimed ones; with ``peaks``,
+    append each step's peak memory above what it starts with (CUDA only)."""
     for _ in range(args.warmup):
         wl.step()
     times = []
     with gc_paused():
         for _ in range(args.iters):
             device.synchronize()
+            before = device.memory_allocated()
+            device.reset_peak()
             start = device.mark()
             wl.step()
             end = device.mark()
             device.synchronize()
             times.append(device.elapsed_ms(start, end))
+            if peaks is not None and device.is_cuda:
+                peaks.append(device.max_memory_allocated() - before)
     return median(times)
 
 
