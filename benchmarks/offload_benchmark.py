@@ -248,6 +248,8 @@ def make_forward(method: Method, wl: Workload, device: BenchDevice, min_size: Op
         if chosen.num_layers == 0:
             return lambda x: model(x, layer_fn=layer_fn)
         ctx, sync = cpu_offload.get_cpu_offload_context(**kwargs)
+        if chosen.partial_bytes is not None:  # the last offloaded layer moves only part
+            ctx.synchronizer.limit_layer_bytes(chosen.num_layers - 1, chosen.partial_bytes)
         return lambda x: model(x, ctx, sync, layer_fn)
     ctx, sync = cpu_offload.get_cpu_offload_context(**kwargs)
     model.set_tag_activations(method.name == "v1")
@@ -364,7 +366,9 @@ def derive(res: Result, base: Result, per_layer: dict[str, int], n_layers: int) 
     if res.method in LIBRARY:
         res.offloaded_bytes = per_layer[res.method] * res.k
     elif res.method == PLANNED:
-        res.offloaded_bytes = per_layer["v2"] * res.k
+        chosen = PLANS.get(res.label)
+        part = chosen.partial_bytes if chosen is not None else None
+        res.offloaded_bytes = per_layer["v2"] * (res.k - (part is not None)) + (part or 0)
     elif res.method == "save_on_cpu":
         res.offloaded_bytes = per_layer["save_on_cpu"] * n_layers
     if base.step_ms:
@@ -614,7 +618,10 @@ def planned_methods(
     for budget in (float(b) for b in args.plan_budgets.split(",") if b.strip()):
         base_peak = make_plan(profiles, d2h, h2d, None, measured).baseline_peak_bytes
         chosen = make_plan(profiles, d2h, h2d, int(budget * base_peak), measured)
-        method = Method(PLANNED, chosen.num_layers, f"@{budget} rec={list(chosen.recompute)}")
+        part = f" part={chosen.partial_fraction:g}" if chosen.partial_bytes is not None else ""
+        method = Method(
+            PLANNED, chosen.num_layers, f"@{budget}{part} rec={list(chosen.recompute)}"
+        )
         PLANS[method.label] = chosen
         notes.append(f"plan @{budget}: {chosen.describe()}")
         methods.append(method)

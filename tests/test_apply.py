@@ -22,6 +22,7 @@ from cpu_offload import (
 )
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.tools.apply import hidden_state
+from cpu_offload.tools.planner import Plan
 from cpu_offload.v2.selection import SelectionPolicy
 
 Pair = collections.namedtuple("Pair", "hidden aux")
@@ -262,6 +263,26 @@ def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
     handle.remove()
     fast = plan_offloading(lambda: step(layers, x0), layers, 0.4, **{**kw, "link_gbps": 1e4})
     assert fast.recompute == () and fast.num_layers >= 3  # a fast link: offloading only
+
+
+def test_partial_plan_offloads_the_last_layer_up_to_its_byte_limit(x0, sim, monkeypatch):
+    layers = make_layers(n=4)
+    ref = step(layers, x0)
+    limit = x0.nbytes + x0.nbytes // 2  # room for one of the layer's storages, not two
+    plan = Plan(2, (), partial_fraction=0.5, partial_bytes=limit)
+    handle = apply_offloading(layers, plan=plan, device=sim, min_tensor_size_to_offload=64)
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    per_layer = handle.stats().to_dict()["layers"]
+    assert per_layer[1]["copied_out_bytes"] == x0.nbytes  # storages in save order, to the limit
+    assert per_layer[1]["skipped_bytes"]["over the layer's byte limit (a partial plan)"] > 0
+    assert per_layer[0]["copied_out_bytes"] > limit  # only the last offloaded layer is limited
+    assert "only its first 50% of saved bytes" in plan.describe()
+    handle.remove()
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    with pytest.raises(OffloadConfigError, match="only the V2 backend can do; unset NVTE_CPU"):
+        apply_offloading(layers, plan=plan, device=sim)
+    assert all(type(m) is KwargLayer for m in layers)  # the refused apply left nothing behind
 
 
 def test_plan_budget_and_mismatch_errors(x0, sim):

@@ -89,3 +89,31 @@ def test_measured_baseline_peak_calibrates_every_plan():
     calibrated = plan(REFERENCE, 55, 55, None, measured_baseline_peak=base_peak + 400 * MIB)
     assert calibrated.baseline_peak_bytes == base_peak + 400 * MIB
     assert calibrated.peak_bytes == simulate(REFERENCE, calibrated.num_layers)[1] + 400 * MIB
+
+
+# A link-bound stack (as HF Llama on an H100): the link moves about 3.6 layers' bytes during the
+# 16-layer forward, so 3 whole layers leave it idle and 4 make the forward wait.
+LINK_BOUND = [LayerProfile(370 * MIB, 16 * MIB, 1.6, 3.4)] * 16
+
+
+def test_a_partial_last_layer_moves_and_frees_its_share_only():
+    base, base_peak = simulate(LINK_BOUND, 0)
+    _, whole3 = simulate(LINK_BOUND, 3, (), 55, 55)
+    _, whole4 = simulate(LINK_BOUND, 4, (), 55, 55)
+    ms, half4 = simulate(LINK_BOUND, 4, (), 55, 55, partial_fraction=0.5)
+    assert half4 == whole3 - 185 * MIB and whole4 == whole3 - 370 * MIB
+    assert simulate(LINK_BOUND, 4, (), 55, 55)[0] > ms > base  # half a layer less to wait for
+    with pytest.raises(OffloadConfigError, match="partial_fraction"):
+        simulate(LINK_BOUND, 4, (), 55, 55, partial_fraction=0.0)
+
+
+def test_partial_plans_use_the_link_up_to_its_capacity():
+    base_peak = simulate(LINK_BOUND, 0)[1]
+    budget = int(0.8 * base_peak)
+    whole = plan(LINK_BOUND, 55, 55, budget, partial=False)
+    part = plan(LINK_BOUND, 55, 55, budget)
+    assert whole.partial_bytes is None and whole.recompute  # whole layers: recompute one
+    assert part.peak_bytes <= budget and part.step_ms < whole.step_ms
+    assert part.time_ratio == pytest.approx(1.0)  # every copy hidden, nothing recomputed
+    assert part.partial_bytes == int(370 * MIB * part.partial_fraction) < 370 * MIB
+    assert f"of layer {part.num_layers - 1} only its first" in part.describe()

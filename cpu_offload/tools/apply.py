@@ -486,11 +486,25 @@ def apply_offloading(
             handle.context, handle.sync = get_cpu_offload_context(
                 enabled=True, num_layers=num_layers or 0, model_layers=n, **context_kwargs
             )
+        if plan is not None and getattr(plan, "partial_bytes", None) is not None:
+            _limit_last_layer(handle, plan)
         driver: Any = _OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)
     handle._undo = instrument(layers, driver, recompute)
     return handle
+
+
+def _limit_last_layer(handle: OffloadingHandle, plan: Any) -> None:
+    """A plan that offloads its last offloaded layer in part: set that layer's byte limit."""
+    sync = handle.synchronizer
+    if not hasattr(sync, "limit_layer_bytes"):
+        raise OffloadConfigError(
+            f"the plan offloads layer {plan.num_layers - 1} in part, which only the V2 backend "
+            "can do; unset NVTE_CPU_OFFLOAD_V1, or plan with "
+            "cpu_offload.tools.planner.plan(..., partial=False)"
+        )
+    sync.limit_layer_bytes(plan.num_layers - 1, plan.partial_bytes)
 
 
 class _PassDriver:

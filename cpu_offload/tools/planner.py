@@ -8,6 +8,11 @@ time and peak activation memory of "offload the first ``k`` layers with the defa
 recompute layers ``R``"; ``plan`` searches all ``(k, R)`` for the fastest plan within a memory
 budget. ``profile_layers`` measures the inputs on the real device.
 
+Whole layers are coarse: when the link can move 3.4 layers' bytes during the forward, offloading
+3 wastes link time and offloading 4 stalls. So the last offloaded layer may be offloaded only in
+part (the first quarter, half or three quarters of the bytes it saves, in the order it saves
+them; the rest stays on the device), which lets a plan use the link up to its capacity.
+
 The model is deliberately simple (one copy queue per direction, a layer's reload must finish
 before its backward starts, recompute runs inside the backward): it is a planning tool,
 validated against the benchmark, not a promise.
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -24,6 +29,9 @@ from torch import nn
 
 from ..errors import OffloadConfigError
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
+
+
+PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # shares of the last offloaded layer's bytes a plan may move
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,9 @@ class Plan:
     d2h_gbps: Optional[float] = None
     h2d_gbps: Optional[float] = None
     profiles: tuple = field(default=(), compare=False, repr=False)  # LayerProfile per layer
+    # The last offloaded layer (``num_layers - 1``) may offload only part of what it saves:
+    partial_fraction: float = 1.0  # the share of its bytes the plan assumed
+    partial_bytes: Optional[int] = None  # its byte limit, applied by ``apply_offloading``
 
     @property
     def time_ratio(self) -> float:
@@ -65,9 +76,15 @@ class Plan:
 
     def describe(self) -> str:
         rec = ", ".join(map(str, self.recompute)) or "none"
+        part = ""
+        if self.partial_bytes is not None:
+            part = (
+                f", of layer {self.num_layers - 1} only its first "
+                f"{self.partial_fraction:.0%} of saved bytes ({self.partial_bytes / 2**20:.0f} MiB)"
+            )
         return (
             f"offload the first {self.num_layers} layers (get_cpu_offload_context(num_layers="
-            f"{self.num_layers})), recompute layers: {rec}; predicted step {self.step_ms:.1f} ms "
+            f"{self.num_layers})){part}, recompute layers: {rec}; predicted step {self.step_ms:.1f} ms "
             f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
             f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
         )
@@ -79,8 +96,10 @@ def simulate(
     recompute: Sequence[int] = (),
     d2h_gbps: float = 50.0,
     h2d_gbps: float = 50.0,
+    partial_fraction: float = 1.0,
 ) -> tuple[float, int]:
-    """Predicted ``(step_ms, peak_activation_bytes)`` of one forward+backward."""
+    """Predicted ``(step_ms, peak_activation_bytes)`` of one forward+backward, where layer
+    ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest."""
     n, k = len(profiles), num_layers
     rec = set(recompute)
     if not 0 <= k < n or any(not k <= r < n for r in rec):
@@ -88,8 +107,13 @@ def simulate(
             f"num_layers must be in [0, {n}) and recomputed layers among the non-offloaded "
             f"layers [{k}, {n}), got num_layers={k}, recompute={sorted(rec)}"
         )
-    d2h = [p.activation_bytes / (d2h_gbps * 1e6) for p in profiles]  # ms
-    h2d = [p.activation_bytes / (h2d_gbps * 1e6) for p in profiles]
+    if not 0.0 < partial_fraction <= 1.0:
+        raise OffloadConfigError(f"partial_fraction must be in (0, 1], got {partial_fraction}")
+    moved = [p.activation_bytes for p in profiles]  # bytes each layer sends over the link
+    if k:
+        moved[k - 1] = int(moved[k - 1] * partial_fraction)
+    d2h = [b / (d2h_gbps * 1e6) for b in moved]  # ms
+    h2d = [b / (h2d_gbps * 1e6) for b in moved]
     # Forward: copies queue in layer order; layer m waits for layer m-(n-k)'s copy (its release).
     fwd_start, fwd_end, copy_end = [0.0] * n, [0.0] * n, [0.0] * n
     t = queue = 0.0
@@ -113,10 +137,10 @@ def simulate(
         if 0 <= i < k:
             queue = max(queue, t) + h2d[i]
             reload_end[i] = queue
-    return bwd_end[0], _peak_bytes(profiles, k, rec)
+    return bwd_end[0], _peak_bytes(profiles, k, rec, moved)
 
 
-def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set) -> int:
+def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set, moved: list) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
     from ..v2.schedule import Schedule, position
 
@@ -132,6 +156,7 @@ def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set) -> int:
             if j in sync:
                 off_fwd, off_num, rel_fwd, rel_num = sync[j]
                 if position(off_fwd, off_num, n) <= pos < position(rel_fwd, rel_num, n):
+                    total += p.activation_bytes - moved[j]  # what a partial layer keeps
                     continue
             full = pos == bwd_start or pos == start or j not in rec
             total += p.activation_bytes if full else p.input_bytes
@@ -146,10 +171,13 @@ def plan(
     memory_budget_bytes: Optional[int] = None,
     measured_baseline_peak: Optional[int] = None,
     measured_baseline_ms: Optional[float] = None,
+    partial: bool = True,
 ) -> Plan:
     """Fastest ``(num_layers, recompute)`` whose predicted peak fits the budget.
 
-    Recomputation is tried on the earliest non-offloaded layers (resident the longest). Without
+    Recomputation is tried on the earliest non-offloaded layers (resident the longest). With
+    ``partial``, the last offloaded layer may also be offloaded in part (``PARTIAL_FRACTIONS``
+    of its bytes; ``Plan.partial_bytes`` is the resulting byte limit). Without
     a budget, the fastest plan that offloads as much as possible at no predicted time cost.
     ``measured_baseline_peak`` (peak of one real step without offloading) calibrates the memory
     model: what it misses (gradients between layers, loss temporaries) is added to every plan.
@@ -165,10 +193,16 @@ def plan(
     base_ms += extra_ms
     candidates = []
     for k in range(n):
-        for r in range(n - k + 1):
-            rec = tuple(range(k, k + r))
-            ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps)
-            candidates.append(Plan(k, rec, ms + extra_ms, peak + extra, base_ms, base_peak))
+        fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
+        for frac in fractions:
+            limit = int(profiles[k - 1].activation_bytes * frac) if frac < 1.0 else None
+            for r in range(n - k + 1):
+                rec = tuple(range(k, k + r))
+                ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac)
+                candidates.append(Plan(
+                    k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
+                    partial_fraction=frac, partial_bytes=limit,
+                ))
     if memory_budget_bytes is None:
         fastest = min(c.step_ms for c in candidates)
         fits = [c for c in candidates if c.step_ms <= fastest * 1.001]
@@ -182,7 +216,7 @@ def plan(
             )
     best = min(fits, key=lambda c: (round(c.step_ms, 3), c.peak_bytes, len(c.recompute)))
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
-    return Plan(best.num_layers, best.recompute, best.step_ms, best.peak_bytes, base_ms, base_peak, others)
+    return replace(best, alternatives=others)
 
 
 def profile_layers(

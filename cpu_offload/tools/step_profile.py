@@ -331,6 +331,7 @@ def plan_offloading(
     link_gbps: Union[None, float, tuple] = None,
     warmup: int = 1,
     repeats: int = 3,
+    partial: bool = True,
 ) -> Plan:
     """Choose what to offload and what to recompute from one real training step.
 
@@ -356,6 +357,9 @@ def plan_offloading(
         link_gbps: host link speed in GB/s, one number or ``(d2h, h2d)``; default: measured with
             pinned copies on CUDA, 50 GB/s on the simulated device.
         warmup, repeats: untimed steps first, then timed steps (medians).
+        partial: let the last offloaded layer offload only part of what it saves (its first
+            quarter, half or three quarters of bytes), to use the link up to its capacity.
+            Only the V2 backend applies such a plan; pass ``False`` for V1.
 
     Returns:
         A ``Plan``: ``num_layers``, ``recompute``, predicted ``step_ms``/``peak_bytes`` and
@@ -400,11 +404,14 @@ def plan_offloading(
         step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
         link_gbps=link_gbps, warmup=warmup, repeats=repeats,
     )
-    return plan_from_profile(prof, memory_budget)
+    return plan_from_profile(prof, memory_budget, partial)
 
 
-def plan_from_profile(prof: StepProfile, memory_budget: Union[int, float]) -> Plan:
-    """The planner's search on a measured step (``memory_budget`` as in ``plan_offloading``)."""
+def plan_from_profile(
+    prof: StepProfile, memory_budget: Union[int, float], partial: bool = True
+) -> Plan:
+    """The planner's search on a measured step (``memory_budget``, ``partial`` as in
+    ``plan_offloading``)."""
     profiles = prof.layers
     if len(profiles) < 2:
         raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
@@ -414,7 +421,7 @@ def plan_from_profile(prof: StepProfile, memory_budget: Union[int, float]) -> Pl
     else:
         budget = int(memory_budget)
     chosen = search_plan(
-        profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms
+        profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms, partial
     )
     return replace(
         chosen,

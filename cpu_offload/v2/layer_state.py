@@ -41,6 +41,7 @@ class Runtime:
 
     __slots__ = (
         "device", "stream", "pool", "retain", "verify", "max_host_bytes", "threshold", "warned",
+        "byte_limits",
     )
 
     def __init__(
@@ -61,6 +62,9 @@ class Runtime:
         self.max_host_bytes = max_host_bytes  # pinned bytes in use beyond which tensors stay
         self.threshold = threshold  # min_tensor_size_to_offload, for messages
         self.warned: set = set()
+        # layer -> the most bytes it offloads per step, in save order (a plan that offloads a
+        # layer in part, to use the link up to its capacity); the rest stays on the device
+        self.byte_limits: dict[int, int] = {}
 
     def warn_once(self, message: str, key: Optional[str] = None) -> None:
         """A ``UserWarning`` pointing at the user's line, given once per context and key."""
@@ -310,7 +314,7 @@ class LayerState:
 
     __slots__ = (
         "index", "rt", "stats", "entries", "shared", "eager", "offload_event", "released",
-        "reload_started",
+        "reload_started", "limit",
     )
 
     def __init__(
@@ -325,6 +329,7 @@ class LayerState:
         self.offload_event: Optional[Event] = None
         self.released = False
         self.reload_started = False
+        self.limit = rt.byte_limits.get(index)  # bytes this layer may still offload, if limited
 
     # -- forward ---------------------------------------------------------------------------------
     def push(self, t: torch.Tensor) -> Any:
@@ -345,6 +350,12 @@ class LayerState:
             budget = self.rt.max_host_bytes
             if budget is not None and self.rt.pool.in_use_bytes + nbytes > budget:
                 return self._over_host_budget(t, nbytes, budget)
+            if self.limit is not None:
+                if nbytes > self.limit:
+                    reason = "over the layer's byte limit (a partial plan)"
+                    self.stats.layer(self.index).skipped_bytes[reason] += nbytes
+                    return KeptRef(t)
+                self.limit -= nbytes
             pool_key = (self.index, len(self.entries)) if self.rt.retain else None
             entry = Entry(self.rt, self.stats, self.index, pool_key, t, storage)
             self.shared[key] = entry

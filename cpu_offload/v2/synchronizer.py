@@ -303,6 +303,18 @@ class OffloadSynchronizer:
         self.inside = False
         self.awaiting_sync = self.refused = False
 
+    def limit_layer_bytes(self, layer: int, nbytes: Optional[int]) -> None:
+        """Offload at most ``nbytes`` of what layer ``layer`` saves, per step, storages in the
+        order they are saved (a larger one that does not fit stays on the device, smaller ones
+        after it may still fit); ``None`` removes the limit. Plans use it to offload the last
+        offloaded layer in part."""
+        if nbytes is None:
+            self.rt.byte_limits.pop(layer, None)
+        elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise OffloadUsageError(f"a layer's byte limit must be an int >= 0, got {nbytes!r}")
+        else:
+            self.rt.byte_limits[layer] = nbytes
+
     # -- saved-tensor hooks ------------------------------------------------------------------------
     @property
     def hooks_needed(self) -> bool:
