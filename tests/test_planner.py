@@ -4,7 +4,7 @@ import torch
 
 from cpu_offload.errors import OffloadConfigError
 from cpu_offload.models import build_model, make_input, tiny_config
-from cpu_offload.tools.planner import LayerProfile, plan, profile_layers, simulate
+from cpu_offload.tools.planner import LayerProfile, memory_segments, plan, profile_layers, simulate
 
 MIB = 1 << 20
 # The reference workload (README "Performance") as measured on an H100: 512 MiB per layer,
@@ -117,3 +117,42 @@ def test_partial_plans_use_the_link_up_to_its_capacity():
     assert part.time_ratio == pytest.approx(1.0)  # every copy hidden, nothing recomputed
     assert part.partial_bytes == int(370 * MIB * part.partial_fraction) < 370 * MIB
     assert f"of layer {part.num_layers - 1} only its first" in part.describe()
+
+
+def timeline_of(profiles, loss_bytes):
+    """Segment peaks of a step whose layers hold their activations from forward to backward and
+    whose loss segment adds ``loss_bytes`` on top of all of them (logits and their gradient)."""
+    n = len(profiles)
+    act = [p.activation_bytes for p in profiles]
+    fwd = [sum(act[: j + 1]) for j in range(n)]
+    fwd[-1] += loss_bytes
+    bwd = [sum(act[: j + 1]) for j in range(n - 1, -1, -1)]
+    return [0] + fwd + bwd
+
+
+def test_the_memory_timeline_charges_a_plan_where_the_step_peaks():
+    assert memory_segments(2) == [
+        "before the layers", "forward 0", "forward 1 + loss", "backward 1", "backward 0",
+    ]
+    loss = 3 * 512 * MIB
+    timeline = timeline_of(REFERENCE, loss)
+    assert simulate(REFERENCE, 0, memory_timeline=timeline)[1] == 8 * 512 * MIB + loss
+    for k in range(1, 7):  # released before the loss, reloaded after it: all k layers count
+        _, peak = simulate(REFERENCE, k, (), 55, 55, memory_timeline=timeline)
+        assert peak == (8 - k) * 512 * MIB + loss
+    # Recomputing the last layer cannot help: its activations are rebuilt right after the loss.
+    _, last = simulate(REFERENCE, 0, (7,), memory_timeline=timeline)
+    assert last == 8 * 512 * MIB + loss - 0
+    _, first = simulate(REFERENCE, 0, (0,), memory_timeline=timeline)
+    assert first == 7 * 512 * MIB + 32 * MIB + loss
+    with pytest.raises(OffloadConfigError, match="memory_timeline has 3 segments; 8 layers need 17"):
+        simulate(REFERENCE, 0, memory_timeline=[1, 2, 3])
+
+
+def test_a_step_that_peaks_before_the_layers_cannot_be_planned_below_it():
+    timeline = timeline_of(REFERENCE, 0)
+    timeline[0] = 10 * 512 * MIB  # e.g. an embedding workspace larger than every activation
+    base = plan(REFERENCE, 55, 55, None, memory_timeline=timeline)
+    assert base.baseline_peak_bytes == 10 * 512 * MIB
+    with pytest.raises(OffloadConfigError, match="no plan fits"):
+        plan(REFERENCE, 55, 55, 9 * 512 * MIB, memory_timeline=timeline)

@@ -97,9 +97,16 @@ def simulate(
     d2h_gbps: float = 50.0,
     h2d_gbps: float = 50.0,
     partial_fraction: float = 1.0,
+    memory_timeline: Optional[Sequence[int]] = None,
 ) -> tuple[float, int]:
-    """Predicted ``(step_ms, peak_activation_bytes)`` of one forward+backward, where layer
-    ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest."""
+    """Predicted ``(step_ms, peak_bytes)`` of one forward+backward, where layer
+    ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest.
+
+    Without ``memory_timeline`` the peak counts layer activations only (plus the largest
+    transient). With it (the measured peak of each segment of a step without offloading, as
+    ``memory_segments`` describes), the peak is that step's, minus what the plan holds off the
+    device in each segment: so a plan is charged where the real step peaks (often the loss, after
+    the last layer), not where the layers alone would."""
     n, k = len(profiles), num_layers
     rec = set(recompute)
     if not 0 <= k < n or any(not k <= r < n for r in rec):
@@ -137,7 +144,43 @@ def simulate(
         if 0 <= i < k:
             queue = max(queue, t) + h2d[i]
             reload_end[i] = queue
+    if memory_timeline is not None:
+        return bwd_end[0], _peak_from_timeline(memory_timeline, profiles, k, rec, moved)
     return bwd_end[0], _peak_bytes(profiles, k, rec, moved)
+
+
+def memory_segments(model_layers: int) -> list[str]:
+    """Names of the segments of a step whose peaks form a memory timeline, in order: before the
+    first layer, each layer's forward (the last one with the loss after it), each layer's
+    backward. Segment ``s`` runs at schedule position ``s`` (``schedule.position``)."""
+    n = model_layers
+    fwd = [f"forward {j}" + (" + loss" if j == n - 1 else "") for j in range(n)]
+    return ["before the layers"] + fwd + [f"backward {j}" for j in range(n - 1, -1, -1)]
+
+
+def _peak_from_timeline(
+    timeline: Sequence[int], profiles: Sequence[LayerProfile], k: int, rec: set, moved: list
+) -> int:
+    """The measured step's peak, segment by segment, minus the bytes the plan keeps away."""
+    from ..v2.schedule import Schedule, position
+
+    n = len(profiles)
+    if len(timeline) != 2 * n + 1:
+        raise OffloadConfigError(
+            f"memory_timeline has {len(timeline)} segments; {n} layers need {2 * n + 1}"
+        )
+    sync = Schedule.default(k, n).sync
+    windows = [
+        (position(f, a, n), position(g, b, n), moved[j]) for j, (f, a, g, b) in sync.items()
+    ]
+    windows += [  # a checkpointed layer holds only its input between its forward and backward
+        (j + 2, position(False, n - j, n), max(0, profiles[j].activation_bytes - profiles[j].input_bytes))
+        for j in rec
+    ]
+    return max(
+        seg - sum(b for start, end, b in windows if start <= pos < end)
+        for pos, seg in enumerate(timeline)
+    )
 
 
 def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set, moved: list) -> int:
@@ -172,6 +215,7 @@ def plan(
     measured_baseline_peak: Optional[int] = None,
     measured_baseline_ms: Optional[float] = None,
     partial: bool = True,
+    memory_timeline: Optional[Sequence[int]] = None,
 ) -> Plan:
     """Fastest ``(num_layers, recompute)`` whose predicted peak fits the budget.
 
@@ -183,11 +227,14 @@ def plan(
     model: what it misses (gradients between layers, loss temporaries) is added to every plan.
     ``measured_baseline_ms`` (time of one real step without offloading) does the same for time:
     what runs outside the layers (embedding, loss, optimizer hooks) is added to every plan, so
-    ratios are to the whole step.
+    ratios are to the whole step. ``memory_timeline`` (see ``simulate``) replaces that memory
+    calibration with the measured step's own peaks, segment by segment.
     """
     n = len(profiles)
-    base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps)
+    base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps, 1.0, memory_timeline)
     extra = max(0, measured_baseline_peak - base_peak) if measured_baseline_peak else 0
+    if memory_timeline is not None:
+        extra = 0  # the timeline is the measured step itself
     extra_ms = max(0.0, measured_baseline_ms - base_ms) if measured_baseline_ms else 0.0
     base_peak += extra
     base_ms += extra_ms
@@ -198,7 +245,7 @@ def plan(
             limit = int(profiles[k - 1].activation_bytes * frac) if frac < 1.0 else None
             for r in range(n - k + 1):
                 rec = tuple(range(k, k + r))
-                ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac)
+                ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline)
                 candidates.append(Plan(
                     k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
                     partial_fraction=frac, partial_bytes=limit,

@@ -10,8 +10,10 @@ layer signature) with the layers instrumented by ``apply.instrument``:
 - forward time: from a layer's call to its return; backward time: from the backward pre-hook on
   the layer's hidden-state output to the next layer's (the end of backward for layer 0). CUDA
   events on the GPU, host clocks on the simulated device (where compute is the CPU's);
-- peak memory of the step above what it starts with, and each layer's transient workspace
-  (CUDA only);
+- peak memory of the step above what it starts with, each layer's transient workspace, and the
+  peak of every segment of the step (before the layers, each layer's forward, the last one with
+  the loss, each layer's backward): where the step peaks, which the planner's memory model
+  charges each plan with (CUDA only);
 - the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter.
 
 ``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
@@ -51,6 +53,9 @@ class StepProfile:
     h2d_gbps: float
     min_tensor_size_to_offload: int
     notes: list = field(default_factory=list)
+    # Peak of each segment of the step (``planner.memory_segments``) above what it starts with
+    # (CUDA), else None: where the real step peaks, for the planner's memory model.
+    memory_timeline: Optional[list] = None
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -115,6 +120,7 @@ class _StepRecorder:
         self.transient = [0] * n
         self.seen: set = set()
         self.peak_so_far = 0
+        self.segments: list[int] = []  # peak of each segment so far (memory=True)
         self.hooks: Any = None
         self.current = -1
 
@@ -127,8 +133,7 @@ class _StepRecorder:
         h = _first_tensor(args, kwargs)
         self.inputs[index] = 0 if h is None else h.untyped_storage().nbytes()
         if self.memory:
-            self.peak_so_far = max(self.peak_so_far, _max_allocated())
-            torch.cuda.reset_peak_memory_stats()
+            self._close_segment()
         self.current = index
         if self.policy is not None:
             self.hooks = saved_tensors_hooks(self._pack, _identity)
@@ -169,15 +174,33 @@ class _StepRecorder:
                     self.saved[self.current] += nbytes
         return t
 
+    def _close_segment(self) -> None:
+        """The memory segment that ends now: record its peak, start the next one."""
+        peak = _max_allocated()
+        self.segments.append(peak)
+        self.peak_so_far = max(self.peak_so_far, peak)
+        torch.cuda.reset_peak_memory_stats()
+
     def backward_started(self, index: int) -> None:
         if self.bwd_start[index] is None:
             self.bwd_start[index] = self.clock.mark()
+            if self.memory:
+                self._close_segment()
         if not self.bwd_queued:
             self.bwd_queued = True
             queue_backward_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self.bwd_end = self.clock.mark()
+        if self.memory:
+            self._close_segment()
+
+    def memory_timeline(self, before: int) -> Optional[list]:
+        """Segment peaks above ``before`` in ``planner.memory_segments`` order, or None when
+        a layer's backward went unseen (its output was not on the loss's path)."""
+        if not self.memory or len(self.segments) != 2 * self.n + 1:
+            return None
+        return [max(0, peak - before) for peak in self.segments]
 
     def times(self) -> tuple:
         """Per-layer ``(fwd_ms, bwd_ms)`` lists (call after the clock synchronized)."""
@@ -316,8 +339,13 @@ def profile_step(
             f"no saved tensor has >= {min_tensor_size_to_offload} elements: lower "
             "min_tensor_size_to_offload, or nothing can be offloaded"
         )
+    timeline = counted.memory_timeline(before)
+    if cuda and timeline is None:
+        notes.append("memory timeline: not every layer's backward was seen; the planner "
+                     "calibrates its memory model with the step's peak instead")
     return StepProfile(
-        profiles, statistics.median(step_runs), peak, d2h, h2d, min_tensor_size_to_offload, notes
+        profiles, statistics.median(step_runs), peak, d2h, h2d, min_tensor_size_to_offload, notes,
+        timeline,
     )
 
 
@@ -415,13 +443,18 @@ def plan_from_profile(
     profiles = prof.layers
     if len(profiles) < 2:
         raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
-    base = search_plan(profiles, prof.d2h_gbps, prof.h2d_gbps, None, prof.peak_bytes, prof.step_ms)
+    timeline = prof.memory_timeline
+    base = search_plan(
+        profiles, prof.d2h_gbps, prof.h2d_gbps, None, prof.peak_bytes, prof.step_ms, partial,
+        timeline,
+    )
     if isinstance(memory_budget, float):
         budget = int(memory_budget * base.baseline_peak_bytes)
     else:
         budget = int(memory_budget)
     chosen = search_plan(
-        profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms, partial
+        profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms, partial,
+        timeline,
     )
     return replace(
         chosen,
