@@ -22,7 +22,7 @@ from .config import (
     build_offload_context,
 )
 from .device import CudaDevice, OffloadDevice
-from .errors import OffloadConfigError, OffloadUsageError
+from .errors import OffloadConfigError, OffloadUsageError, OffloadVerifyError
 from .facade import (
     get_cpu_offload_context,
     is_cpu_offload_enabled,
@@ -51,6 +51,7 @@ __all__ = [
     "OffloadConfigError",
     "OffloadDevice",
     "OffloadUsageError",
+    "OffloadVerifyError",
     "OptimizerOffloadConfig",
     "SimulatedDevice",
     "get_activation_offloading",

@@ -47,7 +47,35 @@ class OffloadUsageError(RuntimeError):
 
 
 class OffloadVerifyError(RuntimeError):
-    """Verify mode: a reloaded storage differs from the bytes that were saved."""
+    """Verify mode found a reloaded storage that differs from the bytes that were saved.
+
+    With ``get_cpu_offload_context(..., verify=True)`` (or ``CPU_OFFLOAD_VERIFY=1``) every
+    offloaded storage gets a device checksum when its copy is queued, checked again after its
+    reload. A mismatch (a copy read before it finished, a host buffer overwritten) raises this
+    during backward, naming the layer, the size and the awaited event, instead of letting wrong
+    gradients through. A ``RuntimeError``.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> sim = cpu_offload.SimulatedDevice()
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
+        ...     device=sim, verify=True)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = layer(torch.tanh(x))
+        ...     x = sync(x)
+        >>> saved = next(e for e in ctx.synchronizer.step.layers[0].entries if e.cpu is not None)
+        >>> _ = saved.cpu.bitwise_not_()   # corrupt the host copy, as a stream race would
+        >>> try:
+        ...     x.sum().backward()
+        ... except cpu_offload.OffloadVerifyError as e:
+        ...     print(str(e)[:69])
+        verify: the storage of 128 bytes saved by layer 0 came back different
+    """
 
 
 def check_sync_argument(tensor: Any) -> None:

@@ -196,3 +196,59 @@ def test_cuda_graph_capture_replays_bit_exact():
         assert torch.equal(static_out, ref_out.detach())
         for got, want in zip(static_grads, ref_grads):
             assert torch.equal(got, want)
+
+
+# --- statistics and verify mode on the real device ---------------------------------------------
+
+
+def test_stats_count_every_byte_and_reading_them_never_blocks_the_next_step(model, x0):
+    from cpu_offload import CudaDevice
+
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=CFG.layers, device=CudaDevice(time_waits=True)
+    )
+    step(model, x0, ctx, sync)  # warm-up: pinned buffers allocated once
+    torch.cuda.synchronize()
+    step(model, x0, ctx, sync)
+    torch.cuda.synchronize()
+    d = ctx.stats().to_dict()
+    assert sorted(d["layers"]) == [0, 1]
+    for i, layer in d["layers"].items():
+        held = x0.nbytes if i == 0 else 0  # the caller's input, copied but not freed
+        assert layer["held_elsewhere_bytes"] == held and layer["copied_out_bytes"] > 0
+        assert layer["freed_bytes"] == layer["reloaded_bytes"] == layer["copied_out_bytes"] - held
+    assert d["pinned_host_bytes_peak"] == d["copied_out_bytes"]
+    assert d["pinned_host_bytes_in_use"] == 0 and d["waits_pending"] == 0
+    assert d["compute_wait_ms"] is not None and d["compute_wait_ms"] >= 0.0
+    # Read the statistics while the next step's work is still queued: nothing may sync the host.
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = x0.clone().requires_grad_()
+        out = model(x, ctx, sync)
+        ctx.stats().summary()
+        ctx.stats().to_dict()
+        out.float().square().mean().backward()
+        ctx.stats().summary()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_verify_mode_is_exact_and_catches_a_corrupted_host_copy(model, x0):
+    from cpu_offload import OffloadVerifyError
+
+    ref = step(model, x0)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=CFG.layers, verify=True
+    )
+    for _ in range(2):
+        assert_bit_identical(step(model, x0, ctx, sync), ref)
+    for p in model.parameters():
+        p.grad = None
+    out = model(x0.clone().requires_grad_(), ctx, sync)
+    torch.cuda.synchronize()  # every copy to the host has landed
+    entry = next(e for e in ctx.synchronizer.step.layers[1].entries if e.cpu is not None)
+    entry.cpu.bitwise_not_()  # what a racing writer or a reused host buffer would do
+    with pytest.raises(OffloadVerifyError, match="saved by layer 1 came back different"):
+        out.float().square().mean().backward()
