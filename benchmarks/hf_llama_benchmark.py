@@ -334,7 +334,13 @@ def main(argv: Optional[list] = None) -> list:
     def applied(**kw: Any) -> Callable[[], tuple]:
         def setup() -> tuple:
             handle = cpu_offload.apply_offloading(wl.layers, **kw, **offload_kwargs(device, args))
-            note = f"offload {handle.num_layers}, recompute {list(handle.recompute)}"
+            plan = kw.get("plan")
+            part = ""
+            if plan is not None and plan.partial_bytes is not None:
+                part = f" (layer {plan.num_layers - 1}: {plan.partial_fraction:.0%})"
+            note = f"offload {handle.num_layers}{part}, recompute {list(handle.recompute)}"
+            if plan is not None:
+                note += f"; predicted {plan.time_ratio:.3f}x / {plan.peak_ratio:.3f}"
             return note, handle.remove
         return setup
 
