@@ -174,6 +174,37 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def plottable(points: Sequence[Any]) -> tuple[Any, list]:
+    """``(pyplot, points)`` for a time-vs-peak plot: matplotlib on the Agg backend and the
+    points that have both ratios; ``(None, [])``, with a note why, when there is nothing to plot
+    (matplotlib is optional; the simulated device measures no peak)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: plot skipped (pip install matplotlib)")
+        return None, []
+    have = [p for p in points if p.time_ratio is not None and p.peak_ratio is not None]
+    if not have:
+        print("no peak-memory data (simulated device?): plot skipped")
+        return None, []
+    return plt, have
+
+
+def save_plot(plt: Any, fig: Any, ax: Any, title: str, path: Path) -> None:
+    """Grid, legend and title on ``ax``, then ``fig`` written to ``path`` and closed."""
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def median(values: Sequence[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 

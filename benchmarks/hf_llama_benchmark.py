@@ -233,12 +233,13 @@ def interleaved_rounds(
 
 
 def run_row(
-    name: str, setup: Callable[[], tuple], wl: Workload, device: BenchDevice,
+    row: Row, setup: Callable[[], tuple], wl: Workload, device: BenchDevice,
     args: argparse.Namespace, reference: Optional[list], rows: list, setups: dict,
 ) -> Optional[list]:
-    """``setup()`` returns ``(note, teardown)``; ``note is None`` skips the row. The row's
-    setup is kept in ``setups`` for the interleaved timing rounds."""
-    row = Row(name)
+    """Measure ``row`` (filled in, then appended to ``rows``; ``frontier.py`` passes a subclass
+    with more fields). ``setup()`` returns ``(note, teardown)``; ``note is None`` skips the row.
+    The row's setup is kept in ``setups`` for the interleaved timing rounds."""
+    name = row.method
     snapshot = None
     try:
         note, teardown = setup()
@@ -311,7 +312,7 @@ def main(argv: Optional[list] = None) -> list:
     setups: dict[str, Callable[[], tuple]] = {}
     nothing = lambda: None  # noqa: E731
 
-    reference = run_row("none", lambda: ("", nothing), wl, device, args, None, rows, setups)
+    reference = run_row(Row("none"), lambda: ("", nothing), wl, device, args, None, rows, setups)
     if rows[0].error:
         raise SystemExit(f"the none row failed: {rows[0].error}")
 
@@ -328,8 +329,8 @@ def main(argv: Optional[list] = None) -> list:
             return call, lambda: hf_checkpointing_off(wl.model)
         return setup
 
-    run_row("hf_ckpt", hf(False), wl, device, args, reference, rows, setups)
-    run_row("hf_offload", hf(True), wl, device, args, reference, rows, setups)
+    run_row(Row("hf_ckpt"), hf(False), wl, device, args, reference, rows, setups)
+    run_row(Row("hf_offload"), hf(True), wl, device, args, reference, rows, setups)
 
     def applied(**kw: Any) -> Callable[[], tuple]:
         def setup() -> tuple:
@@ -346,7 +347,7 @@ def main(argv: Optional[list] = None) -> list:
 
     for k in (int(k) for k in args.ks.split(",") if k.strip()):
         if 1 <= k < n:
-            run_row(f"apply k={k}", applied(num_layers=k), wl, device, args, reference, rows, setups)
+            run_row(Row(f"apply k={k}"), applied(num_layers=k), wl, device, args, reference, rows, setups)
         else:
             notes.append(f"apply k={k} skipped: needs 1 <= k < {n}")
 
@@ -368,7 +369,7 @@ def main(argv: Optional[list] = None) -> list:
                 notes.append(f"{name}: {exc}")
                 continue
             notes.append(f"{name}: {plan.describe()}")
-            run_row(name, applied(plan=plan), wl, device, args, reference, rows, setups)
+            run_row(Row(name), applied(plan=plan), wl, device, args, reference, rows, setups)
 
     interleaved_rounds(setups, rows, wl, device, args)
     base = rows[0]

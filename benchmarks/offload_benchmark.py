@@ -56,7 +56,9 @@ from bench_common import (
     gc_paused,
     median,
     deterministic_algorithms,
+    plottable,
     prepare_determinism,
+    save_plot,
     write_json,
 )
 
@@ -105,6 +107,7 @@ class Workload:
         self.x = make_input(cfg, device.torch_device, seed=seed + 1)
         self.grad_out = make_input(cfg, device.torch_device, seed=seed + 2, requires_grad=False)
         self.grads_to_none = grads_to_none
+        self.layers = self.model.layers
         self.leaves = [self.x] + list(self.model.parameters())
         if not grads_to_none:
             for t in self.leaves:
@@ -116,6 +119,15 @@ class Workload:
                 t.grad = None
         else:
             torch._foreach_zero_([t.grad for t in self.leaves])
+
+    def step(self) -> torch.Tensor:
+        """One training step of the plain model (offloading, if any, installed on ``layers`` by
+        ``apply_offloading``); returns the detached output. The step interface of the HF
+        workload (``hf_llama_benchmark.Workload.step``), so ``frontier.py`` drives both alike."""
+        self.reset_grads()
+        out = self.model(self.x)
+        out.backward(self.grad_out)
+        return out.detach()
 
     def snapshot(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Copies of the output and of all gradients, for bit-exact comparison."""
@@ -495,17 +507,8 @@ def print_report(results: list[Result], link: Optional[dict], device: BenchDevic
 
 def plot(results: list[Result], path: Path) -> None:
     """Time ratio vs peak-memory ratio per method, with the target regions shaded."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: plot skipped (pip install matplotlib)")
-        return
-    points = [r for r in results if r.time_ratio is not None and r.peak_ratio is not None]
-    if not points:
-        print("no peak-memory data (simulated device?): plot skipped")
+    plt, points = plottable(results)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 5))
     for k, (t_max, m_max) in TARGETS.items():
@@ -524,14 +527,7 @@ def plot(results: list[Result], path: Path) -> None:
     ax.set_ylabel("step time / none")
     ax.set_xlim(0, max(1.1, max(r.peak_ratio for r in points) * 1.05))
     ax.set_ylim(min(0.9, min(r.time_ratio for r in points) * 0.95), max(r.time_ratio for r in points) * 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("activation offloading: time vs memory (lower-left is better)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_plot(plt, fig, ax, "activation offloading: time vs memory (lower-left is better)", path)
 
 
 # ---------------------------------------------------------------------------------------------

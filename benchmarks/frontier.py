@@ -1,0 +1,542 @@
+"""Time/memory frontier: for a memory budget, the fastest training step each method achieves.
+
+Per workload (``--workload gpt``: the 8-layer GPT stack of ``offload_benchmark.py``; ``hf``: the
+16-layer ``LlamaForCausalLM`` of ``hf_llama_benchmark.py``; ``both``, the default, one after the
+other in this process), every configuration of three methods is measured on one model:
+
+- ``ckpt k``  the first k layers under non-reentrant ``torch.utils.checkpoint``, k = 1..n
+  (``apply_offloading(layers, plan=Plan(0, tuple(range(k))))``: nothing offloaded, so the
+  layers only run checkpointed);
+- ``off k``   ``apply_offloading(layers, num_layers=k)``, k = 1..n-1;
+- ``plan @b`` one ``profile_step`` of the real step, then ``plan_from_profile(prof, b)`` for each
+  budget b of ``--budgets`` (fractions of the peak without offloading), applied with
+  ``apply_offloading(layers, plan=plan)``; the plan's predicted time and peak ratios (the
+  planner's model) are kept next to the measured ones.
+
+``none`` (nothing installed) is the reference of every ratio and of exactness; it is measured
+first and again last (the drift between the two is printed). A configuration is measured once:
+a plan equal to an ``off k`` / ``ckpt k`` configuration (or to another budget's plan) reuses
+that measurement. Each measurement is ``--warmup`` untimed steps, then ``--iters`` timed steps
+(CUDA events, median); peak = ``max_memory_allocated`` above what the step starts with (max over
+the timed steps; gradient buffers persist and are zeroed in place), exactly as the two workloads'
+own scripts measure. Unless ``--no-exact``, one more step runs with deterministic algorithms
+and its loss/output and every gradient are compared with ``none``'s by ``torch.equal``.
+
+Then, per budget b and method, the method's best point: the fastest measured configuration
+whose measured peak is at most b x ``none``'s peak ("-" if none fits), the overall winner, and
+what the planner chose for b (flagged when its measured peak is over b). The plot
+(``frontier_<workload>_<device>.png``) draws each method's Pareto-optimal measured points, the
+planner's predicted points (dashed) and the budgets; ``frontier_<workload>_<device>.json``
+holds every measurement.
+
+GPU (not yet run on one; estimated for an H100 from the step times of the two scripts: gpt
+about 25 configurations x 8 steps, ~30 s; hf about 40 x 8, ~60-90 s)::
+
+    python benchmarks/frontier.py --out bench_out
+    python benchmarks/frontier.py --workload gpt --out bench_out   # one workload
+
+CPU smoke test (tiny models on ``SimulatedDevice``; timings mean nothing and peak memory is not
+measured, so every budget cell is "-")::
+
+    python benchmarks/frontier.py --device sim --no-plot
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from bench_common import (
+    BenchDevice, environment_info, format_table, plottable, prepare_determinism, save_plot,
+    write_json,
+)
+
+import hf_llama_benchmark as hf_bench  # noqa: E402  (after bench_common: repo on sys.path)
+import offload_benchmark as gpt_bench  # noqa: E402
+
+import torch  # noqa: E402
+
+import cpu_offload  # noqa: E402
+from cpu_offload.facade import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
+from cpu_offload.tools.planner import Plan  # noqa: E402
+from cpu_offload.tools.step_profile import StepProfile, plan_from_profile, profile_step  # noqa: E402
+
+GIB = 1024**3
+WORKLOADS = ("gpt", "hf")
+METHODS = ("ckpt", "off", "plan")
+NO_OVERLAP_WARNING = "num_layers=model_layers-1"  # off n-1 is measured on purpose
+
+
+# --- configurations -------------------------------------------------------------------------------
+
+
+@dataclass
+class Point(hf_bench.Row):
+    """One measured configuration: offload the first ``num_layers`` layers (the last of them
+    only ``partial_bytes``, if set) and checkpoint the ``recompute`` layers. A ``Row`` of the HF
+    script (its ``run_row`` measures it) whose ``method`` is the configuration's label."""
+
+    num_layers: int = 0
+    recompute: tuple = ()
+    partial_fraction: float = 1.0
+    partial_bytes: Optional[int] = None
+    names: dict = field(default_factory=dict)  # method -> its name for this configuration
+    budgets: list = field(default_factory=list)  # the budgets whose plan is this configuration
+    predicted_time_ratio: Optional[float] = None  # the planner's model (plans only)
+    predicted_peak_ratio: Optional[float] = None
+    sim_copies: Optional[int] = None  # simulated device: copies made (proof something moved)
+
+    @property
+    def label(self) -> str:
+        return self.method
+
+    @property
+    def key(self) -> tuple:
+        """What makes two configurations the same (then measured once)."""
+        return (self.num_layers, tuple(sorted(self.recompute)), self.partial_bytes)
+
+    @property
+    def measured(self) -> bool:
+        return self.error is None and self.step_ms is not None
+
+
+def method_points(n: int, methods: list[str]) -> list[Point]:
+    """``ckpt 1..n`` and ``off 1..n-1`` (those of ``methods``), each named by its method."""
+    points = []
+    if "ckpt" in methods:
+        points += [Point(f"ckpt {k}", recompute=tuple(range(k)), names={"ckpt": f"ckpt {k}"})
+                   for k in range(1, n + 1)]
+    if "off" in methods:
+        points += [Point(f"off {k}", num_layers=k, names={"off": f"off {k}"}) for k in range(1, n)]
+    return points
+
+
+def plan_label(plan: Plan) -> str:
+    part = f" part={plan.partial_fraction:g}" if plan.partial_bytes is not None else ""
+    return f"plan k={plan.num_layers}{part} rec={list(plan.recompute)}"
+
+
+def add_plans(
+    points: list[Point], prof: StepProfile, budgets: list[float], notes: list[str]
+) -> dict[float, Optional[Point]]:
+    """The planner's choice per budget, merged into ``points``: a plan equal to a configuration
+    already there is that point (measured once), else a new point. Returns budget -> point."""
+    by_key = {p.key: p for p in points}
+    chosen: dict[float, Optional[Point]] = {}
+    for b in budgets:
+        try:
+            plan = plan_from_profile(prof, b)
+        except cpu_offload.OffloadConfigError as exc:
+            notes.append(f"plan @{b:g}: no plan fits ({exc})")
+            chosen[b] = None
+            continue
+        new = Point(plan_label(plan), num_layers=plan.num_layers, recompute=tuple(plan.recompute),
+                    partial_fraction=plan.partial_fraction, partial_bytes=plan.partial_bytes)
+        point = by_key.setdefault(new.key, new)
+        if point is new:
+            points.append(point)
+        point.names["plan"] = plan_label(plan)
+        point.budgets.append(b)
+        point.predicted_time_ratio, point.predicted_peak_ratio = plan.time_ratio, plan.peak_ratio
+        chosen[b] = point
+        notes.append(f"plan @{b:g}: {plan.describe()}")
+    return chosen
+
+
+def install(point: Point, layers: Any, device: BenchDevice, min_size: int) -> Optional[Any]:
+    """Apply ``point`` to ``layers``; the handle (``None`` for ``none``)."""
+    if point.num_layers == 0 and not point.recompute:
+        return None
+    kw: dict[str, Any] = {"min_tensor_size_to_offload": min_size}
+    if point.num_layers:  # a fresh SimulatedDevice per offloading configuration (sim only)
+        kw["device"] = device.offload_device()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NO_OVERLAP_WARNING)
+        if not point.recompute and point.partial_bytes is None:
+            return cpu_offload.apply_offloading(layers, num_layers=point.num_layers, **kw)
+        plan = Plan(point.num_layers, point.recompute, partial_fraction=point.partial_fraction,
+                    partial_bytes=point.partial_bytes)
+        return cpu_offload.apply_offloading(layers, plan=plan, **kw)
+
+
+def measure(
+    point: Point, wl: Any, device: BenchDevice, args: argparse.Namespace, min_size: int,
+    reference: Optional[list],
+) -> Optional[list]:
+    """Install, time, check exactness against ``reference`` and remove, with the HF script's
+    ``run_row`` (same warm-up, timing, peak and exactness step for both workloads). Returns the
+    snapshot of the deterministic step when ``reference`` is ``None`` (the ``none`` point)."""
+
+    def setup() -> tuple[str, Callable[[], None]]:
+        handle = install(point, wl.layers, device, min_size)
+        return point.label, (handle.remove if handle is not None else _nothing)
+
+    snapshot = hf_bench.run_row(point, setup, wl, device, args, reference, [], {})
+    point.sim_copies = device.take_copy_count()
+    return snapshot
+
+
+def _nothing() -> None:
+    """Teardown of ``none``: nothing was installed."""
+
+
+# --- workloads ------------------------------------------------------------------------------------
+
+
+def build_workload(name: str, args: argparse.Namespace, device: BenchDevice) -> tuple[Any, str, int]:
+    """``(workload, description, min_tensor_size_to_offload)``: the other scripts' workloads,
+    each with ``.step()``, ``.layers``, ``.snapshot()`` and ``.matches()``."""
+    if name == "gpt":
+        ns = argparse.Namespace(hidden=args.hidden, heads=None, seq=args.seq, batch=args.batch,
+                                layers=args.layers, dtype=None)
+        cfg = gpt_bench.workload_config(ns, device)
+        wl = gpt_bench.Workload(cfg, device, args.seed, grads_to_none=False)
+        sim_min = gpt_bench.SIM_MIN_TENSOR_SIZE
+        desc = f"GPT stack {cfg}"
+    else:
+        ns = argparse.Namespace(layers=args.layers, hidden=args.hidden, seq=args.seq,
+                                batch=args.batch or 1, seed=args.seed)
+        wl = hf_bench.Workload(ns, device)
+        sim_min = hf_bench.SIM_MIN_TENSOR_SIZE
+        c = wl.config
+        desc = (f"LlamaForCausalLM {c.num_hidden_layers} layers, hidden {c.hidden_size}, seq "
+                f"{wl.seq}, batch {ns.batch}, {wl.dtype}")
+    min_size = args.min_tensor_size
+    if min_size is None:
+        min_size = DEFAULT_MIN_TENSOR_SIZE if device.is_cuda else sim_min
+    return wl, desc, min_size
+
+
+def profile(
+    wl: Any, device: BenchDevice, min_size: int, link_gbps: Optional[float], notes: list[str]
+) -> StepProfile:
+    """One ``profile_step`` of the real step (nothing installed), the planner's input; the link
+    is measured on CUDA unless ``link_gbps`` is given (50 GB/s assumed on sim)."""
+    prof = profile_step(
+        wl.step, wl.layers, device=device.offload_device(),  # None: CUDA
+        min_tensor_size_to_offload=min_size, link_gbps=link_gbps,
+        warmup=1 if device.is_cuda else 0, repeats=3 if device.is_cuda else 1,
+    )
+    device.take_copy_count()
+    device.free_memory()
+    notes.extend(prof.notes)
+    peak = "-" if prof.peak_bytes is None else f"{prof.peak_bytes / GIB:.2f} GiB"
+    notes.append(f"profile: link {prof.d2h_gbps:.1f} / {prof.h2d_gbps:.1f} GB/s, step "
+                 f"{prof.step_ms:.1f} ms, peak {peak}")
+    return prof
+
+
+# --- the frontier ---------------------------------------------------------------------------------
+
+
+def derive(points: list[Point], base: Point) -> None:
+    """Ratios to ``none`` (the first measurement)."""
+    for p in points:
+        if p.measured and base.step_ms:
+            p.time_ratio = p.step_ms / base.step_ms
+        if p.peak_bytes is not None and base.peak_bytes:
+            p.peak_ratio = p.peak_bytes / base.peak_bytes
+
+
+def best_point(points: list[Point], method: str, budget: float) -> Optional[Point]:
+    """The fastest measured configuration of ``method`` whose measured peak ratio is within
+    ``budget``; ``None`` when none fits or peaks are not measured (simulated device)."""
+    fits = [p for p in points if method in p.names and p.measured and p.peak_ratio is not None
+            and p.peak_ratio <= budget + 1e-9]
+    return min(fits, key=lambda p: (p.step_ms, p.peak_ratio), default=None)
+
+
+def frontier(
+    points: list[Point], budgets: list[float], chosen: dict[float, Optional[Point]],
+    methods: list[str],
+) -> list[dict]:
+    """Per budget: each method's best point, the winner and the planner's own choice."""
+    rows = []
+    for b in budgets:
+        best = {m: best_point(points, m, b) for m in methods}
+        found = [(p.step_ms, m, p) for m, p in best.items() if p is not None]
+        win = min(found, key=lambda t: t[0], default=None)
+        pick = chosen.get(b)
+        rows.append({
+            "budget": b,
+            "best": {m: None if p is None else p.label for m, p in best.items()},
+            "winner": None if win is None else win[2].names[win[1]],
+            "winner_time_ratio": None if win is None else win[2].time_ratio,
+            "planner_pick": None if pick is None else pick.names["plan"],
+            "planner_pick_over_budget": None if pick is None or pick.peak_ratio is None
+            else pick.peak_ratio > b + 1e-9,
+            "_points": best,
+        })
+    return rows
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """The points no other point beats in both peak and time, by increasing peak."""
+    out: list[Point] = []
+    for p in sorted(points, key=lambda p: (p.peak_ratio, p.time_ratio)):
+        if not out or p.time_ratio < out[-1].time_ratio:
+            out.append(p)
+    return out
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _ratio_cell(p: Optional[Point], name: str) -> str:
+    if p is None:
+        return "-"
+    exact = "" if p.exact is not False else " NOT EXACT"
+    return f"{p.time_ratio:.3f} / {p.peak_ratio:.3f} {p.names[name]}{exact}"
+
+
+def frontier_table(rows: list[dict], methods: list[str]) -> str:
+    """Rows = budgets; per method ``time x / peak x`` of its best point (and the plan's
+    predicted time x), the winner, and the planner's own pick for the budget."""
+    planned = "plan" in methods
+    headers = ["budget"] + [f"{m}: time x / peak x" for m in methods]
+    headers += ["plan pred time x", "winner", "planner's pick @budget"] if planned else ["winner"]
+    table = []
+    for r in rows:
+        cells: list[Any] = [r["budget"]] + [_ratio_cell(r["_points"][m], m) for m in methods]
+        if planned:
+            best_plan = r["_points"]["plan"]
+            cells.append(None if best_plan is None else best_plan.predicted_time_ratio)
+        cells.append(r["winner"])
+        if planned:
+            over = " (measured over budget)" if r["planner_pick_over_budget"] else ""
+            cells.append((r["planner_pick"] or "no plan fits") + over)
+        table.append(cells)
+    return format_table(headers, table)
+
+
+def points_table(points: list[Point]) -> str:
+    """Every measurement: its methods, measured and predicted ratios, exactness, the budgets
+    whose plan it is. Errors are printed below the table."""
+    headers = ("configuration", "methods", "step ms", "time x", "peak GiB", "peak x",
+               "pred time x", "pred peak x", "exact", "plan for")
+    return format_table(headers, [
+        [p.label, ",".join(p.names) or "ref", "ERROR (below)" if p.error else p.step_ms,
+         p.time_ratio, None if p.peak_bytes is None else p.peak_bytes / GIB, p.peak_ratio,
+         p.predicted_time_ratio, p.predicted_peak_ratio, p.exact,
+         ",".join(f"{b:g}" for b in p.budgets) or None]
+        for p in points
+    ])
+
+
+def drift_note(start: Point, end: Point) -> str:
+    """``none`` at the start vs at the end: how much the machine drifted meanwhile."""
+    if not (start.measured and end.measured):
+        return f"none drift: not measured ({end.error or start.error})"
+    note = (f"none drift: {start.step_ms:.2f} ms at the start, {end.step_ms:.2f} ms at the end "
+            f"({100 * (end.step_ms / start.step_ms - 1):+.1f}%)")
+    if start.peak_bytes and end.peak_bytes is not None:
+        note += f", peak {100 * (end.peak_bytes / start.peak_bytes - 1):+.1f}%"
+    return note
+
+
+def plot(points: list[Point], budgets: list[float], methods: list[str], path: Path, title: str) -> None:
+    """Time ratio vs peak ratio: each method's Pareto line, the planner's model, the budgets."""
+    plt, have = plottable(points)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for i, m in enumerate(methods):
+        front = pareto([p for p in have if m in p.names])
+        if front:
+            ax.plot([p.peak_ratio for p in front], [p.time_ratio for p in front], marker="o",
+                    color=f"C{i}", label=m)
+    model = sorted({(p.predicted_peak_ratio, p.predicted_time_ratio) for p in points
+                    if p.predicted_time_ratio is not None and math.isfinite(p.predicted_peak_ratio)})
+    if model:
+        ax.plot(*zip(*model), linestyle="--", marker="x", color="gray", label="planner model")
+    ax.plot([1.0], [1.0], marker="*", markersize=12, color="black", linestyle="", label="none")
+    for b in budgets:
+        ax.axvline(b, linestyle=":", color="gray", alpha=0.6)
+        ax.text(b, 0.01, f"{b:g}", transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=7, color="gray")
+    ax.set_xlabel("peak memory / none")
+    ax.set_ylabel("step time / none")
+    save_plot(plt, fig, ax, f"{title}: time vs memory frontier (lower-left is better)", path)
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=("gpt", "hf", "both"), default="both")
+    p.add_argument("--device", choices=("auto", "cuda", "sim"), default="auto",
+                   help="cuda: real GPU; sim: CPU + SimulatedDevice smoke test (default: auto)")
+    p.add_argument("--budgets", default="0.9,0.8,0.7,0.6,0.5,0.4,0.3,0.25",
+                   help="peak-memory budgets, fractions of none's peak")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of ckpt,off,plan")
+    p.add_argument("--layers", type=int, help="override the number of layers")
+    p.add_argument("--hidden", type=int, help="override the hidden size")
+    p.add_argument("--seq", type=int, help="override the sequence length")
+    p.add_argument("--batch", type=int, help="override the batch size")
+    p.add_argument("--warmup", type=int, help="untimed steps per configuration (cuda 2, sim 0)")
+    p.add_argument("--iters", type=int, help="timed steps per configuration (cuda 5, sim 1)")
+    p.add_argument("--min-tensor-size", type=int,
+                   help="min_tensor_size_to_offload (library default on cuda; the workload "
+                        "script's sim value on sim)")
+    p.add_argument("--link-gbps", type=float,
+                   help="host link speed the planner assumes, GB/s each way (default: measured "
+                        "on cuda, 50 on sim; a low value on sim makes plans mix recompute and "
+                        "partial offload)")
+    p.add_argument("--no-exact", action="store_true", help="skip the deterministic exactness step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def parse_lists(args: argparse.Namespace) -> tuple[list[float], list[str]]:
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    bad = [b for b in budgets if not 0.0 < b <= 1.0]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if bad or unknown:
+        raise SystemExit(f"--budgets must be in (0, 1] (got {bad}); --methods from {METHODS} "
+                         f"(got {unknown})")
+    return budgets, [m for m in METHODS if m in methods]
+
+
+def run_workload(
+    name: str, args: argparse.Namespace, device: BenchDevice, budgets: list[float],
+    methods: list[str],
+) -> dict:
+    """Measure every configuration of one workload, report it, write JSON (and the plot).
+    Returns the JSON payload plus ``point_objects`` (the ``Point``s, for tests)."""
+    t_start = time.perf_counter()
+    wl, desc, min_size = build_workload(name, args, device)
+    notes: list[str] = []
+    print(f"\n=== {name}: {desc} | warmup {args.warmup}, timed {args.iters} steps per configuration")
+    points, chosen = measure_all(wl, device, args, min_size, budgets, methods, notes)
+    del wl  # the model and its gradients, before the next workload is built
+    device.free_memory()
+    rows = frontier(points[:-1], budgets, chosen, methods)
+    elapsed = time.perf_counter() - t_start
+    notes.append(f"{name}: {len(points)} measurements, total {elapsed:.1f} s")
+    report(name, points, rows, methods, notes, device)
+    stem = Path(args.out) / f"frontier_{name}_{device.kind}"
+    payload = {
+        "environment": environment_info(device), "workload": desc, "args": vars(args),
+        "min_tensor_size_to_offload": min_size, "budgets": budgets,
+        "points": [asdict(p) for p in points],
+        "frontier": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+        "notes": notes, "seconds": elapsed,
+    }
+    write_json(stem.with_suffix(".json"), payload)
+    if not args.no_plot:
+        plot(points[:-1], budgets, methods, stem.with_suffix(".png"), name)
+    return {**payload, "point_objects": points}
+
+
+def measure_all(
+    wl: Any, device: BenchDevice, args: argparse.Namespace, min_size: int,
+    budgets: list[float], methods: list[str], notes: list[str],
+) -> tuple[list[Point], dict[float, Optional[Point]]]:
+    """``none``, then every configuration once, then ``none`` again (the last point, its
+    exactness is ``none`` against itself); ratios to the first. Also returns budget -> plan."""
+    none = Point("none")
+    reference = measure(none, wl, device, args, min_size, None)
+    if none.error:
+        raise SystemExit(f"the none reference failed: {none.error}")
+    freeze_live()  # the first step imports lazily (~100k objects on the simulated device)
+    points = [none] + method_points(len(wl.layers), methods)
+    chosen: dict[float, Optional[Point]] = {}
+    if "plan" in methods:
+        try:
+            prof = profile(wl, device, min_size, args.link_gbps, notes)
+        except Exception as exc:  # the measured configurations are still worth having
+            notes.append(f"plan: profile_step failed, no plans: {type(exc).__name__}: {exc}")
+            device.free_memory()
+        else:
+            chosen = add_plans(points, prof, budgets, notes)
+    for p in points[1:]:
+        measure(p, wl, device, args, min_size, reference)
+    end = Point("none (end)")
+    measure(end, wl, device, args, min_size, reference)
+    derive(points + [end], none)
+    notes.insert(0, drift_note(none, end))
+    return points + [end], chosen
+
+
+def report(
+    name: str, points: list[Point], rows: list[dict], methods: list[str], notes: list[str],
+    device: BenchDevice,
+) -> None:
+    print(f"\n{name}: every measured configuration (ratios to none at the start)")
+    print(points_table(points))
+    print(f"\n{name}: fastest configuration per method within each peak budget (x none)")
+    print(frontier_table(rows, methods))
+    for note in notes:
+        print(note)
+    for p in points:
+        if p.error:
+            print(f"ERROR {p.label}: {p.error}")
+        if p.exact is False:
+            print(f"WARNING {p.label}: not bit-exact with none")
+    if not device.is_cuda:
+        print("NOTE: simulated device -- a smoke test of this script; timings mean nothing and "
+              "peak memory is not measured, so no configuration fits a budget ('-').")
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    """Run the chosen workloads; returns ``{workload: payload}`` (skipped ones absent)."""
+    args = parse_args(argv)
+    budgets, methods = parse_lists(args)
+    device = BenchDevice.from_flag(args.device)
+    prepare_determinism(device)
+    args.warmup = args.warmup if args.warmup is not None else (2 if device.is_cuda else 0)
+    args.iters = max(1, args.iters if args.iters is not None else (5 if device.is_cuda else 1))
+    if not device.is_cuda:
+        torch.set_num_threads(1)  # tiny tensors: more threads only oversubscribe small machines
+    print(f"device: {device.describe()} | torch {torch.__version__}")
+    results = {}
+    for name in (WORKLOADS if args.workload == "both" else (args.workload,)):
+        if name == "hf" and not _have_transformers():
+            print("\nhf: skipped, transformers is not installed (pip install 'transformers>=5')")
+            continue
+        with _heap_frozen():
+            results[name] = run_workload(name, args, device, budgets, methods)
+        device.free_memory()  # unfrozen again: whatever cycles the workload left go now
+    return results
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """Keep what is alive now out of the cyclic GC (``freeze_live``), until the end."""
+    freeze_live()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def freeze_live() -> None:
+    """Collect, then move every object still alive (torch, transformers, the model: ~0.1 s per
+    full collection) out of the cyclic GC's reach: each measurement collects twice (before its
+    timed steps, after its teardown), dozens of times per workload, and then scans only what
+    the measurement made."""
+    gc.collect()
+    gc.freeze()
+
+
+def _have_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()
