@@ -129,9 +129,36 @@ def top_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
     return stack[-1] if stack else None
 
 
+_Parameter = torch.nn.Parameter
+_Tensor = torch.Tensor
+
+
+def is_parameter(t: Any) -> bool:
+    """``isinstance(t, nn.Parameter)``, without its Python metaclass check for the common types.
+
+    ``Parameter``'s metaclass answers True for an ``nn.Parameter`` (or subclass) and for any
+    tensor with a true ``_is_param`` attribute; the saved-tensor hook asks this for every
+    saved tensor and its base, so the two common types are answered directly."""
+    cls = type(t)
+    if cls is _Tensor:
+        return bool(getattr(t, "_is_param", False))
+    if cls is _Parameter:
+        return True
+    return isinstance(t, _Parameter)
+
+
 def untyped_storage(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage behind ``t`` (``Tensor.untyped_storage`` exists from torch 2.0)."""
     return t.untyped_storage()
+
+
+def _empty(dtype: torch.dtype, device: torch.device, like: Optional[torch.Tensor]) -> torch.Tensor:
+    """A 0-element tensor to ``set_`` onto a storage. ``like.new_empty`` (a plain tensor on
+    ``device``) costs half of ``torch.empty(device=...)``; a subclass would return its own type
+    through ``__torch_function__``, so anything else goes the long way."""
+    if type(like) is _Tensor:
+        return like.new_empty(0, dtype=dtype)
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def tensor_on_storage(
@@ -141,9 +168,17 @@ def tensor_on_storage(
     size: torch.Size,
     stride: tuple,
     storage_offset: int,
+    like: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """A tensor viewing ``storage`` with exactly the given geometry (any strides, any offset)."""
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, storage_offset, size, stride)
+    """A tensor viewing ``storage`` with exactly the given geometry (any strides, any offset).
+    ``like``: a tensor on ``device`` the caller has at hand (faster, see ``_empty``)."""
+    return _empty(dtype, device, like).set_(storage, storage_offset, size, stride)
+
+
+def bytes_on_storage(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` tensor over all of ``storage``, which lives on ``like``'s device
+    (``set_`` with a storage alone views all of it, contiguously, from offset 0)."""
+    return _empty(torch.uint8, None if type(like) is _Tensor else like.device, like).set_(storage)
 
 
 class _FlattenCtx:

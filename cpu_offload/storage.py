@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .compat import (
+    bytes_on_storage,
     copy_view_bits,
     drop_storage_keep_version,
     storage_use_count,
@@ -53,14 +54,14 @@ def storage_bytes(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = Non
     """A flat ``uint8`` tensor over the whole storage of ``t`` (no grad history, no copy).
 
     Pass ``storage`` when the caller already fetched ``t.untyped_storage()`` (hot path)."""
-    storage = untyped_storage(t) if storage is None else storage
-    return tensor_on_storage(storage, torch.uint8, t.device, torch.Size([storage.nbytes()]), (1,), 0)
+    return bytes_on_storage(untyped_storage(t) if storage is None else storage, t)
 
 
 def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
     """The tensor described by ``meta``, viewing the storage of ``flat`` (a ``storage_bytes``)."""
     t = tensor_on_storage(
-        untyped_storage(flat), meta.dtype, flat.device, meta.size, meta.stride, meta.storage_offset
+        flat.untyped_storage(), meta.dtype, flat.device, meta.size, meta.stride,
+        meta.storage_offset, like=flat,
     )
     return t if meta.bits_of is None else copy_view_bits(meta.bits_of, t)
 
