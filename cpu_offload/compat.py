@@ -261,9 +261,12 @@ def storage_use_count(t: torch.Tensor) -> int:
     return count(storage._cdata) - 1  # not counting the storage object made for the question
 
 
+_unsafe_set_version_counter = torch._C._autograd._unsafe_set_version_counter
+
+
 def set_version(t: torch.Tensor, version: int) -> None:
     """Put ``t``'s version counter (shared with every alias) back to ``version``."""
-    fn = torch._C._autograd._unsafe_set_version_counter
+    fn = _unsafe_set_version_counter  # looked up once: runs for every saved tensor released
     try:
         fn((t,), (version,))
     except TypeError:  # torch < 2.5 takes one tensor and one int
@@ -288,10 +291,14 @@ def copy_view_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def graph_task_id() -> int:
     """An id of the backward pass running on this thread (-1 outside backward), so that a pass
-    that ended in an exception, whose end-of-backward callback never ran, is told from the next."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
+    that ended in an exception, whose end-of-backward callback never ran, is told from the next.
+    (Looked up once: it runs on every layer entry and sync.)"""
+    get = _current_graph_task_id
     return get() if get is not None else -1
 
 

@@ -22,6 +22,9 @@ from .compat import (
 )
 
 
+_tuple_new = tuple.__new__
+
+
 class ViewMeta(NamedTuple):
     """Geometry of one tensor inside its storage, and the lazy conj/neg bits of complex views
     (flags on the tensor, not in its bytes)."""
@@ -34,10 +37,10 @@ class ViewMeta(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "ViewMeta":
-        flagged = t.is_conj() or t.is_neg()
-        return cls(
-            t.dtype, t.size(), t.stride(), t.storage_offset(), _bits_carrier(t) if flagged else None
-        )
+        bits = _bits_carrier(t) if t.is_conj() or t.is_neg() else None
+        # tuple.__new__ directly: NamedTuple's generated __new__ is one more Python call, and
+        # this runs for every offloaded saved tensor.
+        return _tuple_new(cls, (t.dtype, t.size(), t.stride(), t.storage_offset(), bits))
 
 
 def _bits_carrier(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +122,8 @@ class VersionWatch:
         drop_storage_keep_version(self.alias)
 
     def check(self) -> None:
-        check_version(self.alias, self.version, self.size)
+        if self.alias._version != self.version:  # the common case (unchanged) costs no call
+            check_version(self.alias, self.version, self.size)
 
 
 class KeptRef(VersionWatch):
