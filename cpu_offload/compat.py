@@ -129,9 +129,36 @@ def top_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
     return stack[-1] if stack else None
 
 
+_Parameter = torch.nn.Parameter
+_Tensor = torch.Tensor
+
+
+def is_parameter(t: Any) -> bool:
+    """``isinstance(t, nn.Parameter)``, without its Python metaclass check for the common types.
+
+    ``Parameter``'s metaclass answers True for an ``nn.Parameter`` (or subclass) and for any
+    tensor with a true ``_is_param`` attribute; the saved-tensor hook asks this for every
+    saved tensor and its base, so the two common types are answered directly."""
+    cls = type(t)
+    if cls is _Tensor:
+        return bool(getattr(t, "_is_param", False))
+    if cls is _Parameter:
+        return True
+    return isinstance(t, _Parameter)
+
+
 def untyped_storage(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage behind ``t`` (``Tensor.untyped_storage`` exists from torch 2.0)."""
     return t.untyped_storage()
+
+
+def _empty(dtype: torch.dtype, device: torch.device, like: Optional[torch.Tensor]) -> torch.Tensor:
+    """A 0-element tensor to ``set_`` onto a storage. ``like.new_empty`` (a plain tensor on
+    ``device``) costs half of ``torch.empty(device=...)``; a subclass would return its own type
+    through ``__torch_function__``, so anything else goes the long way."""
+    if type(like) is _Tensor:
+        return like.new_empty(0, dtype=dtype)
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def tensor_on_storage(
@@ -141,9 +168,17 @@ def tensor_on_storage(
     size: torch.Size,
     stride: tuple,
     storage_offset: int,
+    like: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """A tensor viewing ``storage`` with exactly the given geometry (any strides, any offset)."""
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, storage_offset, size, stride)
+    """A tensor viewing ``storage`` with exactly the given geometry (any strides, any offset).
+    ``like``: a tensor on ``device`` the caller has at hand (faster, see ``_empty``)."""
+    return _empty(dtype, device, like).set_(storage, storage_offset, size, stride)
+
+
+def bytes_on_storage(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` tensor over all of ``storage``, which lives on ``like``'s device
+    (``set_`` with a storage alone views all of it, contiguously, from offset 0)."""
+    return _empty(torch.uint8, None if type(like) is _Tensor else like.device, like).set_(storage)
 
 
 class _FlattenCtx:
@@ -226,9 +261,12 @@ def storage_use_count(t: torch.Tensor) -> int:
     return count(storage._cdata) - 1  # not counting the storage object made for the question
 
 
+_unsafe_set_version_counter = torch._C._autograd._unsafe_set_version_counter
+
+
 def set_version(t: torch.Tensor, version: int) -> None:
     """Put ``t``'s version counter (shared with every alias) back to ``version``."""
-    fn = torch._C._autograd._unsafe_set_version_counter
+    fn = _unsafe_set_version_counter  # looked up once: runs for every saved tensor released
     try:
         fn((t,), (version,))
     except TypeError:  # torch < 2.5 takes one tensor and one int
@@ -253,10 +291,14 @@ def copy_view_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def graph_task_id() -> int:
     """An id of the backward pass running on this thread (-1 outside backward), so that a pass
-    that ended in an exception, whose end-of-backward callback never ran, is told from the next."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
+    that ended in an exception, whose end-of-backward callback never ran, is told from the next.
+    (Looked up once: it runs on every layer entry and sync.)"""
+    get = _current_graph_task_id
     return get() if get is not None else -1
 
 

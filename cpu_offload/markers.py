@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .compat import is_traceable_wrapper_subclass
+from .compat import is_parameter, is_traceable_wrapper_subclass
 
 SKIP_ATTR = "_cpu_offload_skip"
 WEIGHT_ATTR = "_cpu_offload_weight"
@@ -133,7 +133,7 @@ def is_weight(t: torch.Tensor) -> bool:
 
 def _is_weight_itself(t: torch.Tensor) -> bool:
     return (
-        isinstance(t, torch.nn.Parameter)
+        is_parameter(t)
         or getattr(t, WEIGHT_ATTR, False)
         or getattr(t, "is_weight", False)
     )

@@ -13,12 +13,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from .compat import (
+    bytes_on_storage,
     copy_view_bits,
     drop_storage_keep_version,
     storage_use_count,
     tensor_on_storage,
     untyped_storage,
 )
+
+
+_tuple_new = tuple.__new__
 
 
 class ViewMeta(NamedTuple):
@@ -33,10 +37,10 @@ class ViewMeta(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "ViewMeta":
-        flagged = t.is_conj() or t.is_neg()
-        return cls(
-            t.dtype, t.size(), t.stride(), t.storage_offset(), _bits_carrier(t) if flagged else None
-        )
+        bits = _bits_carrier(t) if t.is_conj() or t.is_neg() else None
+        # tuple.__new__ directly: NamedTuple's generated __new__ is one more Python call, and
+        # this runs for every offloaded saved tensor.
+        return _tuple_new(cls, (t.dtype, t.size(), t.stride(), t.storage_offset(), bits))
 
 
 def _bits_carrier(t: torch.Tensor) -> torch.Tensor:
@@ -53,14 +57,14 @@ def storage_bytes(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = Non
     """A flat ``uint8`` tensor over the whole storage of ``t`` (no grad history, no copy).
 
     Pass ``storage`` when the caller already fetched ``t.untyped_storage()`` (hot path)."""
-    storage = untyped_storage(t) if storage is None else storage
-    return tensor_on_storage(storage, torch.uint8, t.device, torch.Size([storage.nbytes()]), (1,), 0)
+    return bytes_on_storage(untyped_storage(t) if storage is None else storage, t)
 
 
 def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
     """The tensor described by ``meta``, viewing the storage of ``flat`` (a ``storage_bytes``)."""
     t = tensor_on_storage(
-        untyped_storage(flat), meta.dtype, flat.device, meta.size, meta.stride, meta.storage_offset
+        flat.untyped_storage(), meta.dtype, flat.device, meta.size, meta.stride,
+        meta.storage_offset, like=flat,
     )
     return t if meta.bits_of is None else copy_view_bits(meta.bits_of, t)
 
@@ -118,7 +122,8 @@ class VersionWatch:
         drop_storage_keep_version(self.alias)
 
     def check(self) -> None:
-        check_version(self.alias, self.version, self.size)
+        if self.alias._version != self.version:  # the common case (unchanged) costs no call
+            check_version(self.alias, self.version, self.size)
 
 
 class KeptRef(VersionWatch):

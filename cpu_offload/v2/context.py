@@ -51,6 +51,8 @@ class OffloadContext:
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.synchronizer = synchronizer
         self._frames: list = []  # per entry: the hooks installed, None, or _RECOMPUTE
+        # One hooks object for every entry (it holds only the two functions), not one per layer.
+        self._hooks = saved_tensors_hooks(synchronizer.push, synchronizer.pop)
 
     def stats(self) -> StepStats:
         """What the current (or last) step did; see ``OffloadSynchronizer.stats``."""
@@ -69,7 +71,7 @@ class OffloadContext:
             return self
         hooks = None
         if sync.hooks_needed:
-            hooks = saved_tensors_hooks(sync.push, sync.pop)
+            hooks = self._hooks
             try:
                 hooks.__enter__()
             except BaseException:

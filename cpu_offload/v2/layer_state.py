@@ -33,7 +33,7 @@ from ..storage import (
     restore_view,
     storage_bytes,
 )
-from .stats import StepStats
+from .stats import LayerStats, StepStats
 
 
 class Runtime:
@@ -88,15 +88,16 @@ class Entry:
     """
 
     __slots__ = (
-        "rt", "stats", "layer", "pool_key", "nbytes", "device", "key", "version", "owner", "gpu",
-        "cpu", "reloaded", "ready_event", "reload_event", "waited", "watches", "live", "pops",
-        "generation", "checksum", "verified", "error",
+        "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version", "owner",
+        "gpu", "cpu", "reloaded", "ready_event", "reload_event", "waited", "watches", "live",
+        "pops", "generation", "checksum", "verified", "error",
     )
 
     def __init__(
         self,
         rt: Runtime,
         stats: StepStats,
+        lstats: LayerStats,
         layer: int,
         pool_key: Optional[Hashable],
         t: torch.Tensor,
@@ -104,6 +105,7 @@ class Entry:
     ) -> None:
         self.rt = rt
         self.stats = stats  # of the step that saved it (holds no tensors: no cycle)
+        self.lstats = lstats  # stats.layer(layer), looked up once: counted on every copy
         self.layer = layer  # the first layer that saved it
         self.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
         self.gpu: Optional[torch.Tensor] = storage_bytes(t, storage)  # flat uint8 over it
@@ -182,14 +184,15 @@ class Entry:
 
     def copy_out(self, ready: Optional[Event]) -> None:
         """Queue the device-to-host copy once the storage is final (``ready`` or now)."""
-        dev, stream = self.rt.device, self.rt.stream
-        self.cpu = self.rt.pool.acquire(self.nbytes, self.pool_key)
+        rt = self.rt
+        dev, stream = rt.device, rt.stream
+        self.cpu = rt.pool.acquire(self.nbytes, self.pool_key)
         if ready is not None:
             dev.wait_event(stream, ready)
         else:
             dev.wait_stream(stream, dev.current_stream())
         dev.copy(stream, self.cpu, self.gpu)
-        self.stats.layer(self.layer).copied_out_bytes += self.nbytes
+        self.lstats.copied_out_bytes += self.nbytes
 
     def release(self) -> None:
         """Drop our references to the device storage (its copy is known done). If nothing else
@@ -197,7 +200,7 @@ class Entry:
         for watch in self.watches or ():
             watch.forget_storage()  # the watches must not be what keeps the memory alive
         self.watches = []
-        stats = self.stats.layer(self.layer)
+        stats = self.lstats
         if held_elsewhere(self.gpu):
             stats.held_elsewhere_bytes += self.nbytes
         else:
@@ -239,7 +242,7 @@ def copy_in(rt: Runtime, entries: list) -> None:
     dev.wait_stream(stream, dev.current_stream())
     events = dev.copy_and_record(stream, [(b, e.cpu) for b, e in zip(buffers, entries)])
     for entry, buf, event in zip(entries, buffers, events):
-        entry.stats.layer(entry.layer).reloaded_bytes += entry.nbytes
+        entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
         entry.reload_event = event
         entry.waited = False
@@ -313,8 +316,8 @@ class LayerState:
     """Storages saved by one offloaded layer, and where they are: device, host, or both."""
 
     __slots__ = (
-        "index", "rt", "stats", "entries", "shared", "eager", "offload_event", "released",
-        "reload_started", "limit",
+        "index", "rt", "stats", "lstats", "entries", "shared", "eager", "offload_event",
+        "released", "reload_started", "limit",
     )
 
     def __init__(
@@ -323,6 +326,7 @@ class LayerState:
         self.index = index
         self.rt = rt
         self.stats = stats
+        self.lstats: Optional[LayerStats] = None  # made when first counted (see layer_stats)
         self.entries: list[Entry] = []
         self.shared = shared  # storage address -> Entry, for the whole forward pass of a step
         self.eager = eager  # copy at save time (default schedule, or manual after start_offload)
@@ -353,33 +357,47 @@ class LayerState:
             if self.limit is not None:
                 if nbytes > self.limit:
                     reason = "over the layer's byte limit (a partial plan)"
-                    self.stats.layer(self.index).skipped_bytes[reason] += nbytes
+                    self.layer_stats().skipped_bytes[reason] += nbytes
                     return KeptRef(t)
                 self.limit -= nbytes
-            pool_key = (self.index, len(self.entries)) if self.rt.retain else None
-            entry = Entry(self.rt, self.stats, self.index, pool_key, t, storage)
-            self.shared[key] = entry
-            ready = getattr(t, READY_EVENT_ATTR, None)
-            if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
-                ready = getattr(t._base, READY_EVENT_ATTR, None)
-            if self.eager:
-                entry.copy_out(ready)
-                if self.offload_event is not None:  # manual: offload already started
-                    self.offload_event = self.rt.device.record_event(self.rt.stream)
-            else:
-                entry.ready_event = ready or self.rt.device.record_event(
-                    self.rt.device.current_stream()
-                )
-        if entry not in self.entries:
+            entry = self._new_entry(t, storage, key)
+        elif entry not in self.entries:  # saved before, by this layer or an earlier one
             self.entries.append(entry)
         watch = VersionWatch(t)
         entry.watches.append(watch)
-        self.stats.layer(self.index).offloaded_tensors += 1
+        self.layer_stats().offloaded_tensors += 1
         cls = torch.Tensor if type(t) is torch.nn.Parameter else type(t)
         return SavedRef(entry, ViewMeta.of(t), cls, watch)
 
+    def _new_entry(self, t: torch.Tensor, storage: Any, key: int) -> Entry:
+        """A storage saved for the first time in this forward (or changed since): list it and
+        start its copy (eager), or note when it is final (the copy starts later)."""
+        rt = self.rt
+        pool_key = (self.index, len(self.entries)) if rt.retain else None
+        entry = Entry(rt, self.stats, self.layer_stats(), self.index, pool_key, t, storage)
+        self.shared[key] = entry
+        ready = getattr(t, READY_EVENT_ATTR, None)
+        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+            ready = getattr(t._base, READY_EVENT_ATTR, None)
+        if self.eager:
+            entry.copy_out(ready)
+            if self.offload_event is not None:  # manual: offload already started
+                self.offload_event = rt.device.record_event(rt.stream)
+        else:
+            entry.ready_event = ready or rt.device.record_event(rt.device.current_stream())
+        self.entries.append(entry)
+        return entry
+
+    def layer_stats(self) -> LayerStats:
+        """This layer's counters, looked up once. Made only when something is counted, so a
+        layer that saved nothing has none (as the statistics report it)."""
+        lstats = self.lstats
+        if lstats is None:
+            lstats = self.lstats = self.stats.layer(self.index)
+        return lstats
+
     def _over_host_budget(self, t: torch.Tensor, nbytes: int, budget: int) -> KeptRef:
-        self.stats.layer(self.index).skipped_bytes["over max_host_bytes"] += nbytes
+        self.layer_stats().skipped_bytes["over max_host_bytes"] += nbytes
         self.rt.warn_once(
             f"pinned host memory reached max_host_bytes={budget}; saved tensors beyond it stay "
             "on the GPU"

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import markers
+from ..compat import is_parameter
 
 # Saved tensors with fewer elements stay on the device: the reference implementation's fixed
 # threshold (256K elements, 512 KiB in bf16), below which a copy costs more than it frees.
@@ -35,7 +36,7 @@ class SelectionPolicy:
             return "not strided (sparse or nested)"
         if markers.is_weight(t):
             if not self.offload_weights:
-                return "parameter" if isinstance(t, torch.nn.Parameter) else "weight mark"
+                return "parameter" if is_parameter(t) else "weight mark"
         elif not self.offload_activations:
             return "activations not selected"
         if t.numel() < self.min_tensor_size_to_offload:
@@ -50,5 +51,5 @@ class SelectionPolicy:
         if markers.is_marked_not_offload(t):
             return "mark_not_offload"
         if markers.is_weight(t) and not self.offload_weights:
-            return "parameter" if isinstance(t, torch.nn.Parameter) else "weight mark"
+            return "parameter" if is_parameter(t) else "weight mark"
         return None

@@ -17,6 +17,7 @@ from ..compat import (
     compiler_disable,
     graph_task_id,
     in_backward,
+    is_parameter,
     is_traceable_wrapper_subclass,
     queue_backward_callback,
     tensor_flatten,
@@ -329,9 +330,9 @@ class OffloadSynchronizer:
             return self._push_subclass(t, layer)
         reason = self.policy.skip_reason(t)
         if reason is not None:
-            if reason == "weight mark" and isinstance(t._base, torch.nn.Parameter):
+            if reason == "weight mark" and is_parameter(t._base):
                 reason = "parameter"  # F.linear saves weight.t()
-            layer.stats.layer(layer.index).skipped_bytes[reason] += t.numel() * t.element_size()
+            layer.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
             return KeptRef(t)
         return layer.push(t)
 
