@@ -32,6 +32,7 @@ from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 
 PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # shares of the last offloaded layer's bytes a plan may move
+PEAK_MARGIN = 0.01  # of the peak without offloading: a plan's predicted peak stays this far under
 
 
 @dataclass(frozen=True)
@@ -254,12 +255,17 @@ def plan(
         fastest = min(c.step_ms for c in candidates)
         fits = [c for c in candidates if c.step_ms <= fastest * 1.001]
     else:
-        fits = [c for c in candidates if c.peak_bytes <= memory_budget_bytes]
+        # Measured peaks land within about half a percent of the baseline's peak of the
+        # prediction (H100, both workloads): keep a margin, so that a plan meets its budget.
+        limit = memory_budget_bytes - int(PEAK_MARGIN * base_peak)
+        fits = [c for c in candidates if c.peak_bytes <= limit]
         if not fits:
             lowest = min(c.peak_bytes for c in candidates)
             raise OffloadConfigError(
                 f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
-                f"peak is {lowest} bytes; raise the budget or reduce the batch"
+                f"peak is {lowest} bytes (plans keep {PEAK_MARGIN:.0%} of the peak without "
+                "offloading as a margin for the model's error); raise the budget or reduce "
+                "the batch"
             )
     best = min(fits, key=lambda c: (round(c.step_ms, 3), c.peak_bytes, len(c.recompute)))
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
