@@ -315,3 +315,22 @@ def test_audit_real_step_matches_the_chain_audit(x0):
     assert all(type(m) is KwargLayer for m in layers)
     with pytest.raises(TypeError, match="exactly one of example_input"):
         audit_offload_selection(layers)
+
+
+def test_the_step_profile_records_one_memory_segment_per_phase(x0, monkeypatch):
+    """The memory timeline's segments, in order (the allocator is faked: CUDA-only on a GPU)."""
+    from cpu_offload.tools import step_profile
+    from cpu_offload.tools.planner import memory_segments
+
+    layers = make_layers(n=3)
+    closed = []
+    monkeypatch.setattr(step_profile, "_allocated", lambda: 0)
+    monkeypatch.setattr(step_profile, "_max_allocated", lambda: len(closed) + 100)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: closed.append(1))
+    recorder = step_profile._StepRecorder(3, step_profile._Clock(False), None, memory=True)
+    step_profile._run(lambda: step(layers, x0), list(layers), recorder)
+    timeline = recorder.memory_timeline(before=100)
+    names = memory_segments(3)
+    assert len(timeline) == len(names) == 8
+    assert timeline == list(range(8))  # closed in order: each segment's peak read once
+    assert names[4] == "loss" and names[5] == "backward 2"

@@ -125,14 +125,13 @@ def timeline_of(profiles, loss_bytes):
     n = len(profiles)
     act = [p.activation_bytes for p in profiles]
     fwd = [sum(act[: j + 1]) for j in range(n)]
-    fwd[-1] += loss_bytes
     bwd = [sum(act[: j + 1]) for j in range(n - 1, -1, -1)]
-    return [0] + fwd + bwd
+    return [0] + fwd + [sum(act) + loss_bytes] + bwd
 
 
 def test_the_memory_timeline_charges_a_plan_where_the_step_peaks():
     assert memory_segments(2) == [
-        "before the layers", "forward 0", "forward 1 + loss", "backward 1", "backward 0",
+        "before the layers", "forward 0", "forward 1", "loss", "backward 1", "backward 0",
     ]
     loss = 3 * 512 * MIB
     timeline = timeline_of(REFERENCE, loss)
@@ -140,12 +139,15 @@ def test_the_memory_timeline_charges_a_plan_where_the_step_peaks():
     for k in range(1, 7):  # released before the loss, reloaded after it: all k layers count
         _, peak = simulate(REFERENCE, k, (), 55, 55, memory_timeline=timeline)
         assert peak == (8 - k) * 512 * MIB + loss
-    # Recomputing the last layer cannot help: its activations are rebuilt right after the loss.
-    _, last = simulate(REFERENCE, 0, (7,), memory_timeline=timeline)
-    assert last == 8 * 512 * MIB + loss - 0
-    _, first = simulate(REFERENCE, 0, (0,), memory_timeline=timeline)
-    assert first == 7 * 512 * MIB + 32 * MIB + loss
-    with pytest.raises(OffloadConfigError, match="memory_timeline has 3 segments; 8 layers need 17"):
+    # A checkpointed layer keeps only its input during the loss, the last layer included (its
+    # activations come back only when its backward recomputes them).
+    kept = (512 - 32) * MIB
+    for layer in (0, 7):
+        _, peak = simulate(REFERENCE, 0, (layer,), memory_timeline=timeline)
+        assert peak == 8 * 512 * MIB + loss - kept
+    _, everything = simulate(REFERENCE, 0, tuple(range(8)), memory_timeline=timeline)
+    assert everything == 8 * 512 * MIB + loss - 8 * kept
+    with pytest.raises(OffloadConfigError, match="memory_timeline has 3 segments; 8 layers need 18"):
         simulate(REFERENCE, 0, memory_timeline=[1, 2, 3])
 
 

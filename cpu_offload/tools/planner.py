@@ -152,11 +152,18 @@ def simulate(
 
 def memory_segments(model_layers: int) -> list[str]:
     """Names of the segments of a step whose peaks form a memory timeline, in order: before the
-    first layer, each layer's forward (the last one with the loss after it), each layer's
-    backward. Segment ``s`` runs at schedule position ``s`` (``schedule.position``)."""
+    first layer, each layer's forward, the loss (after the last layer's forward, before the
+    first backward), each layer's backward."""
     n = model_layers
-    fwd = [f"forward {j}" + (" + loss" if j == n - 1 else "") for j in range(n)]
-    return ["before the layers"] + fwd + [f"backward {j}" for j in range(n - 1, -1, -1)]
+    return (["before the layers"] + [f"forward {j}" for j in range(n)] + ["loss"]
+            + [f"backward {j}" for j in range(n - 1, -1, -1)])
+
+
+def _segment_at(pos: int, n: int) -> int:
+    """Index (``memory_segments`` order) of the first segment that runs at schedule position
+    ``pos`` or later: position ``p <= n`` is layer ``p-1``'s forward; later positions are
+    backward starts, which come after the loss segment."""
+    return pos if pos <= n else pos + 1
 
 
 def _peak_from_timeline(
@@ -166,21 +173,23 @@ def _peak_from_timeline(
     from ..v2.schedule import Schedule, position
 
     n = len(profiles)
-    if len(timeline) != 2 * n + 1:
+    if len(timeline) != 2 * n + 2:
         raise OffloadConfigError(
-            f"memory_timeline has {len(timeline)} segments; {n} layers need {2 * n + 1}"
+            f"memory_timeline has {len(timeline)} segments; {n} layers need {2 * n + 2}"
         )
     sync = Schedule.default(k, n).sync
-    windows = [
-        (position(f, a, n), position(g, b, n), moved[j]) for j, (f, a, g, b) in sync.items()
+    windows = [  # [first, last) segment indices in which the plan keeps ``bytes`` off the device
+        (_segment_at(position(f, a, n), n), _segment_at(position(g, b, n), n), moved[j])
+        for j, (f, a, g, b) in sync.items()
     ]
     windows += [  # a checkpointed layer holds only its input between its forward and backward
-        (j + 2, position(False, n - j, n), max(0, profiles[j].activation_bytes - profiles[j].input_bytes))
+        (j + 2, 2 * n + 1 - j,
+         max(0, profiles[j].activation_bytes - profiles[j].input_bytes))
         for j in rec
     ]
     return max(
-        seg - sum(b for start, end, b in windows if start <= pos < end)
-        for pos, seg in enumerate(timeline)
+        seg - sum(b for first, last, b in windows if first <= s < last)
+        for s, seg in enumerate(timeline)
     )
 
 

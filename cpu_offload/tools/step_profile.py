@@ -11,9 +11,9 @@ layer signature) with the layers instrumented by ``apply.instrument``:
   the layer's hidden-state output to the next layer's (the end of backward for layer 0). CUDA
   events on the GPU, host clocks on the simulated device (where compute is the CPU's);
 - peak memory of the step above what it starts with, each layer's transient workspace, and the
-  peak of every segment of the step (before the layers, each layer's forward, the last one with
-  the loss, each layer's backward): where the step peaks, which the planner's memory model
-  charges each plan with (CUDA only);
+  peak of every segment of the step (before the layers, each layer's forward, the loss, each
+  layer's backward): where the step peaks, which the planner's memory model charges each plan
+  with (CUDA only);
 - the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter.
 
 ``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
@@ -148,6 +148,8 @@ class _StepRecorder:
             layer_peak = _max_allocated()
             self.transient[index] = max(0, layer_peak - _allocated())
             self.peak_so_far = max(self.peak_so_far, layer_peak)
+            if index == self.n - 1:
+                self._close_segment()  # the last layer's forward; the loss segment starts
         try:
             hidden, _ = hidden_state(out)
         except TypeError:
@@ -198,7 +200,7 @@ class _StepRecorder:
     def memory_timeline(self, before: int) -> Optional[list]:
         """Segment peaks above ``before`` in ``planner.memory_segments`` order, or None when
         a layer's backward went unseen (its output was not on the loss's path)."""
-        if not self.memory or len(self.segments) != 2 * self.n + 1:
+        if not self.memory or len(self.segments) != 2 * self.n + 2:
             return None
         return [max(0, peak - before) for peak in self.segments]
 
