@@ -170,17 +170,16 @@ def _peak_from_timeline(
     timeline: Sequence[int], profiles: Sequence[LayerProfile], k: int, rec: set, moved: list
 ) -> int:
     """The measured step's peak, segment by segment, minus the bytes the plan keeps away."""
-    from ..v2.schedule import Schedule, position
+    from ..v2.schedule import Schedule
 
     n = len(profiles)
     if len(timeline) != 2 * n + 2:
         raise OffloadConfigError(
             f"memory_timeline has {len(timeline)} segments; {n} layers need {2 * n + 2}"
         )
-    sync = Schedule.default(k, n).sync
+    schedule = Schedule.default(k, n)
     windows = [  # [first, last) segment indices in which the plan keeps ``bytes`` off the device
-        (_segment_at(position(f, a, n), n), _segment_at(position(g, b, n), n), moved[j])
-        for j, (f, a, g, b) in sync.items()
+        (*(_segment_at(pos, n) for pos in schedule.window(j)), moved[j]) for j in schedule.sync
     ]
     windows += [  # a checkpointed layer holds only its input between its forward and backward
         (j + 2, 2 * n + 1 - j,
@@ -198,7 +197,7 @@ def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set, moved: list)
     from ..v2.schedule import Schedule, position
 
     n = len(profiles)
-    sync = Schedule.default(k, n).sync
+    schedule = Schedule.default(k, n)
     peak = 0
     for pos in range(1, 2 * n + 1):
         total = 0
@@ -206,11 +205,9 @@ def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set, moved: list)
             start, bwd_start = j + 1, position(False, n - j, n)
             if not start <= pos <= bwd_start:
                 continue
-            if j in sync:
-                off_fwd, off_num, rel_fwd, rel_num = sync[j]
-                if position(off_fwd, off_num, n) <= pos < position(rel_fwd, rel_num, n):
-                    total += p.activation_bytes - moved[j]  # what a partial layer keeps
-                    continue
+            if schedule.away(j, pos):
+                total += p.activation_bytes - moved[j]  # what a partial layer keeps
+                continue
             full = pos == bwd_start or pos == start or j not in rec
             total += p.activation_bytes if full else p.input_bytes
         peak = max(peak, total)

@@ -91,9 +91,10 @@ class Schedule:
     def __post_init__(self) -> None:
         releases: dict[int, list[int]] = defaultdict(list)
         reloads: dict[int, list[int]] = defaultdict(list)
-        for layer, (off_fwd, off_num, rel_fwd, rel_num) in sorted(self.sync.items()):
-            releases[position(off_fwd, off_num, self.model_layers)].append(layer)
-            reloads[position(rel_fwd, rel_num, self.model_layers)].append(layer)
+        for layer in sorted(self.sync):
+            release, reload = self.window(layer)
+            releases[release].append(layer)
+            reloads[reload].append(layer)
         object.__setattr__(self, "_releases", dict(releases))
         object.__setattr__(self, "_reloads", dict(reloads))
 
@@ -110,6 +111,20 @@ class Schedule:
     def reloads_at(self, pos: int) -> list[int]:
         return self._reloads.get(pos, [])  # type: ignore[attr-defined]
 
+    def window(self, layer: int) -> tuple[int, int]:
+        """``(release, reload)`` positions of an offloaded layer: its memory is off the device
+        from the first (inclusive) to the second (exclusive)."""
+        off_fwd, off_num, rel_fwd, rel_num = self.sync[layer]
+        n = self.model_layers
+        return position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
+
+    def away(self, layer: int, pos: int) -> bool:
+        """Whether ``layer``'s offloaded memory is off the device at position ``pos``."""
+        if layer not in self.sync:
+            return False
+        release, reload = self.window(layer)
+        return release <= pos < reload
+
     def resident_profile(self) -> list[int]:
         """Layers whose activations are on the device while each position's layer runs.
 
@@ -122,13 +137,8 @@ class Schedule:
             count = 0
             for j in range(n):
                 start, end = j + 1, position(False, n - j, n) + 1
-                if not start <= pos < end:
-                    continue
-                if j in self.sync:
-                    off_fwd, off_num, rel_fwd, rel_num = self.sync[j]
-                    if position(off_fwd, off_num, n) <= pos < position(rel_fwd, rel_num, n):
-                        continue
-                count += 1
+                if start <= pos < end and not self.away(j, pos):
+                    count += 1
             out.append(count)
         return out
 
