@@ -22,15 +22,9 @@ from cpu_offload import (
     mark_weight,
 )
 from cpu_offload.compat import OutOfMemoryError, neg_view, top_saved_tensors_hooks
+from parity_models import EXPECTED_WARNINGS
 
-# These tests keep saved tensors alive on purpose (to compare them, or to check what is kept),
-# so offloading frees nothing there and says so; tests/test_stats_verify.py checks that warning.
-# Small stacks offload all layers but one on purpose: the library warns that copies cannot
-# overlap compute then (tests/test_misuse.py checks that warning).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*freed no GPU memory:UserWarning"),
-    pytest.mark.filterwarnings("ignore:num_layers=model_layers-1:UserWarning"),
-]
+pytestmark = EXPECTED_WARNINGS  # see parity_models
 
 
 def ctx_for(sim, k, n, **kw):

@@ -18,15 +18,10 @@ from cpu_offload.module_control import (
     set_activation_offloading,
 )
 from cpu_offload.v2.selection import SelectionPolicy
+from parity_models import EXPECTED_WARNINGS
 
 CPU_POLICY = SelectionPolicy(min_tensor_size_to_offload=0)
-# Two-layer stacks offloading one layer: the library warns that nothing overlaps; irrelevant here.
-# Some also keep saved tensors alive on purpose, so offloading frees nothing and says so
-# (tests/test_stats_verify.py checks that warning).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:num_layers=model_layers-1"),
-    pytest.mark.filterwarnings("ignore:.*freed no GPU memory:UserWarning"),
-]
+pytestmark = EXPECTED_WARNINGS  # see parity_models
 
 
 def on_cpu(t: torch.Tensor) -> bool:

@@ -32,7 +32,8 @@ class Sep(nn.Module):
         return torch.exp(self.lin(x) * 0.1) * 1.0
 
 
-def step(layers, ctx, sync, keep=None):
+def forward(layers, ctx, sync, keep=None):
+    """``(x, h)``: the input and the output of one forward through ``layers``."""
     x = torch.randn(ROWS, D, requires_grad=True)
     h = x
     for layer in layers:
@@ -41,6 +42,11 @@ def step(layers, ctx, sync, keep=None):
         h = sync(h)
         if keep is not None:
             keep.append(h)
+    return x, h
+
+
+def step(layers, ctx, sync, keep=None):
+    x, h = forward(layers, ctx, sync, keep)
     h.sum().backward()
     return x
 
@@ -182,12 +188,7 @@ def test_verify_mode_catches_a_reload_that_skips_its_wait(sim, monkeypatch, via_
         enabled=True, num_layers=2, model_layers=4, min_tensor_size_to_offload=0, device=sim, **kw
     )
     racy(sim, monkeypatch)
-    x = torch.randn(ROWS, D, requires_grad=True)
-    h = x
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        h = sync(h)
+    _, h = forward(layers, ctx, sync)
     sim.in_backward = True
     with pytest.raises(OffloadVerifyError, match=r"saved by layer [01] came back different"):
         h.sum().backward()
