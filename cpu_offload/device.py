@@ -100,12 +100,24 @@ class OffloadDevice(abc.ABC):
     def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (both flat uint8 of equal size)."""
 
-    def copy_and_record(self, stream: Stream, pairs: list) -> list:
-        """Queue ``dst.copy_(src)`` for each ``(dst, src)``, each followed by an event."""
-        events = []
+    def copy_after_compute(self, stream: Stream, pairs: list) -> None:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, after everything
+        queued on the current (compute) stream so far: one stream wait for the whole batch."""
+        self.wait_stream(stream, self.current_stream())
         for dst, src in pairs:
             self.copy(stream, dst, src)
-            events.append(self.record_event(stream))
+
+    def copy_and_record(self, stream: Stream, pairs: list, group_bytes: int = 0) -> list:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)``; return one event per pair, marking
+        (at least) the end of its copy.
+
+        Small copies share an event (see ``event_groups``), which saves host calls; ``0``: one
+        event per copy."""
+        events: list = []
+        for group in event_groups(pairs, group_bytes):
+            for dst, src in group:
+                self.copy(stream, dst, src)
+            events += [self.record_event(stream)] * len(group)
         return events
 
     def elapsed_ms(self, start: Event, end: Event) -> Optional[float]:
@@ -231,20 +243,64 @@ class CudaDevice(OffloadDevice):
         finally:
             torch.cuda.set_stream(previous)
 
-    def copy_and_record(self, stream: Stream, pairs: list) -> list:
+    def copy_after_compute(self, stream: Stream, pairs: list) -> None:
         previous = self.current_stream()
-        timing = self.times_events and not torch.cuda.is_current_stream_capturing()
+        self.wait_stream(stream, previous)
         torch.cuda.set_stream(stream)
-        events = []
         try:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(previous)
+
+    def copy_and_record(self, stream: Stream, pairs: list, group_bytes: int = 0) -> list:
+        previous = self.current_stream()
+        timing = self.times_events and not torch.cuda.is_current_stream_capturing()
+        torch.cuda.set_stream(stream)
+        events: list = []
+        try:
+            for group in event_groups(pairs, group_bytes):
+                for dst, src in group:
+                    dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event(enable_timing=timing)
                 ev.record(stream)
-                events.append(ev)
+                events += [ev] * len(group)
         finally:
             torch.cuda.set_stream(previous)
         return events
+
+
+def event_groups(pairs: list, group_bytes: int) -> list:
+    """Split ``(dst, src)`` copies, in order, into groups that end in one shared event.
+
+    A group closes once it holds ``group_bytes``; a copy of ``group_bytes`` or more closes the
+    group before it and stands alone, so small copies never wait behind a large one. With
+    ``group_bytes=0`` every copy is its own group.
+
+    Example::
+
+        >>> import torch
+        >>> from cpu_offload.device import event_groups
+        >>> pairs = [(torch.empty(n, dtype=torch.uint8), None) for n in (10, 20, 100, 30, 40)]
+        >>> [[d.numel() for d, _ in g] for g in event_groups(pairs, 50)]
+        [[10, 20], [100], [30, 40]]
+    """
+    groups: list = []
+    group: list = []
+    queued = 0
+    for pair in pairs:
+        n = pair[0].numel()
+        if group and n >= group_bytes:
+            groups.append(group)
+            group, queued = [], 0
+        group.append(pair)
+        queued += n
+        if queued >= group_bytes:
+            groups.append(group)
+            group, queued = [], 0
+    if group:
+        groups.append(group)
+    return groups
 
 
 _default_device: Optional[OffloadDevice] = None

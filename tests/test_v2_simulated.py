@@ -90,8 +90,77 @@ def test_missing_reload_wait_would_corrupt_gradients(sim, x0, monkeypatch):
         return entry.reloaded
 
     monkeypatch.setattr(layer_state.Entry, "device_bytes_for_unpack", no_wait)
+    # One reload event per copy: with small copies sharing an event, the wait that freeing the
+    # first reload of a group makes (before the memory can be reused) covers its neighbours.
+    monkeypatch.setattr(layer_state, "BATCH_BYTES", 0)
     out = run_step(layers, x0, *offload_ctx(sim, 2, 4))
     assert not all(torch.equal(a, b) for a, b in zip(out[2], ref[2]))
+
+
+@pytest.mark.parametrize("batch", [0, 4096, 1 << 20])
+def test_small_copies_are_batched_and_stay_exact(sim, x0, monkeypatch, batch):
+    """Host work per saved tensor: small storages' device-to-host copies are queued together
+    (one stream wait per batch) and small reloads share a completion event; gradients do not
+    change, whatever the batch size."""
+    from cpu_offload.v2 import layer_state
+
+    monkeypatch.setattr(layer_state, "BATCH_BYTES", batch)
+    layers = make_layers(4)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    ctx, sync = offload_ctx(sim, 2, 4)
+    for _ in range(2):
+        sim.log.clear()
+        assert_same(run_step(layers, x0, ctx, sync), ref)
+    log = sim.log
+    first_bwd = log.index(("bwd", 3))
+    d2h = [e for e in log[:first_bwd] if e[0] == "copy" and e[3] == "d2h"]
+    side_waits = [e for e in log[:first_bwd] if e[:3] == ("wait", "side1", "compute")]
+    sizes = [e[2] for e in d2h]
+    assert max(sizes) < 1 << 20 and min(sizes) < 4096 <= max(sizes)  # the cases below differ
+    if batch == 0:
+        assert len(side_waits) == len(d2h)  # every copy on its own
+    elif batch == 4096:
+        assert 2 < len(side_waits) < len(d2h)  # each storage of 4096 bytes or more flushes
+    else:
+        assert len(side_waits) == 2  # one batch per offloaded layer, at its end
+    h2d = [e for e in log[first_bwd:] if e[0] == "copy" and e[3] == "h2d"]
+    reload_waits = {e[3] for e in log[first_bwd:] if e[:3] == ("wait", "compute", "side1")}
+    assert 0 < len(h2d) < len(d2h)  # the caller's input is still on the device: not reloaded
+    if batch == 0:
+        assert len(reload_waits) >= len(h2d)
+    else:
+        assert len(reload_waits) < len(h2d)
+
+
+def test_a_storage_freed_before_its_batched_copy_is_not_copied(sim):
+    """A saved tensor autograd drops inside the layer (its graph branch is discarded) leaves
+    the batch before the copy is queued: nothing is copied for it, and nothing else changes."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step(ctx, sync):
+        with ctx:
+            dropped = (x * 3.0).sin()  # sin saves x * 3, a storage of its own, dropped below
+            del dropped
+            h = (x @ w).tanh()
+        h = sync(h)
+        with ctx:
+            out = (h * h).sum()
+        sync(out).backward()
+        grads = (x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+        return grads
+
+    ref = step(*get_cpu_offload_context(enabled=False))
+    ctx, sync = offload_ctx(sim, 1, 2)
+    got = step(ctx, sync)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    # Layer 0 saved x, w (a parameter of this test, offloaded: it is not an nn.Parameter), x * 3
+    # and tanh's output; x * 3 died before the layer's batch was queued.
+    assert len(sim.copies("d2h")) == 3
+    assert ctx.stats().layer(0).offloaded_tensors == 4
+    assert sim.pending_ops() == 0
 
 
 def milestones_to_residency(milestones):

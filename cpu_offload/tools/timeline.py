@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..device import CudaDevice, Event, Stream
+from ..device import CudaDevice, Event, OffloadDevice, Stream
 
 
 def _timed_event(stream: Stream) -> Event:
@@ -51,12 +51,9 @@ class TimelineDevice(CudaDevice):
         if start is not None:
             self._copies.append(("d2h" if src.is_cuda else "h2d", src.numel(), start, _timed_event(stream)))
 
-    def copy_and_record(self, stream: Stream, pairs: list) -> list:
-        return [self._copy_then_event(stream, dst, src) for dst, src in pairs]
-
-    def _copy_then_event(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        self.copy(stream, dst, src)
-        return self.record_event(stream)
+    # One copy at a time through ``copy``, so each is timed (CudaDevice batches them).
+    copy_after_compute = OffloadDevice.copy_after_compute
+    copy_and_record = OffloadDevice.copy_and_record
 
     def timeline(self) -> dict:
         """Milestones and copies in milliseconds from ``start()`` (synchronizes)."""

@@ -35,6 +35,13 @@ from ..storage import (
 )
 from .stats import LayerStats, StepStats
 
+# Copies of storages smaller than this are batched: the device-to-host copies of a layer's small
+# saved tensors are queued together (at the layer's end, or when this many bytes are waiting, or
+# before a large copy), and small reloads share one completion event. A launch costs the host
+# microseconds while this many bytes take the link about 20 us, so batching them delays nothing
+# that matters; larger storages are copied, and waited for, one by one, as soon as possible.
+BATCH_BYTES = 1 << 20
+
 
 class Runtime:
     """Step-independent pieces shared by all layers of one offload context."""
@@ -240,7 +247,9 @@ def copy_in(rt: Runtime, entries: list) -> None:
     buffers = [dev.alloc_device(entry.nbytes, entry.device) for entry in entries]
     # The new buffers were allocated on the compute stream: copy only once compute got there.
     dev.wait_stream(stream, dev.current_stream())
-    events = dev.copy_and_record(stream, [(b, e.cpu) for b, e in zip(buffers, entries)])
+    events = dev.copy_and_record(
+        stream, [(b, e.cpu) for b, e in zip(buffers, entries)], BATCH_BYTES
+    )
     for entry, buf, event in zip(entries, buffers, events):
         entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
@@ -317,7 +326,7 @@ class LayerState:
 
     __slots__ = (
         "index", "rt", "stats", "lstats", "entries", "shared", "eager", "offload_event",
-        "released", "reload_started", "limit",
+        "released", "reload_started", "limit", "pending", "pending_bytes",
     )
 
     def __init__(
@@ -334,6 +343,8 @@ class LayerState:
         self.released = False
         self.reload_started = False
         self.limit = rt.byte_limits.get(index)  # bytes this layer may still offload, if limited
+        self.pending: list[Entry] = []  # small storages whose copies are batched (BATCH_BYTES)
+        self.pending_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------------
     def push(self, t: torch.Tensor) -> Any:
@@ -379,7 +390,16 @@ class LayerState:
         ready = getattr(t, READY_EVENT_ATTR, None)
         if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
             ready = getattr(t._base, READY_EVENT_ATTR, None)
-        if self.eager:
+        if self.eager and ready is None and self.offload_event is None:
+            # The automatic schedule: batch small copies, queue a large one (and the batch
+            # before it) at once, so it overlaps the rest of the layer's forward.
+            entry.cpu = rt.pool.acquire(entry.nbytes, pool_key)
+            self.pending.append(entry)
+            self.pending_bytes += entry.nbytes
+            if entry.nbytes >= BATCH_BYTES or self.pending_bytes >= BATCH_BYTES:
+                self.flush_copies()
+        elif self.eager:
+            self.flush_copies()
             entry.copy_out(ready)
             if self.offload_event is not None:  # manual: offload already started
                 self.offload_event = rt.device.record_event(rt.stream)
@@ -404,9 +424,25 @@ class LayerState:
         )
         return KeptRef(t)
 
+    def flush_copies(self) -> None:
+        """Queue the batched device-to-host copies (after the compute that produced them)."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        self.pending_bytes = 0
+        # An entry whose saved tensors autograd already freed was dropped: nothing to copy.
+        pending = [e for e in pending if e.gpu is not None]
+        if not pending:
+            return
+        self.rt.device.copy_after_compute(self.rt.stream, [(e.cpu, e.gpu) for e in pending])
+        for entry in pending:
+            entry.lstats.copied_out_bytes += entry.nbytes
+
     def finish_forward(self) -> None:
         """End of this layer's forward: mark where its offload copies end on the copy stream."""
         if self.eager and self.entries:
+            self.flush_copies()
             self.offload_event = self.rt.device.record_event(self.rt.stream)
 
     def start_offload(self) -> None:
@@ -466,6 +502,7 @@ class LayerState:
         """The forward was interrupted: hold nothing any more (pending copies are fenced)."""
         dev = self.rt.device
         dev.wait_stream(dev.current_stream(), self.rt.stream)
+        self.pending = []  # never queued: their host buffers go back below
         for entry in self.entries:
             entry.error = (
                 "this saved tensor belongs to a forward pass interrupted by an exception inside "
