@@ -209,6 +209,14 @@ def median(values: Sequence[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+def quantile(values: Sequence[float], q: float) -> Optional[float]:
+    """The ``q`` quantile (nearest rank below) of ``values``; None if there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
 def environment_info(device: BenchDevice) -> dict:
     return {
         "device": device.describe(),

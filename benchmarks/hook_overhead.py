@@ -19,8 +19,10 @@ saves its input and ``weight.t()`` (``addmm``) and the GELU input. Overhead per 
 (step time - ``none`` step time) / saved tensors per step (all of them pass through the hooks);
 per offloaded tensor = the same over the tensors that are actually offloaded; per layer = the same
 over the layers (context entry/exit, sync function and schedule work are per layer, not per
-tensor, so read the three columns together). Methods are run in
-interleaved rounds so drift (clocks, other processes) hits all of them alike.
+tensor, so read the three columns together). Methods take turns step by step (``--rounds``
+defaults to ``--iters``), so drift (clocks, other processes) hits all of them alike; a host-bound
+step is noisy, so ``us/saved p20`` repeats ``us/saved`` from each method's 20th-percentile step
+(noise only ever adds time).
 
 On a CPU with ``SimulatedDevice`` the numbers measure the pure Python cost of the hooks plus the
 simulated copies (which are real host memcpys), not a GPU. Run::
@@ -42,6 +44,7 @@ from bench_common import (
     format_table,
     gc_paused,
     median,
+    quantile,
     write_json,
 )
 
@@ -185,6 +188,7 @@ def measure_all(args: argparse.Namespace, device: BenchDevice, layers: nn.Module
 def summarize(results: dict[str, dict], saved: dict[str, int], args: argparse.Namespace) -> list[list]:
     """Rows of the report; fills ``results`` with medians and per-tensor overheads."""
     base = median(results.get("none", {}).get("step_ms", []))
+    base_low = quantile(results.get("none", {}).get("step_ms", []), 0.2)
     base_fwd = median(results.get("none", {}).get("fwd_ms", []))
     offloaded = {"v2": saved["activations_per_layer"] * args.k, "v1": saved["activations_per_layer"] * args.k,
                  "v2_hooks_only": 0, "save_on_cpu": saved["total"], "none": 0}
@@ -203,13 +207,17 @@ def summarize(results: dict[str, dict], saved: dict[str, int], args: argparse.Na
         n_off = offloaded.get(name, 0)
         r["us_per_offloaded_tensor"] = None if over is None or not n_off else over * 1e3 / n_off
         r["us_per_layer"] = None if over is None or name == "none" else over * 1e3 / args.layers
+        low = quantile(r["step_ms"], 0.2)
+        r["us_per_saved_tensor_p20"] = (
+            None if base_low is None or name == "none" else (low - base_low) * 1e3 / saved["total"]
+        )
         rows.append([name, step, fwd, over, saved["total"], n_off, r["us_per_saved_tensor"],
-                     r["us_per_offloaded_tensor"], r["us_per_layer"]])
+                     r["us_per_saved_tensor_p20"], r["us_per_offloaded_tensor"], r["us_per_layer"]])
     return rows
 
 
 HEADERS = ("method", "step ms", "fwd host ms", "overhead ms", "saved/step", "offloaded/step",
-           "us/saved", "us/offloaded", "us/layer")
+           "us/saved", "us/saved p20", "us/offloaded", "us/layer")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -223,7 +231,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, help="offloaded layers (default layers - 2)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=60, help="timed steps per method")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the methods")
+    p.add_argument("--rounds", type=int, help="interleaved rounds over the methods (default: "
+                   "--iters, one step per method per round)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
@@ -234,6 +243,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if "none" not in args.methods:
         args.methods.insert(0, "none")
     args.k = args.k if args.k is not None else max(1, args.layers - 2)
+    args.rounds = args.rounds or args.iters
     if not 1 <= args.k < args.layers:
         p.error(f"--k must be in [1, layers={args.layers})")
     return args
