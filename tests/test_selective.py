@@ -336,3 +336,30 @@ def test_compiled_layers_are_refused(sim):
         apply_offloading(layers, num_layers=1, selective=True, device=sim)
     with apply_offloading(layers, num_layers=1, selective=[0, 2], device=sim) as handle:
         assert handle.selective == (0, 2)
+
+
+# --- planning -----------------------------------------------------------------------------------
+
+
+def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_exactly(sim):
+    from cpu_offload.tools.step_profile import plan_from_profile, profile_step
+
+    cfg = tiny_config()
+    model = build_model(cfg)
+    x0 = make_input(cfg)
+    ref = gpt_step(model.layers, x0)
+    prof = profile_step(lambda: gpt_step(model.layers, x0), model.layers, device=sim,
+                        min_tensor_size_to_offload=1024, link_gbps=0.01, warmup=0, repeats=1)
+    unit = cfg.batch * cfg.seq * cfg.hidden * 4
+    assert [p.selective_bytes for p in prof.layers] == [6 * unit] * 4
+    assert all(p.activation_bytes == 16 * unit for p in prof.layers[1:])
+    plan = plan_from_profile(prof, 0.7)  # the link is too slow to offload: recompute
+    assert plan.selective and plan.peak_ratio <= 0.7
+    assert f"selective layers: {', '.join(map(str, plan.selective))}" in plan.describe()
+    with apply_offloading(model.layers, plan=plan, device=sim) as handle:
+        assert handle.selective == plan.selective
+        assert_equal(gpt_step(model.layers, x0), ref)
+        assert handle.stats().to_dict()["recipe_bytes"] == 6 * unit * len(plan.selective)
+    no_sel = profile_step(lambda: gpt_step(model.layers, x0), model.layers, device=sim,
+                          min_tensor_size_to_offload=1024, warmup=0, repeats=1, selective=False)
+    assert all(p.selective_bytes == 0 for p in no_sel.layers)
