@@ -8,6 +8,9 @@ other in this process), every configuration of three methods is measured on one 
   (``apply_offloading(layers, plan=Plan(0, tuple(range(k))))``: nothing offloaded, so the
   layers only run checkpointed);
 - ``off k``   ``apply_offloading(layers, num_layers=k)``, k = 1..n-1;
+- ``sel k``   ``apply_offloading(layers, num_layers=k, selective=True)``, k = 0..n-1: every
+  layer recomputes its cheap saved tensors (norm, activation, elementwise outputs), the first
+  k layers offload the rest;
 - ``plan @b`` one ``profile_step`` of the real step, then ``plan_from_profile(prof, b)`` for each
   budget b of ``--budgets`` (fractions of the peak without offloading), applied with
   ``apply_offloading(layers, plan=plan)``; the plan's predicted time and peak ratios (the
@@ -69,7 +72,7 @@ from cpu_offload.tools.step_profile import StepProfile, plan_from_profile, profi
 
 GIB = 1024**3
 WORKLOADS = ("gpt", "hf")
-METHODS = ("ckpt", "off", "plan")
+METHODS = ("ckpt", "off", "sel", "plan")
 NO_OVERLAP_WARNING = "num_layers=model_layers-1"  # off n-1 is measured on purpose
 
 
@@ -86,6 +89,7 @@ class Point(hf_bench.Row):
     recompute: tuple = ()
     partial_fraction: float = 1.0
     partial_bytes: Optional[int] = None
+    selective: tuple = ()  # layers whose cheap saved tensors are recomputed
     names: dict = field(default_factory=dict)  # method -> its name for this configuration
     budgets: list = field(default_factory=list)  # the budgets whose plan is this configuration
     predicted_time_ratio: Optional[float] = None  # the planner's model (plans only)
@@ -99,7 +103,8 @@ class Point(hf_bench.Row):
     @property
     def key(self) -> tuple:
         """What makes two configurations the same (then measured once)."""
-        return (self.num_layers, tuple(sorted(self.recompute)), self.partial_bytes)
+        return (self.num_layers, tuple(sorted(self.recompute)), self.partial_bytes,
+                tuple(sorted(self.selective)))
 
     @property
     def measured(self) -> bool:
@@ -107,19 +112,24 @@ class Point(hf_bench.Row):
 
 
 def method_points(n: int, methods: list[str]) -> list[Point]:
-    """``ckpt 1..n`` and ``off 1..n-1`` (those of ``methods``), each named by its method."""
+    """``ckpt 1..n``, ``off 1..n-1`` and ``sel 0..n-1`` (those of ``methods``), each named
+    by its method."""
     points = []
     if "ckpt" in methods:
         points += [Point(f"ckpt {k}", recompute=tuple(range(k)), names={"ckpt": f"ckpt {k}"})
                    for k in range(1, n + 1)]
     if "off" in methods:
         points += [Point(f"off {k}", num_layers=k, names={"off": f"off {k}"}) for k in range(1, n)]
+    if "sel" in methods:
+        points += [Point(f"sel {k}", num_layers=k, selective=tuple(range(n)),
+                         names={"sel": f"sel {k}"}) for k in range(n)]
     return points
 
 
 def plan_label(plan: Plan) -> str:
     part = f" part={plan.partial_fraction:g}" if plan.partial_bytes is not None else ""
-    return f"plan k={plan.num_layers}{part} rec={list(plan.recompute)}"
+    sel = f" sel={list(plan.selective)}" if plan.selective else ""
+    return f"plan k={plan.num_layers}{part} rec={list(plan.recompute)}{sel}"
 
 
 def add_plans(
@@ -137,7 +147,8 @@ def add_plans(
             chosen[b] = None
             continue
         new = Point(plan_label(plan), num_layers=plan.num_layers, recompute=tuple(plan.recompute),
-                    partial_fraction=plan.partial_fraction, partial_bytes=plan.partial_bytes)
+                    partial_fraction=plan.partial_fraction, partial_bytes=plan.partial_bytes,
+                    selective=tuple(plan.selective))
         point = by_key.setdefault(new.key, new)
         if point is new:
             points.append(point)
@@ -151,17 +162,18 @@ def add_plans(
 
 def install(point: Point, layers: Any, device: BenchDevice, min_size: int) -> Optional[Any]:
     """Apply ``point`` to ``layers``; the handle (``None`` for ``none``)."""
-    if point.num_layers == 0 and not point.recompute:
+    if point.num_layers == 0 and not point.recompute and not point.selective:
         return None
     kw: dict[str, Any] = {"min_tensor_size_to_offload": min_size}
-    if point.num_layers:  # a fresh SimulatedDevice per offloading configuration (sim only)
+    if point.num_layers or point.selective:  # a fresh SimulatedDevice per context (sim only)
         kw["device"] = device.offload_device()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=NO_OVERLAP_WARNING)
         if not point.recompute and point.partial_bytes is None:
-            return cpu_offload.apply_offloading(layers, num_layers=point.num_layers, **kw)
+            return cpu_offload.apply_offloading(layers, num_layers=point.num_layers,
+                                                selective=point.selective, **kw)
         plan = Plan(point.num_layers, point.recompute, partial_fraction=point.partial_fraction,
-                    partial_bytes=point.partial_bytes)
+                    partial_bytes=point.partial_bytes, selective=point.selective)
         return cpu_offload.apply_offloading(layers, plan=plan, **kw)
 
 
@@ -376,7 +388,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="cuda: real GPU; sim: CPU + SimulatedDevice smoke test (default: auto)")
     p.add_argument("--budgets", default="0.9,0.8,0.7,0.6,0.5,0.4,0.3,0.25",
                    help="peak-memory budgets, fractions of none's peak")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of ckpt,off,plan")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of ckpt,off,sel,plan")
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--hidden", type=int, help="override the hidden size")
     p.add_argument("--seq", type=int, help="override the sequence length")

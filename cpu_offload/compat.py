@@ -401,3 +401,53 @@ def compiler_disable(fn: Callable) -> Callable:
 def neg_view(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t`` with the lazy negation bit set (``torch._neg_view``), for tests."""
     return torch._neg_view(t)
+
+
+# ``TorchDispatchMode``: the hook below autograd that sees every aten op (selective
+# recomputation records with it). A private module in every release, same interface 2.0-2.14.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+
+
+def functional_overloads(names: Any) -> frozenset:
+    """The aten ``OpOverload``s of the packets named ``names`` that neither mutate their inputs
+    nor write into an ``out=`` tensor (names this torch release lacks are skipped)."""
+    found = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            schema = op._schema
+            if not schema.is_mutable and not any(a.is_out for a in schema.arguments):
+                found.append(op)
+    return frozenset(found)
+
+
+def autocast_off(device_type: str) -> Any:
+    """A context that runs aten ops exactly as called (no autocast casts) on ``device_type``;
+    a null context when autocast is not enabled there."""
+    import contextlib
+
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # pragma: no cover - releases without the device argument
+        enabled = torch.is_autocast_enabled()
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is ``torch.compile(module)``'s wrapper or was compiled in place
+    (``module.compile()``)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost ``TorchDispatchMode`` active on this thread, or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()

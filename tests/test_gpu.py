@@ -252,3 +252,29 @@ def test_verify_mode_is_exact_and_catches_a_corrupted_host_copy(model, x0):
     entry.cpu.bitwise_not_()  # what a racing writer or a reused host buffer would do
     with pytest.raises(OffloadVerifyError, match="saved by layer 1 came back different"):
         out.float().square().mean().backward()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_selective_recompute_is_bit_identical_and_lowers_peak(model, x0, k):
+    """Selective recomputation on real kernels: LayerNorm and GELU reruns give the same bits,
+    and the stored bytes (6 of 16 units per block) come off the peak."""
+    ref = step(model, x0)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=CFG.layers)
+    for _ in range(2):
+        assert_bit_identical(step(model, x0, ctx, sync), ref)
+    peaks = {}
+    for selective in (False, True):
+        ctx.synchronizer.set_selective(range(CFG.layers) if selective else ())
+        step(model, x0, ctx, sync)
+        torch.cuda.synchronize()
+        before = allocated_bytes()
+        torch.cuda.reset_peak_memory_stats()
+        got = step(model, x0, ctx, sync)
+        torch.cuda.synchronize()
+        peaks[selective] = torch.cuda.max_memory_allocated() - before
+        if selective:
+            assert_bit_identical(got, ref)
+            unit = CFG.batch * CFG.seq * CFG.hidden * 2
+            stats = ctx.stats()
+            assert all(stats.layers[i].recipe_bytes == 6 * unit for i in range(CFG.layers))
+    assert peaks[True] < peaks[False]

@@ -247,11 +247,12 @@ def test_frontier_smoke_sim(tmp_path, capsys):
         labels = [p.label for p in points]
         assert labels[0] == "none" and labels[-1] == "none (end)"
         assert {f"ckpt {k}" for k in range(1, 5)} | {f"off {k}" for k in range(1, 4)} <= set(labels)
+        assert {f"sel {k}" for k in range(4)} <= set(labels)
         assert all(p.error is None and p.step_ms is not None for p in points), points
         assert all(p.exact is True for p in points[1:]), points  # none (end): none vs itself
         assert any("plan" in p.names for p in points)
         for p in points:
-            assert (p.sim_copies or 0) > 0 if p.num_layers else p.sim_copies is None, p
+            assert (p.sim_copies or 0) > 0 if p.num_layers else not p.sim_copies, p
         assert [r["budget"] for r in res["frontier"]] == budgets
         assert all(r["winner"] is None for r in res["frontier"])  # no peak measured on sim
         assert (tmp_path / f"frontier_{name}_sim.json").exists()
@@ -280,10 +281,11 @@ def test_frontier_selection_and_plot(tmp_path):
            predicted_peak_ratio=0.5),
     ]
     rows = bench.frontier(points, [0.9, 0.8, 0.5], {0.9: points[6]}, list(bench.METHODS))
-    assert rows[0]["best"] == {"ckpt": "ckpt 1", "off": "off 1", "plan": "plan k=1 rec=[1]"}
+    assert rows[0]["best"] == {"ckpt": "ckpt 1", "off": "off 1", "sel": None,
+                               "plan": "plan k=1 rec=[1]"}
     assert rows[0]["winner"] == "off 1"
     assert rows[1]["best"]["off"] == "off 3" and rows[1]["winner"] == "plan k=1 rec=[1]"
-    assert rows[2]["best"] == {"ckpt": None, "off": None, "plan": None}
+    assert rows[2]["best"] == {"ckpt": None, "off": None, "sel": None, "plan": None}
     assert rows[2]["winner"] is None and rows[0]["planner_pick_over_budget"] is False
     table = bench.frontier_table(rows, list(bench.METHODS)).splitlines()
     assert len(table) == 2 + 3 and "1.040 / 0.550 plan k=1 rec=[1]" in table[2]

@@ -167,3 +167,49 @@ def test_plans_keep_a_margin_under_the_budget():
     assert chosen.peak_bytes <= exactly_k2 - 0.01 * base_peak  # k=2 itself would be too tight
     with pytest.raises(OffloadConfigError, match="keep 1% of the peak without offloading"):
         plan(REFERENCE, 55, 55, simulate(REFERENCE, 7, (), 1e9, 1e9)[1])
+
+
+# Selective recomputation: per GPT block, both LayerNorm outputs and the GELU output (6 of 16
+# units of batch*seq*hidden) are recomputed in backward instead of stored.
+SELECTIVE = [LayerProfile(512 * MIB, 32 * MIB, 2.84, 6.5, selective_bytes=192 * MIB,
+                          selective_ms=0.3)] * 8
+
+
+def test_selective_layers_store_less_and_pay_their_recompute_in_backward():
+    base, base_peak = simulate(SELECTIVE, 0)
+    ms, peak = simulate(SELECTIVE, 0, (), selective=range(8))
+    assert ms == pytest.approx(base + 8 * 0.3)
+    # a layer holds all of its bytes at its own forward start (the model's conservative point)
+    assert peak == 7 * 320 * MIB + 512 * MIB and base_peak == 8 * 512 * MIB
+    loss = 3 * 512 * MIB
+    _, timed = simulate(SELECTIVE, 0, (), memory_timeline=timeline_of(SELECTIVE, loss),
+                        selective=(0, 5))
+    assert timed == 8 * 512 * MIB + loss - 2 * 192 * MIB
+    with pytest.raises(OffloadConfigError, match="selective layers must be in"):
+        simulate(SELECTIVE, 0, (1,), selective=(1,))
+
+
+def test_offloaded_selective_layers_move_only_what_they_store():
+    # a link that moves one stored block during the whole forward
+    slow = 512 * MIB / (8 * 2.84) / 1e6 * 1.05  # GB/s
+    whole, _ = simulate(SELECTIVE, 2, (), slow, slow)
+    part, _ = simulate(SELECTIVE, 2, (), slow, slow, selective=(0, 1))
+    assert part < whole
+    _, peak = simulate(SELECTIVE, 2, (), 1e6, 1e6, selective=(0, 1))
+    _, plain = simulate(SELECTIVE, 2, (), 1e6, 1e6)
+    assert peak == plain  # offloaded layers are away at the peak either way
+
+
+def test_plan_prefers_selective_over_checkpointing_when_it_is_cheaper():
+    base_peak = simulate(SELECTIVE, 0)[1]
+    budget = int(0.72 * base_peak)
+    without = plan(REFERENCE, 55, 55, budget)
+    chosen = plan(SELECTIVE, 55, 55, budget)
+    assert chosen.selective and chosen.step_ms < without.step_ms
+    assert chosen.peak_bytes <= budget - 0.01 * base_peak
+    ms, peak = simulate(SELECTIVE, chosen.num_layers, chosen.recompute, 55, 55,
+                        chosen.partial_fraction, None, chosen.selective)
+    assert (chosen.step_ms, chosen.peak_bytes) == (pytest.approx(ms), peak)
+    assert "selective layers: " in chosen.describe()
+    # without selective_bytes the search is the one before: no selective plans at all
+    assert all(not c.selective for c in without.alternatives)

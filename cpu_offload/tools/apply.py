@@ -26,8 +26,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..compat import compiler_disable, in_backward
+from ..compat import compiler_disable, in_backward, is_compiled_module
 from ..errors import OffloadConfigError, OffloadUsageError
+from ..facade import use_v1
 
 __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
 
@@ -309,6 +310,8 @@ class OffloadingHandle:
         layers: the layers offloading is installed on, in order.
         num_layers: how many of the first layers offload their activations.
         recompute: indices of the layers recomputed in backward (``torch.utils.checkpoint``).
+        selective: indices of the layers whose cheap saved tensors (norm, activation and
+            elementwise outputs) are recomputed in backward instead of stored.
         plan: the plan applied, if any.
         context, sync: the pair ``get_cpu_offload_context`` returned (``None`` if nothing is
             offloaded, only recomputed).
@@ -328,10 +331,13 @@ class OffloadingHandle:
         (True, 'Linear')
     """
 
-    def __init__(self, layers: list, num_layers: int, recompute: tuple, plan: Any) -> None:
+    def __init__(
+        self, layers: list, num_layers: int, recompute: tuple, plan: Any, selective: tuple = ()
+    ) -> None:
         self.layers = tuple(layers)
         self.num_layers = num_layers
         self.recompute = recompute
+        self.selective = selective
         self.plan = plan
         self.context: Any = None
         self.sync: Optional[Callable] = None
@@ -378,9 +384,10 @@ class OffloadingHandle:
     def __repr__(self) -> str:
         state = "removed" if self.removed else "installed"
         rec = list(self.recompute)
+        sel = f", selective {list(self.selective)}" if self.selective else ""
         return (
             f"OffloadingHandle({state}: offload the first {self.num_layers} of "
-            f"{len(self.layers)} layers, recompute {rec})"
+            f"{len(self.layers)} layers, recompute {rec}{sel})"
         )
 
 
@@ -392,6 +399,7 @@ def apply_offloading(
     *,
     num_layers: Optional[int] = None,
     plan: Any = None,
+    selective: Union[None, bool, Sequence[int]] = None,
     **context_kwargs: Any,
 ) -> OffloadingHandle:
     """Offload the activations of a model's layers to pinned CPU memory, in place.
@@ -413,7 +421,13 @@ def apply_offloading(
             schedule: at most ``len(layers) - num_layers`` layers' activations on the GPU).
         plan: a ``Plan`` from ``plan_offloading``: its ``num_layers`` are offloaded and its
             ``recompute`` layers are checkpointed (non-reentrant ``torch.utils.checkpoint``).
-            Its ``min_tensor_size_to_offload`` is used unless given here.
+            Its ``min_tensor_size_to_offload`` is used unless given here, and its ``selective``
+            layers are selective.
+        selective: layers (indices, or ``True`` for all) whose cheap saved tensors are
+            recomputed in backward instead of stored: outputs of norms, activations,
+            elementwise ops and dtype casts whose inputs the layer saves anyway (V2 only, not
+            with ``torch.compile``'d layers nor with layers the plan checkpoints). Exact, like
+            everything else; combines with offloading (only the other saved tensors move).
         **context_kwargs: passed to ``get_cpu_offload_context`` (``min_tensor_size_to_offload``,
             ``device``, ``retain_pinned_cpu_buffers``, ``synchronization_dict``, ...).
 
@@ -422,7 +436,8 @@ def apply_offloading(
 
     Raises:
         OffloadConfigError: neither or conflicting ``num_layers``/``plan``, arguments that
-            ``apply_offloading`` sets itself, a plan for a different number of layers, or what
+            ``apply_offloading`` sets itself, a plan for a different number of layers, bad
+            ``selective`` layers (out of range, checkpointed, compiled, or under V1), or what
             ``get_cpu_offload_context`` rejects.
         OffloadUsageError: offloading is already applied to one of the layers.
 
@@ -439,6 +454,22 @@ def apply_offloading(
         >>> for layer in layers:
         ...     x = layer(x)
         >>> x.sum().backward()
+        >>> handle.remove()
+
+    Selective recomputation, alone or with offloading::
+
+        >>> mlp = lambda: torch.nn.Sequential(
+        ...     torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        >>> blocks = torch.nn.ModuleList(mlp() for _ in range(4))
+        >>> handle = cpu_offload.apply_offloading(
+        ...     blocks, num_layers=1, selective=True, min_tensor_size_to_offload=1,
+        ...     device=cpu_offload.SimulatedDevice())
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> for block in blocks:
+        ...     x = block(x)
+        >>> x.sum().backward()
+        >>> handle.stats().to_dict()["recipe_tensors"]   # each GELU output, saved by a Linear
+        4
         >>> handle.remove()
     """
     layers = as_layer_list(layers)
@@ -472,10 +503,18 @@ def apply_offloading(
             "apply_offloading needs num_layers=k (offload the first k layers) or "
             "plan=cpu_offload.plan_offloading(step_fn, layers, memory_budget)"
         )
+    if plan is not None and selective is None:
+        selective = tuple(getattr(plan, "selective", ()))
+    sel = _selective_layers(selective, layers, recompute)
+    if sel and use_v1():
+        raise OffloadConfigError(
+            "selective recomputation needs the V2 backend, but NVTE_CPU_OFFLOAD_V1=1 selects V1; "
+            "unset NVTE_CPU_OFFLOAD_V1, or drop selective="
+        )
     check_not_instrumented(layers)
-    handle = OffloadingHandle(layers, num_layers or 0, recompute, plan)
+    handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel)
     offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
-    if offloads:
+    if offloads or sel:
         from ..facade import get_cpu_offload_context
 
         with warnings.catch_warnings():
@@ -488,11 +527,48 @@ def apply_offloading(
             )
         if plan is not None and getattr(plan, "partial_bytes", None) is not None:
             _limit_last_layer(handle, plan)
+        if sel:
+            handle.synchronizer.set_selective(sel)
         driver: Any = _OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)
     handle._undo = instrument(layers, driver, recompute)
     return handle
+
+
+def _selective_layers(selective: Any, layers: list, recompute: tuple) -> tuple:
+    """``selective=`` as sorted layer indices, checked."""
+    n = len(layers)
+    if selective is None or selective is False:
+        return ()
+    if selective is True:
+        sel = tuple(range(n))
+    else:
+        try:
+            sel = tuple(sorted(set(selective)))
+        except TypeError:
+            raise OffloadConfigError(
+                f"selective must be True (every layer) or layer indices, got {selective!r}"
+            ) from None
+        bad = [i for i in sel if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise OffloadConfigError(
+                f"selective layers must be indices in [0, {n}), got {bad!r}"
+            )
+    both = sorted(set(sel) & set(recompute))
+    if both:
+        raise OffloadConfigError(
+            f"layers {both} are both checkpointed (recompute) and selective: a checkpointed "
+            "layer saves only its input, so leave it out of selective"
+        )
+    compiled = [i for i in sel if is_compiled_module(layers[i])]
+    if compiled:
+        raise OffloadConfigError(
+            f"layers {compiled} are compiled with torch.compile: selective recomputation records "
+            "the eager ops of a layer's forward, which a compiled graph hides; leave them out of "
+            "selective, or compile the layers without it"
+        )
+    return sel
 
 
 def _limit_last_layer(handle: OffloadingHandle, plan: Any) -> None:

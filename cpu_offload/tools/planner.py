@@ -8,6 +8,14 @@ time and peak activation memory of "offload the first ``k`` layers with the defa
 recompute layers ``R``"; ``plan`` searches all ``(k, R)`` for the fastest plan within a memory
 budget. ``profile_layers`` measures the inputs on the real device.
 
+Between storing a layer's activations and recomputing the whole layer lies *selective*
+recomputation (``apply_offloading(..., selective=...)``): the cheap saved tensors of a layer
+(norm, activation and elementwise outputs, ``selective_bytes`` of it) are recomputed in its
+backward (``selective_ms``) and never stored; the rest is kept or offloaded as usual, so an
+offloaded selective layer moves fewer bytes over the link. Per layer a plan thus keeps,
+offloads (the last offloaded layer possibly in part), recomputes selectively, does both, or
+checkpoints the whole layer.
+
 Whole layers are coarse: when the link can move 3.4 layers' bytes during the forward, offloading
 3 wastes link time and offloading 4 stalls. So the last offloaded layer may be offloaded only in
 part (the first quarter, half or three quarters of the bytes it saves, in the order it saves
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from itertools import product
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -44,11 +53,14 @@ class LayerProfile:
     fwd_ms: float
     bwd_ms: float
     transient_bytes: int = 0  # workspace above inputs + saved activations while the layer runs
+    selective_bytes: int = 0  # of activation_bytes, what selective recomputation does not store
+    selective_ms: float = 0.0  # the backward time selective recomputation adds
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Offload the first ``num_layers`` layers; checkpoint the layers in ``recompute``."""
+    """Offload the first ``num_layers`` layers; checkpoint the layers in ``recompute``;
+    recompute the cheap saved tensors of the layers in ``selective``."""
 
     num_layers: int
     recompute: tuple = ()
@@ -66,6 +78,7 @@ class Plan:
     # The last offloaded layer (``num_layers - 1``) may offload only part of what it saves:
     partial_fraction: float = 1.0  # the share of its bytes the plan assumed
     partial_bytes: Optional[int] = None  # its byte limit, applied by ``apply_offloading``
+    selective: tuple = ()  # layers whose cheap saved tensors are recomputed (never stored)
 
     @property
     def time_ratio(self) -> float:
@@ -83,9 +96,11 @@ class Plan:
                 f", of layer {self.num_layers - 1} only its first "
                 f"{self.partial_fraction:.0%} of saved bytes ({self.partial_bytes / 2**20:.0f} MiB)"
             )
+        sel = ", ".join(map(str, self.selective)) or "none"
         return (
             f"offload the first {self.num_layers} layers (get_cpu_offload_context(num_layers="
-            f"{self.num_layers})){part}, recompute layers: {rec}; predicted step {self.step_ms:.1f} ms "
+            f"{self.num_layers})){part}, recompute layers: {rec}, selective layers: {sel}; "
+            f"predicted step {self.step_ms:.1f} ms "
             f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
             f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
         )
@@ -99,9 +114,12 @@ def simulate(
     h2d_gbps: float = 50.0,
     partial_fraction: float = 1.0,
     memory_timeline: Optional[Sequence[int]] = None,
+    selective: Sequence[int] = (),
 ) -> tuple[float, int]:
     """Predicted ``(step_ms, peak_bytes)`` of one forward+backward, where layer
-    ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest.
+    ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest, and the
+    ``selective`` layers store ``selective_bytes`` less (offloaded ones move that much less)
+    and take ``selective_ms`` longer in backward.
 
     Without ``memory_timeline`` the peak counts layer activations only (plus the largest
     transient). With it (the measured peak of each segment of a step without offloading, as
@@ -117,7 +135,15 @@ def simulate(
         )
     if not 0.0 < partial_fraction <= 1.0:
         raise OffloadConfigError(f"partial_fraction must be in (0, 1], got {partial_fraction}")
-    moved = [p.activation_bytes for p in profiles]  # bytes each layer sends over the link
+    sel = set(selective)
+    if any(not 0 <= j < n for j in sel) or sel & rec:
+        raise OffloadConfigError(
+            f"selective layers must be in [0, {n}) and not checkpointed, got "
+            f"selective={sorted(sel)}, recompute={sorted(rec)}"
+        )
+    stored = [p.activation_bytes - (p.selective_bytes if j in sel else 0)
+              for j, p in enumerate(profiles)]
+    moved = list(stored)  # bytes each layer sends over the link
     if k:
         moved[k - 1] = int(moved[k - 1] * partial_fraction)
     d2h = [b / (d2h_gbps * 1e6) for b in moved]  # ms
@@ -140,14 +166,16 @@ def simulate(
     for m in range(n - 1, -1, -1):
         start = max(t, reload_end[m]) if m < k else t
         cost = profiles[m].bwd_ms + (profiles[m].fwd_ms if m in rec else 0.0)
+        if m in sel:
+            cost += profiles[m].selective_ms
         bwd_end[m] = t = start + cost
         i = m - (n - k)  # layer whose reload this backward unlocks
         if 0 <= i < k:
             queue = max(queue, t) + h2d[i]
             reload_end[i] = queue
     if memory_timeline is not None:
-        return bwd_end[0], _peak_from_timeline(memory_timeline, profiles, k, rec, moved)
-    return bwd_end[0], _peak_bytes(profiles, k, rec, moved)
+        return bwd_end[0], _peak_from_timeline(memory_timeline, profiles, k, rec, moved, sel)
+    return bwd_end[0], _peak_bytes(profiles, k, rec, moved, stored)
 
 
 def memory_segments(model_layers: int) -> list[str]:
@@ -167,7 +195,8 @@ def _segment_at(pos: int, n: int) -> int:
 
 
 def _peak_from_timeline(
-    timeline: Sequence[int], profiles: Sequence[LayerProfile], k: int, rec: set, moved: list
+    timeline: Sequence[int], profiles: Sequence[LayerProfile], k: int, rec: set, moved: list,
+    sel: set = frozenset(),
 ) -> int:
     """The measured step's peak, segment by segment, minus the bytes the plan keeps away."""
     from ..v2.schedule import Schedule
@@ -186,13 +215,18 @@ def _peak_from_timeline(
          max(0, profiles[j].activation_bytes - profiles[j].input_bytes))
         for j in rec
     ]
+    windows += [  # a selective layer never stores its recomputed tensors (the same window)
+        (j + 2, 2 * n + 1 - j, profiles[j].selective_bytes) for j in sel
+    ]
     return max(
         seg - sum(b for first, last, b in windows if first <= s < last)
         for s, seg in enumerate(timeline)
     )
 
 
-def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set, moved: list) -> int:
+def _peak_bytes(
+    profiles: Sequence[LayerProfile], k: int, rec: set, moved: list, stored: list
+) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
     from ..v2.schedule import Schedule, position
 
@@ -206,10 +240,12 @@ def _peak_bytes(profiles: Sequence[LayerProfile], k: int, rec: set, moved: list)
             if not start <= pos <= bwd_start:
                 continue
             if schedule.away(j, pos):
-                total += p.activation_bytes - moved[j]  # what a partial layer keeps
+                total += stored[j] - moved[j]  # what a partial layer keeps
                 continue
-            full = pos == bwd_start or pos == start or j not in rec
-            total += p.activation_bytes if full else p.input_bytes
+            if pos == bwd_start or pos == start:
+                total += p.activation_bytes
+            else:
+                total += p.input_bytes if j in rec else stored[j]
         peak = max(peak, total)
     return peak + max(p.transient_bytes for p in profiles)
 
@@ -224,9 +260,11 @@ def plan(
     partial: bool = True,
     memory_timeline: Optional[Sequence[int]] = None,
 ) -> Plan:
-    """Fastest ``(num_layers, recompute)`` whose predicted peak fits the budget.
+    """Fastest ``(num_layers, recompute, selective)`` whose predicted peak fits the budget.
 
-    Recomputation is tried on the earliest non-offloaded layers (resident the longest). With
+    Recomputation is tried on the earliest non-offloaded layers (resident the longest), then
+    selective recomputation on the next ones, and on all offloaded layers or none of them
+    (when the profiles say what it removes, ``selective_bytes``). With
     ``partial``, the last offloaded layer may also be offloaded in part (``PARTIAL_FRACTIONS``
     of its bytes; ``Plan.partial_bytes`` is the resulting byte limit). Without
     a budget, the fastest plan that offloads as much as possible at no predicted time cost.
@@ -245,18 +283,24 @@ def plan(
     extra_ms = max(0.0, measured_baseline_ms - base_ms) if measured_baseline_ms else 0.0
     base_peak += extra
     base_ms += extra_ms
+    selective = any(p.selective_bytes for p in profiles)
     candidates = []
     for k in range(n):
         fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
-        for frac in fractions:
-            limit = int(profiles[k - 1].activation_bytes * frac) if frac < 1.0 else None
+        for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
+            last = profiles[k - 1] if k else None
+            stored = last and last.activation_bytes - (last.selective_bytes if sel_off else 0)
+            limit = int(stored * frac) if frac < 1.0 else None
             for r in range(n - k + 1):
                 rec = tuple(range(k, k + r))
-                ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline)
-                candidates.append(Plan(
-                    k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
-                    partial_fraction=frac, partial_bytes=limit,
-                ))
+                for s in range(n - k - r + 1) if selective else (0,):
+                    sel = tuple(range(k) if sel_off else ()) + tuple(range(k + r, k + r + s))
+                    ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac,
+                                        memory_timeline, sel)
+                    candidates.append(Plan(
+                        k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
+                        partial_fraction=frac, partial_bytes=limit, selective=sel,
+                    ))
     if memory_budget_bytes is None:
         fastest = min(c.step_ms for c in candidates)
         fits = [c for c in candidates if c.step_ms <= fastest * 1.001]
@@ -273,7 +317,8 @@ def plan(
                 "offloading as a margin for the model's error); raise the budget or reduce "
                 "the batch"
             )
-    best = min(fits, key=lambda c: (round(c.step_ms, 3), c.peak_bytes, len(c.recompute)))
+    best = min(fits, key=lambda c: (
+        round(c.step_ms, 3), c.peak_bytes, len(c.recompute), len(c.selective)))
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
     return replace(best, alternatives=others)
 

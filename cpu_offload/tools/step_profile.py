@@ -14,7 +14,10 @@ layer signature) with the layers instrumented by ``apply.instrument``:
   peak of every segment of the step (before the layers, each layer's forward, the loss, each
   layer's backward): where the step peaks, which the planner's memory model charges each plan
   with (CUDA only);
-- the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter.
+- the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter;
+- selective recomputation: one more counted step and timed steps with every layer selective
+  (a V2 context that offloads nothing): per layer the bytes it stores as recipes instead, and
+  the backward time it adds (the difference to the timed steps without it).
 
 ``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
 that ``apply_offloading(layers, plan=plan)`` applies.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -229,10 +233,48 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _run(step_fn: Callable[[], Any], layers: list, recorder: _StepRecorder) -> float:
-    """One instrumented ``step_fn()``; returns the whole step's time in ms."""
+class _Selective:
+    """``instrument`` driver: a recorder's measurements around a V2 context that offloads
+    nothing and recomputes every layer's cheap saved tensors."""
+
+    owner = None
+
+    def __init__(self, recorder: _StepRecorder, layers: list, device: Any, min_size: int) -> None:
+        from ..v2.context import get_cpu_offload_context
+        from .apply import _OffloadDriver
+
+        context, sync = get_cpu_offload_context(
+            enabled=True, num_layers=0, model_layers=len(layers), device=device,
+            min_tensor_size_to_offload=min_size,
+        )
+        context.synchronizer.set_selective(range(len(layers)))
+        self.recorder = recorder
+        self.context = context
+        self.inner = _OffloadDriver(SimpleNamespace(layers=layers), context, sync)
+
+    def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
+        token = self.recorder.before(index, layer, args, kwargs)
+        return None if token is None else (token, self.inner.before(index, layer, args, kwargs))
+
+    def after(self, token: tuple, out: Any) -> Any:
+        return self.recorder.after(token[0], self.inner.after(token[1], out))
+
+    def abort(self, token: tuple, exc: BaseException) -> None:
+        self.inner.abort(token[1], exc)
+        self.recorder.abort(token[0], exc)
+
+    def recipe_bytes(self) -> list:
+        layers = self.context.stats().layers
+        return [layers[i].recipe_bytes if i in layers else 0 for i in range(self.inner.n)]
+
+
+def _run(
+    step_fn: Callable[[], Any], layers: list, recorder: _StepRecorder, driver: Any = None
+) -> float:
+    """One instrumented ``step_fn()`` (``driver``: one that wraps ``recorder``); returns the
+    whole step's time in ms."""
     clock = recorder.clock
-    undo = instrument(layers, recorder)
+    undo = instrument(layers, driver or recorder)
     try:
         clock.synchronize()
         start = clock.mark()
@@ -280,11 +322,13 @@ def profile_step(
     link_gbps: Union[None, float, tuple] = None,
     warmup: int = 1,
     repeats: int = 3,
+    selective: bool = True,
 ) -> StepProfile:
     """Measure ``step_fn()`` per layer (see the module docstring); ``plan_offloading``'s input.
 
-    ``step_fn`` runs ``warmup + 1 + repeats`` times; the gradients it accumulates are left as
-    they are. Only the first forward pass of each call is recorded.
+    ``step_fn`` runs ``warmup + 1 + repeats`` times, twice that with ``selective`` (what
+    selective recomputation removes and costs); the gradients it accumulates are left as they
+    are. Only the first forward pass of each call is recorded.
     """
     layers = as_layer_list(layers)
     device = device or default_device()
@@ -326,6 +370,12 @@ def profile_step(
         fwd, bwd = timed.times()
         fwd_runs.append(fwd)
         bwd_runs.append(bwd)
+    sel_bytes, sel_ms = [0] * n, [0.0] * n
+    if selective:
+        sel_bytes, sel_ms = _measure_selective(
+            step_fn, layers, clock, device, min_tensor_size_to_offload, warmup, repeats,
+            [statistics.median(r[i] for r in bwd_runs) for i in range(n)],
+        )
     profiles = [
         LayerProfile(
             activation_bytes=counted.saved[i],
@@ -333,6 +383,8 @@ def profile_step(
             fwd_ms=statistics.median(r[i] for r in fwd_runs),
             bwd_ms=statistics.median(r[i] for r in bwd_runs),
             transient_bytes=counted.transient[i],
+            selective_bytes=min(sel_bytes[i], counted.saved[i]),
+            selective_ms=sel_ms[i],
         )
         for i in range(n)
     ]
@@ -351,6 +403,25 @@ def profile_step(
     )
 
 
+def _measure_selective(
+    step_fn: Callable[[], Any], layers: list, clock: _Clock, device: OffloadDevice,
+    min_size: int, warmup: int, repeats: int, bwd_ms: list,
+) -> tuple:
+    """Per layer, the bytes selective recomputation stores as recipes instead and the
+    backward time it adds (against ``bwd_ms``, measured without it)."""
+    n = len(layers)
+    runs, sel_bytes = [], [0] * n
+    for i in range(max(1, warmup) + max(1, repeats)):
+        recorder = _StepRecorder(n, clock, None, memory=False)
+        driver = _Selective(recorder, layers, device, min_size)
+        _run(step_fn, layers, recorder, driver)
+        sel_bytes = [max(a, b) for a, b in zip(sel_bytes, driver.recipe_bytes())]
+        if i >= max(1, warmup):
+            runs.append(recorder.times()[1])
+    sel_ms = [max(0.0, statistics.median(r[i] for r in runs) - bwd_ms[i]) for i in range(n)]
+    return sel_bytes, sel_ms
+
+
 def plan_offloading(
     step_fn: Callable[[], Any],
     layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
@@ -362,6 +433,7 @@ def plan_offloading(
     warmup: int = 1,
     repeats: int = 3,
     partial: bool = True,
+    selective: bool = True,
 ) -> Plan:
     """Choose what to offload and what to recompute from one real training step.
 
@@ -390,10 +462,14 @@ def plan_offloading(
         partial: let the last offloaded layer offload only part of what it saves (its first
             quarter, half or three quarters of bytes), to use the link up to its capacity.
             Only the V2 backend applies such a plan; pass ``False`` for V1.
+        selective: measure and consider selective recomputation (``Plan.selective``: layers
+            whose cheap saved tensors are recomputed instead of stored). Only the V2 backend
+            applies it; pass ``False`` for V1 (or to save the extra profiled steps).
 
     Returns:
-        A ``Plan``: ``num_layers``, ``recompute``, predicted ``step_ms``/``peak_bytes`` and
-        ratios, ``describe()``; apply it with ``apply_offloading(layers, plan=plan)``.
+        A ``Plan``: ``num_layers``, ``recompute``, ``selective``, predicted
+        ``step_ms``/``peak_bytes`` and ratios, ``describe()``; apply it with
+        ``apply_offloading(layers, plan=plan)``.
 
     Raises:
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
@@ -432,7 +508,7 @@ def plan_offloading(
         raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
     prof = profile_step(
         step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
-        link_gbps=link_gbps, warmup=warmup, repeats=repeats,
+        link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
     )
     return plan_from_profile(prof, memory_budget, partial)
 

@@ -53,6 +53,7 @@ class OffloadContext:
         self._frames: list = []  # per entry: the hooks installed, None, or _RECOMPUTE
         # One hooks object for every entry (it holds only the two functions), not one per layer.
         self._hooks = saved_tensors_hooks(synchronizer.push, synchronizer.pop)
+        self._selective_hooks = saved_tensors_hooks(synchronizer.push_selective, synchronizer.pop)
 
     def stats(self) -> StepStats:
         """What the current (or last) step did; see ``OffloadSynchronizer.stats``."""
@@ -71,12 +72,20 @@ class OffloadContext:
             return self
         hooks = None
         if sync.hooks_needed:
-            hooks = self._hooks
+            selective = sync.current_selective
+            hooks = self._hooks if selective is None else self._selective_hooks
             try:
                 hooks.__enter__()
             except BaseException:
                 sync.abort()
                 raise
+            if selective is not None:
+                try:
+                    selective.begin()  # records recipes while the layer runs
+                except BaseException:
+                    hooks.__exit__(None, None, None)
+                    sync.abort()
+                    raise
         self._frames.append(hooks)
         _state.active.append(sync)
         return self

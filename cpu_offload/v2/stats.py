@@ -29,7 +29,8 @@ class LayerStats:
 
     __slots__ = (
         "offloaded_tensors", "copied_out_bytes", "reloaded_bytes", "freed_bytes",
-        "held_elsewhere_bytes", "skipped_bytes",
+        "held_elsewhere_bytes", "skipped_bytes", "recipe_tensors", "recipe_bytes",
+        "recomputed_bytes",
     )
 
     def __init__(self) -> None:
@@ -39,6 +40,12 @@ class LayerStats:
         self.freed_bytes = 0  # device bytes the release actually freed
         self.held_elsewhere_bytes = 0  # copied, but something else keeps the memory alive
         self.skipped_bytes: dict = defaultdict(int)  # reason -> bytes kept on the device
+        # Selective recomputation: saved tensors stored as recipes, their storages' bytes (each
+        # once per forward: never stored), and bytes recomputed in backward (recipes whose
+        # inputs were themselves recomputed included).
+        self.recipe_tensors = 0
+        self.recipe_bytes = 0
+        self.recomputed_bytes = 0
 
     def to_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__slots__}
@@ -103,6 +110,9 @@ class StepStats:
             "freed_bytes": self.total("freed_bytes"),
             "held_elsewhere_bytes": self.total("held_elsewhere_bytes"),
             "skipped_bytes": self.skipped(),
+            "recipe_tensors": self.total("recipe_tensors"),
+            "recipe_bytes": self.total("recipe_bytes"),
+            "recomputed_bytes": self.total("recomputed_bytes"),
             "pinned_host_bytes_in_use": self._pool.in_use_bytes,
             "pinned_host_bytes_peak": self._pool.peak_in_use_bytes,
             "pinned_host_bytes_cached": self._pool.cached_bytes() + self._pool.retained_bytes(),
@@ -132,10 +142,17 @@ class StepStats:
         if d["skipped_bytes"]:
             why = ", ".join(f"{r}: {_mib(n)}" for r, n in sorted(d["skipped_bytes"].items()))
             lines.append(f"kept on the GPU: {why}")
+        if d["recipe_tensors"]:
+            lines.append(
+                f"recomputed instead of stored (selective): {d['recipe_tensors']} saved tensors, "
+                f"{_mib(d['recipe_bytes'])} never stored; {_mib(d['recomputed_bytes'])} "
+                "recomputed in backward"
+            )
         for i, s in sorted(self.layers.items()):
             lines.append(
                 f"  layer {i}: {s.offloaded_tensors} tensors, {_mib(s.copied_out_bytes)} out, "
                 f"{_mib(s.reloaded_bytes)} back, {_mib(s.freed_bytes)} freed"
+                + (f", {_mib(s.recipe_bytes)} recomputed instead" if s.recipe_tensors else "")
             )
         return "\n".join(lines)
 
@@ -143,7 +160,7 @@ class StepStats:
         """Why this step freed no GPU memory (None if it freed some, or offloaded no layer)."""
         if not self.layers and not self.layers_without_grad:
             return None
-        if self.total("freed_bytes") > 0:
+        if self.total("freed_bytes") > 0 or self.total("recipe_bytes") > 0:
             return None
         if self.total("held_elsewhere_bytes"):
             return (

@@ -25,6 +25,7 @@ from ..compat import (
 from ..device import OffloadDevice
 from ..errors import OffloadUsageError, check_sync_argument
 from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
+from .recompute import SelectiveLayer
 from ..storage import KeptRef
 from ..pinned_pool import PinnedPool
 from .schedule import Schedule
@@ -38,9 +39,13 @@ class Step:
     __slots__ = (
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
+        "selective_indices", "selective",
     )
 
-    def __init__(self, rt: Runtime, schedule: Optional[Schedule], model_layers: int) -> None:
+    def __init__(
+        self, rt: Runtime, schedule: Optional[Schedule], model_layers: int,
+        selective: frozenset = frozenset(),
+    ) -> None:
         self.rt = rt
         self.stats = StepStats(rt.device, rt.pool)
         self.schedule = schedule  # None: manual synchronization
@@ -54,6 +59,8 @@ class Step:
         self.aborted = False
         self.invalid = False  # misused (wrong layer count): the next forward starts a new step
         self.last_trigger: Optional[weakref.ref] = None  # of the newest layer output's trigger
+        self.selective_indices = selective  # layers whose cheap saved tensors are recomputed
+        self.selective: dict[int, SelectiveLayer] = {}  # of this step, made as they run
 
     @property
     def complete(self) -> bool:
@@ -84,6 +91,8 @@ class Step:
             if offloaded and grad else None
         )
         self.layers.append(layer)
+        if grad and index in self.selective_indices:
+            self.selective[index] = SelectiveLayer(index, self.stats.layer(index))
         return layer
 
     def end_forward_layer(self) -> None:
@@ -133,6 +142,8 @@ class Step:
         for layer in self.layers:
             if layer is not None and layer.index in self.bwd_layers:
                 layer.end_backward()
+        for selective in self.selective.values():
+            selective.end_backward()
         self.bwd_layers.clear()
         self.backward_task = None
         dev.trace("end_bwd", -1)
@@ -142,6 +153,8 @@ class Step:
         """Offloading that frees nothing is worse than none: say so once per context."""
         if self.stats.checked or self.schedule is None:
             return
+        if not any(layer is not None for layer in self.layers):
+            return  # only selective layers: nothing was to be offloaded
         self.stats.checked = True
         reason = self.stats.nothing_done_reason(self.rt.threshold)
         if reason is not None:
@@ -159,6 +172,8 @@ class Step:
     def abort(self) -> None:
         self.aborted = True
         self.shared = {}
+        for selective in self.selective.values():
+            selective.end()
         for layer in self.layers:
             if layer is not None:
                 layer.abort()
@@ -210,6 +225,8 @@ class OffloadSynchronizer:
         )
         self.step: Optional[Step] = None
         self.current: Optional[LayerState] = None
+        self.selective: frozenset = frozenset()  # layers whose cheap saved tensors are recomputed
+        self.current_selective: Optional[SelectiveLayer] = None
         self.current_index = -1
         self.inside = False
         self.awaiting_sync = False
@@ -253,10 +270,11 @@ class OffloadSynchronizer:
                 step.abort()  # a forward left half-way: its graph is gone or unusable
             if step is not None:
                 step.stats.log()
-            self.step = step = Step(self.rt, self.schedule, self.model_layers)
+            self.step = step = Step(self.rt, self.schedule, self.model_layers, self.selective)
             self.rt.pool.trim()
         self.current = step.begin_forward()
         self.current_index = step.fwd_count - 1
+        self.current_selective = step.selective.get(self.current_index)
         self.inside = True
         return True
 
@@ -266,6 +284,7 @@ class OffloadSynchronizer:
         if self.current is not None:
             self.current.finish_forward()
         self.current = None
+        self._end_selective()
         if self.step is not None:
             self.step.end_forward_layer()
 
@@ -299,6 +318,7 @@ class OffloadSynchronizer:
         """An exception escaped a layer: drop the step and everything it held."""
         if self.step is not None:
             self.step.abort()
+        self._end_selective()
         self.step = None
         self.current = None
         self.inside = False
@@ -316,11 +336,42 @@ class OffloadSynchronizer:
         else:
             self.rt.byte_limits[layer] = nbytes
 
+    def set_selective(self, layers: Any) -> None:
+        """Recompute the cheap saved tensors of these layers (indices) in backward instead of
+        storing them (``cpu_offload.v2.recompute``); from the next forward pass on."""
+        layers = frozenset(layers)
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.model_layers]
+        if bad:
+            raise OffloadUsageError(
+                f"selective layers must be ints in [0, model_layers={self.model_layers}), got "
+                f"{sorted(bad, key=repr)!r}"
+            )
+        self.selective = layers
+
+    def _end_selective(self) -> None:
+        selective, self.current_selective = self.current_selective, None
+        if selective is not None:
+            selective.end()
+
     # -- saved-tensor hooks ------------------------------------------------------------------------
     @property
     def hooks_needed(self) -> bool:
-        """Only offloaded layers get saved-tensor hooks; the others run exactly as without us."""
-        return self.current is not None
+        """Only offloaded and selective layers get saved-tensor hooks; the others run exactly as
+        without us."""
+        return self.current is not None or self.current_selective is not None
+
+    def push_selective(self, t: torch.Tensor) -> Any:
+        """The pack hook of a selective layer: a recipe instead of the bytes where one applies
+        (and the tensor would be offloaded), else ``push``."""
+        selective = self.current_selective
+        if selective is None:
+            return self.push(t)
+        ref = selective.pack(t, self.policy)
+        if ref is None:
+            ref = self.push(t)
+            selective.note(t, ref)
+        return ref
 
     def push(self, t: torch.Tensor) -> Any:
         layer = self.current
