@@ -1,4 +1,6 @@
 """The planner's step model and search (pure), and layer profiling on the CPU."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -187,6 +189,20 @@ def test_selective_layers_store_less_and_pay_their_recompute_in_backward():
     assert timed == 8 * 512 * MIB + loss - 2 * 192 * MIB
     with pytest.raises(OffloadConfigError, match="selective layers must be in"):
         simulate(SELECTIVE, 0, (1,), selective=(1,))
+
+
+def test_selective_forward_cost_is_charged_and_can_rule_it_out():
+    """Recording a selective layer's ops costs host time in forward (a host-bound layer, such as
+    a Hugging Face decoder layer with its many small ops, slows down); the planner charges it,
+    and where it exceeds a whole-layer recompute, checkpointing wins."""
+    ms, _ = simulate(SELECTIVE, 0, (), selective=range(8))
+    host_bound = [replace(p, selective_fwd_ms=4.0) for p in SELECTIVE]
+    slow, _ = simulate(host_bound, 0, (), selective=range(8))
+    assert slow == pytest.approx(ms + 8 * 4.0)
+    budget = int(0.72 * simulate(SELECTIVE, 0)[1])
+    assert plan(SELECTIVE, 55, 55, budget).selective
+    chosen = plan(host_bound, 55, 55, budget)
+    assert not chosen.selective and chosen.recompute
 
 
 def test_offloaded_selective_layers_move_only_what_they_store():

@@ -356,7 +356,8 @@ def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_e
     assert all(p.activation_bytes == 16 * unit for p in prof.layers[1:])
     # Host times on the simulated device are noise: plan with fixed ones (checkpointing a
     # layer costs 1 ms, its selective recomputation 0.1 ms), the measured bytes.
-    prof.layers = [replace(p, fwd_ms=1.0, bwd_ms=2.0, selective_ms=0.1) for p in prof.layers]
+    prof.layers = [replace(p, fwd_ms=1.0, bwd_ms=2.0, selective_ms=0.1, selective_fwd_ms=0.0)
+                   for p in prof.layers]
     prof.step_ms = 12.0
     plan = plan_from_profile(prof, 0.7)  # the link is too slow to offload: recompute
     assert plan.selective and plan.peak_ratio <= 0.7

@@ -55,6 +55,9 @@ class LayerProfile:
     transient_bytes: int = 0  # workspace above inputs + saved activations while the layer runs
     selective_bytes: int = 0  # of activation_bytes, what selective recomputation does not store
     selective_ms: float = 0.0  # the backward time selective recomputation adds
+    # The forward time it adds: its ops are recorded by a Python dispatch mode, which costs the
+    # host tens of microseconds per op; a layer with many small ops becomes host-bound.
+    selective_fwd_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def simulate(
     """Predicted ``(step_ms, peak_bytes)`` of one forward+backward, where layer
     ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest, and the
     ``selective`` layers store ``selective_bytes`` less (offloaded ones move that much less)
-    and take ``selective_ms`` longer in backward.
+    and take ``selective_fwd_ms`` longer in forward and ``selective_ms`` longer in backward.
 
     Without ``memory_timeline`` the peak counts layer activations only (plus the largest
     transient). With it (the measured peak of each segment of a step without offloading, as
@@ -154,7 +157,8 @@ def simulate(
     for m in range(n):
         i = m - (n - k)
         start = max(t, copy_end[i]) if 0 <= i < k else t
-        fwd_start[m], fwd_end[m] = start, start + profiles[m].fwd_ms
+        fwd_ms = profiles[m].fwd_ms + (profiles[m].selective_fwd_ms if m in sel else 0.0)
+        fwd_start[m], fwd_end[m] = start, start + fwd_ms
         t = fwd_end[m]
         if m < k:
             queue = max(queue, start) + d2h[m]

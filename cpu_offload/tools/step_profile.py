@@ -370,10 +370,11 @@ def profile_step(
         fwd, bwd = timed.times()
         fwd_runs.append(fwd)
         bwd_runs.append(bwd)
-    sel_bytes, sel_ms = [0] * n, [0.0] * n
+    sel_bytes, sel_fwd_ms, sel_ms = [0] * n, [0.0] * n, [0.0] * n
     if selective:
-        sel_bytes, sel_ms = _measure_selective(
+        sel_bytes, sel_fwd_ms, sel_ms = _measure_selective(
             step_fn, layers, clock, device, min_tensor_size_to_offload, warmup, repeats,
+            [statistics.median(r[i] for r in fwd_runs) for i in range(n)],
             [statistics.median(r[i] for r in bwd_runs) for i in range(n)],
         )
     profiles = [
@@ -385,6 +386,7 @@ def profile_step(
             transient_bytes=counted.transient[i],
             selective_bytes=min(sel_bytes[i], counted.saved[i]),
             selective_ms=sel_ms[i],
+            selective_fwd_ms=sel_fwd_ms[i],
         )
         for i in range(n)
     ]
@@ -405,21 +407,28 @@ def profile_step(
 
 def _measure_selective(
     step_fn: Callable[[], Any], layers: list, clock: _Clock, device: OffloadDevice,
-    min_size: int, warmup: int, repeats: int, bwd_ms: list,
+    min_size: int, warmup: int, repeats: int, fwd_ms: list, bwd_ms: list,
 ) -> tuple:
-    """Per layer, the bytes selective recomputation stores as recipes instead and the
-    backward time it adds (against ``bwd_ms``, measured without it)."""
+    """Per layer, the bytes selective recomputation stores as recipes instead, and the forward
+    and backward time it adds (against ``fwd_ms`` and ``bwd_ms``, measured without it). The
+    forward time is the recording dispatch mode's host work where the host is the bottleneck
+    (device events then measure the host's pace)."""
     n = len(layers)
-    runs, sel_bytes = [], [0] * n
+    runs, fwd_runs, sel_bytes = [], [], [0] * n
     for i in range(max(1, warmup) + max(1, repeats)):
         recorder = _StepRecorder(n, clock, None, memory=False)
         driver = _Selective(recorder, layers, device, min_size)
         _run(step_fn, layers, recorder, driver)
         sel_bytes = [max(a, b) for a, b in zip(sel_bytes, driver.recipe_bytes())]
         if i >= max(1, warmup):
-            runs.append(recorder.times()[1])
-    sel_ms = [max(0.0, statistics.median(r[i] for r in runs) - bwd_ms[i]) for i in range(n)]
-    return sel_bytes, sel_ms
+            fwd, bwd = recorder.times()
+            fwd_runs.append(fwd)
+            runs.append(bwd)
+
+    def added(measured: list, base: list) -> list:
+        return [max(0.0, statistics.median(r[i] for r in measured) - base[i]) for i in range(n)]
+
+    return sel_bytes, added(fwd_runs, fwd_ms), added(runs, bwd_ms)
 
 
 def plan_offloading(
