@@ -50,7 +50,8 @@ import cpu_offload  # noqa: E402
 from cpu_offload.models import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
 from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
 from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
-from cpu_offload.optim.worker import CpuWorker, default_cpu_threads  # noqa: E402
+from cpu_offload.optim.cpu_update import CpuBucket  # noqa: E402
+from cpu_offload.optim.worker import CpuWorker, default_chunk_bytes, default_cpu_threads  # noqa: E402
 from offload_benchmark import measure_link  # noqa: E402
 
 GIB = 1024**3
@@ -90,12 +91,13 @@ class Row:
 
 
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
-                    device: BenchDevice, threads: Optional[int]) -> Any:
+                    device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None) -> Any:
     if fraction is None:
         return MasterWeightOptimizer(model.parameters(), **KW)
     opt = HybridDeviceOptimizer(
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
+        cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
         bucket_bytes=(64 if device.is_cuda else 1 / 64) * 2**20, **KW)
     opt.register_forward_waits(model)
     return opt
@@ -120,7 +122,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         model = build_model(cfg, device.torch_device, seed=args.seed)
         row.params = sum(p.numel() for p in model.parameters())
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
-        opt = build_optimizer(model, fraction, overlap, device, args.threads)
+        opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -223,32 +225,41 @@ class _RawAdamW:
 
 class _BucketUpdate:
     """One ``CpuBucket.update`` of a bucket of bf16 parameters: bf16 gradients in staging ->
-    fp32, the same fused AdamW on the fp32 masters, masters -> bf16 into staging."""
+    fp32, the same fused AdamW on the fp32 masters, masters -> bf16 into staging, in chunks of
+    ``chunk_bytes`` fp32 bytes (0: one step over the whole bucket)."""
 
-    def __init__(self, shapes: list, chunk: Optional[int]) -> None:
-        from cpu_offload.optim.cpu_update import CpuBucket
-
+    def __init__(self, shapes: list, chunk_bytes: int) -> None:
         params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
         self.grads = [(torch.randn(s) * 1e-3).to(torch.bfloat16) for s in shapes]
         self.out = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
         self.hypers = [dict(KW)]
-        extra = {} if chunk is None else {"chunk_elems": chunk}
         self.bucket = CpuBucket(params, [0] * len(params), [torch.randn(s) for s in shapes],
                                 self.hypers, lambda groups: torch.optim.AdamW(groups, fused=True, **KW),
-                                **extra)
-        self.scratch = torch.empty(getattr(self.bucket, "scratch_elems", self.bucket.fp32_grad_elems))
+                                chunk_bytes // 4)
+        self.scratch = torch.empty(self.bucket.scratch_elems)
 
     def __call__(self) -> None:
         self.bucket.update(self.grads, self.out, self.scratch, self.hypers, None)
 
 
-def _micro_job(shapes: list, reps: int, chunks: Sequence[Optional[int]]) -> dict[str, float]:
+def _chunk_label(chunk_bytes: int, default: bool) -> str:
+    if chunk_bytes == 0:
+        return "bucket update, whole bucket"
+    return f"bucket update, chunk {chunk_bytes / 2**20:g} MiB" + (" (default)" if default else "")
+
+
+def _micro_job(shapes: list, reps: int, chunk_mib: Sequence[Optional[float]],
+               threads: int) -> dict[str, float]:
     """Best seconds per step of each path, timed round-robin (one step of each in turn, so noise
     from other processes hits every path alike); the first step of each (state allocation) is
-    not timed."""
-    paths = {"raw fused AdamW": _RawAdamW(shapes)}
-    for chunk in chunks:
-        paths["bucket update" + ("" if chunk is None else f" chunk={chunk}")] = _BucketUpdate(shapes, chunk)
+    not timed. ``chunk_mib``: chunk sizes in MiB of fp32 masters (0: whole bucket, ``None``:
+    the optimizer's default for ``threads``)."""
+    paths: dict[str, Any] = {"raw fused AdamW": _RawAdamW(shapes)}
+    for mib in chunk_mib:
+        chunk = default_chunk_bytes(threads) if mib is None else int(mib * 2**20)
+        label = _chunk_label(chunk, mib is None)
+        if label not in paths:
+            paths[label] = _BucketUpdate(shapes, chunk)
     best = {}
     for name, fn in paths.items():
         fn()
@@ -262,25 +273,24 @@ def _micro_job(shapes: list, reps: int, chunks: Sequence[Optional[int]]) -> dict
 
 
 def microbench(threads_list: list[int], elems: int, reps: int,
-               chunks: Sequence[Optional[int]] = (None,)) -> list[dict]:
+               chunk_mib: Sequence[Optional[float]] = (0, None)) -> list[dict]:
     """CPU update throughput per worker thread count: raw fused AdamW (fp32 grads in place) vs
     one bucket's full update path (``CpuBucket.update``: bf16 grad -> fp32, AdamW, fp32 -> bf16
-    write-back) on the same elements, measured in the same run. ``chunks``: the bucket's
-    ``chunk_elems`` settings to compare (``None``: its default)."""
+    write-back) on the same elements, measured in the same run, per chunk size."""
     shapes = _bucket_shapes(elems)
     elems = sum(torch.Size(s).numel() for s in shapes)
     out = []
     for threads in threads_list:
         worker = CpuWorker(threads)
         try:
-            best = worker.submit(_micro_job, shapes, reps, chunks).result()
+            best = worker.submit(_micro_job, shapes, reps, chunk_mib, threads).result()
         finally:
             worker.shutdown()
         raw = best["raw fused AdamW"]
         for name, sec in best.items():
             out.append({"path": name, "threads": threads, "elems": elems, "s_per_step": sec,
                         "g_elems_per_s": elems / sec / 1e9, "vs_raw": sec / raw})
-            print(f"  threads {threads:3d} {name:28s} {elems / sec / 1e9:7.3f} G elements/s"
+            print(f"  threads {threads:3d} {name:40s} {elems / sec / 1e9:7.3f} G elements/s"
                   f"  {sec / raw:.2f}x raw", flush=True)
     return out
 
@@ -333,6 +343,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--microbench-threads", help="comma list of worker thread counts "
                    "(default 1, 2, 4, 8, all cores but one, all cores)")
     p.add_argument("--microbench-reps", type=int, help="timed rounds (cuda 5, sim 2)")
+    p.add_argument("--microbench-chunks", default="0,default",
+                   help="comma list of CPU update chunk sizes to compare, MiB of fp32 masters "
+                        "(0: one optimizer step per bucket, as before chunking; 'default': "
+                        "the optimizer's default for the thread count)")
+    p.add_argument("--cpu-chunk-mib", type=float,
+                   help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
@@ -363,7 +379,8 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
         if args.microbench_threads:
             counts = [int(t) for t in args.microbench_threads.split(",")]
         reps = args.microbench_reps or (5 if device.is_cuda else 2)
-        micro = microbench(counts, elems, reps)
+        chunks = [None if c.strip() == "default" else float(c) for c in args.microbench_chunks.split(",")]
+        micro = microbench(counts, elems, reps, chunks)
     rows: list[Row] = []
     link: dict = {}
     if not args.microbench_only:

@@ -22,7 +22,7 @@ from .partition import (
     make_buckets,
 )
 from .transfer import TransferEngine
-from .worker import CpuWorker, default_cpu_threads, wait_all
+from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
 
 OVERLAP_MODES = ("none", "backward_copies", "backward_update", "next_forward")
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
@@ -135,6 +135,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             reverse registration order.
         bucket_bytes: model-dtype bytes per CPU update unit (default 64 MiB).
         cpu_threads: intra-op threads of the CPU worker (default: all but one).
+        cpu_chunk_bytes: fp32 bytes per CPU update chunk (default: 1 MiB per worker thread, at
+            least 4 MiB; 0: one optimizer step per bucket). Each bucket is converted, stepped
+            and written back one chunk at a time so its data stays in cache, each chunk by its
+            own instance of ``cpu_optimizer_cls``; parameters larger than a chunk are split for
+            ``torch.optim.Adam``/``AdamW``/``SGD`` only (bit-identical to whole-tensor steps,
+            see ``cpu_offload.optim.cpu_update``).
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
@@ -177,6 +183,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grad_order: Optional[Sequence[torch.Tensor]] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         cpu_threads: Optional[int] = None,
+        cpu_chunk_bytes: Optional[int] = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
@@ -197,6 +204,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._bucket_bytes = bucket_bytes
+        cpu_threads = cpu_threads or default_cpu_threads()
+        if cpu_chunk_bytes is None:
+            cpu_chunk_bytes = default_chunk_bytes(cpu_threads)
+        if cpu_chunk_bytes < 0:
+            raise OffloadConfigError(f"cpu_chunk_bytes must be >= 0 (0: no chunks), got {cpu_chunk_bytes}")
+        self._chunk_elems = cpu_chunk_bytes // 4
         self._grad_order = list(grad_order) if grad_order is not None else None
         self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
         self._cpu: dict[int, _CpuParam] = {}
@@ -221,7 +234,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._attach(range(len(self.param_groups)))
         index = self._torch_device.index if self._torch_device is not None else None
         cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
-        self._worker = CpuWorker(cpu_threads or default_cpu_threads(), cuda_index)
+        self._worker = CpuWorker(cpu_threads, cuda_index)
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -270,11 +283,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._engine.read_params(bparams)
             bucket = CpuBucket(bparams, [entries[i][0] for i in order],
                                [self._engine.params.typed(p) for p in bparams], hypers,
-                               lambda groups: self._cpu_cls(groups, **self._kwargs))
+                               lambda groups: self._cpu_cls(groups, **self._kwargs), self._chunk_elems)
             for p, m in zip(bparams, bucket.masters):
                 self._cpu[id(p)] = _CpuParam(len(self._buckets), m)
             self._buckets.append(bucket)
-            need = bucket.fp32_grad_elems
+            need = bucket.scratch_elems
             if need > self._scratch.numel():
                 self._scratch = torch.empty(need, dtype=torch.float32)
         for gi in dict.fromkeys(gi for gi, _ in entries):
@@ -678,7 +691,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 cp = self._cpu.get(id(p))
                 if cp is not None:
-                    out.append(state_format.Placement(p, self._buckets[cp.bucket].optimizer, cp.master, True))
+                    out.append(state_format.Placement(p, self._buckets[cp.bucket], cp.master, True))
                 else:
                     key = self._gpu_master.get(id(p), p)
                     out.append(state_format.Placement(p, self._gpu_opt, key, False))
@@ -696,7 +709,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         wrapped optimizer class over the same parameter groups. Updated parameters are copied to
         the device (their master weights, when the state dict has them)."""
         self._drain_all()
-        sub_groups = {id(b.optimizer): b.group_ids for b in self._buckets}
+        sub_groups = {id(b): b.group_ids for b in self._buckets}
         if self._gpu_opt is not None:
             sub_groups[id(self._gpu_opt)] = self._gpu_groups
         placements = self._placements()
