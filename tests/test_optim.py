@@ -16,6 +16,7 @@ from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, grad_arrival_order, to_wrapped_format
 from cpu_offload.optim import cpu_update, transfer
 from cpu_offload.optim.cpu_update import CpuBucket
+from cpu_offload.optim.partition import next_update
 from cpu_offload.optim.reference import MasterWeightOptimizer
 
 CFG = tiny_config().with_(layers=3)
@@ -234,6 +235,38 @@ def test_state_dict_round_trip_across_chunk_sizes(chunks):
         assert sd["state"][i]["exp_avg"].shape == p.shape
         assert sd["state"][i]["step"].shape == ()
     assert opt.state_dict()["state"][2]["exp_avg"].data_ptr() == sd["state"][2]["exp_avg"].data_ptr()
+
+
+def _update_order(monkeypatch, opt):
+    order = []
+    real = HybridDeviceOptimizer._update_bucket
+
+    def spy(self, b, st, coef):
+        order.append(b)
+        return real(self, b, st, coef)
+
+    monkeypatch.setattr(HybridDeviceOptimizer, "_update_bucket", spy)
+    return order
+
+
+def test_landed_buckets_update_first_layers_first(monkeypatch):
+    """Buckets are numbered in gradient-arrival order (last layers first). Of the buckets whose
+    gradients have landed (all of them at step() in this mode, with eager simulated copies), the
+    worker updates first the one the next forward needs first."""
+    ref, _ = reference(2)
+    m = model()
+    opt = hybrid(m, 1.0, "backward_copies", device=SimulatedDevice(defer=False))
+    order = _update_order(monkeypatch, opt)
+    train(m, opt, 2)
+    assert order == list(range(len(opt._buckets) - 1, -1, -1)) * 2
+    assert_same_params(m, ref)
+    opt.close()
+
+
+def test_next_update_prefers_landed_buckets_the_forward_needs_first():
+    assert next_update([0, 1, 2, 3], lambda b: b in (0, 1, 2)) == 2
+    assert next_update([3, 0, 1], lambda b: False) == 1  # none landed: the first to land
+    assert next_update([4, 2], lambda b: b == 2) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,10 +596,11 @@ def test_overlap_modes_really_overlap():
     assert opt.last_step_stats == {} and dev.pending_ops() > 0  # copies back not yet waited for
     before = [p.detach().clone() for p in m.layers[0].parameters()]
     x = make_input(CFG, seed=1, requires_grad=False)
+    st = opt._inflight
     with torch.no_grad():
-        m.layers[2](x)  # waits for layer 2's parameters (copied back first) only
-    assert opt._inflight is not None
-    assert all(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
+        m.layers[2](x)  # waits for the buckets holding layer 2's parameters only
+    assert st.waited == {opt._cpu[id(p)].bucket for p in m.layers[2].parameters()}
+    assert opt._inflight is st  # the other buckets are not waited for yet
     opt.wait_params()
     assert not any(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
     assert 0 <= opt.last_step_stats["overlapped_with_backward"] <= 1  # timing: GPU bench checks it

@@ -19,7 +19,7 @@ from . import state as state_format
 from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
 from .partition import (
     DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
-    make_buckets,
+    make_buckets, next_update,
 )
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
@@ -79,6 +79,8 @@ class _Step:
     keep: list = field(default_factory=list)  # temporaries read by queued copies
     norms: dict = field(default_factory=dict)  # bucket -> Future[dict[id, norm]]
     updates: dict = field(default_factory=dict)  # bucket -> Future[h2d event]
+    ready: list = field(default_factory=list)  # (bucket, clip coef): queued, not started
+    ready_lock: Any = field(default_factory=threading.Lock)
     waited: set = field(default_factory=set)  # buckets the compute stream already waits for
     clip_coef: Optional[torch.Tensor] = None
     stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": []})
@@ -424,7 +426,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 st.norms[b] = self._worker.submit(self._bucket_norms, b, st.landed[b], 2.0, st)
             else:
-                st.updates[b] = self._worker.submit(self._update_bucket, b, st, None)
+                self._queue_updates(st, [b], None)
 
     def _flush(self, st: _Step) -> None:
         """Copy the gradients no hook copied (mode "none", unused params, grads set by hand) and
@@ -449,6 +451,30 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params = [p for p, g in zip(self._buckets[b].params, self._bucket_grads(b, st)) if g is not None]
         grads = [self._engine.grads.typed(p) for p in params]
         return dict(zip(map(id, params), torch._foreach_norm(grads, norm_type) if grads else []))
+
+    def _queue_updates(self, st: _Step, buckets: Sequence[int], coef: Optional[torch.Tensor]) -> None:
+        """Queue the updates of ``buckets`` (their gradient copies are queued), all before any
+        job may pick one; ``st.updates[b]`` is done when bucket ``b`` is, whichever worker job
+        runs it (see ``_run_next_update``)."""
+        with st.ready_lock:
+            for b in buckets:
+                st.updates[b] = Future()
+                st.ready.append((b, coef))
+        for _ in buckets:
+            self._worker.submit(self._run_next_update, st)
+
+    def _run_next_update(self, st: _Step) -> None:
+        """One worker job per queued bucket; each runs the queued bucket that matters most now
+        (``partition.next_update``: of the landed ones, the one the next forward needs first)."""
+        with st.ready_lock:
+            i = next_update([b for b, _ in st.ready], lambda b: self._device.event_done(st.landed[b]))
+            b, coef = st.ready.pop(i)
+        future = st.updates[b]
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self._update_bucket(b, st, coef))
+        except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the bucket
+            future.set_exception(exc)
 
     def _update_bucket(self, b: int, st: _Step, coef: Optional[torch.Tensor]) -> Optional[Event]:
         t0 = time.perf_counter()
@@ -496,9 +522,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
             if not st.updates:  # nothing started yet: a scheduler may have changed lr since
                 st.hypers = self._hyperparameters()
-            for b in range(len(self._buckets)):
-                if b not in st.updates:
-                    st.updates[b] = self._worker.submit(self._update_bucket, b, st, coef)
+            self._queue_updates(st, [b for b in range(len(self._buckets)) if b not in st.updates], coef)
             self._gpu_step(st.hypers)
             for ev in st.landed.values():  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(ev)

@@ -1,8 +1,8 @@
 """The thread that runs the CPU part of the optimizer step.
 
-One worker thread, so buckets are updated in the order their gradients landed, with its own
-intra-op thread count (OpenMP's is per thread): the thread that launches GPU work keeps its
-cores. Jobs return ``concurrent.futures.Future``s; an
+One worker thread (the hybrid optimizer picks which queued bucket each job updates, see
+``partition.next_update``), with its own intra-op thread count (OpenMP's is per thread): the
+thread that launches GPU work keeps its core. Jobs return ``concurrent.futures.Future``s; an
 exception inside a job is re-raised by whoever waits for it.
 """
 from __future__ import annotations
