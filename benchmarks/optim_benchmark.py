@@ -24,7 +24,10 @@ parameters: 16 B/param = 90 GB) but trains with optimizer (f=1) + activation off
 (needs about 80 GB of host memory). A CPU microbenchmark runs first (``--microbench-only``: just
 that): per worker thread count, raw fused AdamW (fp32 gradients already in place) vs one bucket's
 whole CPU update path (``CpuBucket.update``: bf16 gradient -> fp32, the same fused AdamW, fp32 ->
-bf16 write-back) on the same elements, as G elements/s and time relative to raw AdamW.
+bf16 write-back) on the same elements, as G elements/s and time relative to raw AdamW, for each
+chunk size in ``--microbench-chunks`` (MiB of fp32 masters per ``optimizer.step()``; 0: one step
+per bucket; ``default``: the optimizer's default for that thread count). ``--cpu-chunk-mib`` sets
+the chunk size of the training rows.
 
 GPU (H100 + 16-core host, about 3 minutes; with --big about 5)::
 
