@@ -274,6 +274,7 @@ class CpuBucket:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format over ``masters`` (grouped as ``param_groups``)."""
+        self._synced = []  # the chunks' groups take the saved hyperparameters: sync them again
         local = {i: pos for pos, i in enumerate(
             i for gi in self.group_ids for i, og in enumerate(self.group_of) if og == gi)}
         saved_groups = dict(zip(self.group_ids, state_dict["param_groups"]))
