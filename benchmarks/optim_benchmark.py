@@ -21,8 +21,13 @@ time = bytes to host / D2H GB/s + bytes to device / H2D GB/s (measured here).
 
 ``--big`` adds a model that does not fit on one 80 GB GPU with plain AdamW (about 5.6B
 parameters: 16 B/param = 90 GB) but trains with optimizer (f=1) + activation offloading
-(needs about 80 GB of host memory). A CPU AdamW microbenchmark (threads vs elements/s, fused and
-for-loop) runs first; ``--microbench-only`` runs just that.
+(needs about 80 GB of host memory). A CPU microbenchmark runs first (``--microbench-only``: just
+that): per worker thread count, raw fused AdamW (fp32 gradients already in place) vs one bucket's
+whole CPU update path (``CpuBucket.update``: bf16 gradient -> fp32, the same fused AdamW, fp32 ->
+bf16 write-back) on the same elements, as G elements/s and time relative to raw AdamW, for each
+chunk size in ``--microbench-chunks`` (MiB of fp32 masters per ``optimizer.step()``; 0: one step
+per bucket; ``default``: the optimizer's default for that thread count). ``--cpu-chunk-mib`` sets
+the chunk size of the training rows.
 
 GPU (H100 + 16-core host, about 3 minutes; with --big about 5)::
 
@@ -38,7 +43,7 @@ import argparse
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from bench_common import BenchDevice, environment_info, format_table, gc_paused, write_json
 
@@ -48,7 +53,8 @@ import cpu_offload  # noqa: E402
 from cpu_offload.models import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
 from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
 from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
-from cpu_offload.optim.worker import CpuWorker, default_cpu_threads  # noqa: E402
+from cpu_offload.optim.cpu_update import CpuBucket  # noqa: E402
+from cpu_offload.optim.worker import CpuWorker, default_chunk_bytes, default_cpu_threads  # noqa: E402
 from offload_benchmark import measure_link  # noqa: E402
 
 GIB = 1024**3
@@ -88,12 +94,13 @@ class Row:
 
 
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
-                    device: BenchDevice, threads: Optional[int]) -> Any:
+                    device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None) -> Any:
     if fraction is None:
         return MasterWeightOptimizer(model.parameters(), **KW)
     opt = HybridDeviceOptimizer(
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
+        cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
         bucket_bytes=(64 if device.is_cuda else 1 / 64) * 2**20, **KW)
     opt.register_forward_waits(model)
     return opt
@@ -118,7 +125,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         model = build_model(cfg, device.torch_device, seed=args.seed)
         row.params = sum(p.numel() for p in model.parameters())
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
-        opt = build_optimizer(model, fraction, overlap, device, args.threads)
+        opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -195,31 +202,99 @@ class _null:
         return None
 
 
-def microbench(threads_list: list[int], elems: int, reps: int) -> list[dict]:
-    """CPU AdamW step throughput (parameter elements per second) per worker thread count."""
-    out = []
-    for impl, kw in (("fused", {"fused": True}), ("for-loop", {"foreach": False})):
-        for threads in threads_list:
-            def job() -> float:
-                params = [torch.zeros(elems // 8, requires_grad=True) for _ in range(8)]
-                for p in params:
-                    p.grad = torch.full_like(p, 1e-3)
-                opt = torch.optim.AdamW(params, lr=1e-4, **kw)
-                opt.step()  # allocates state
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    opt.step()
-                return (time.perf_counter() - t0) / reps
+def _bucket_shapes(elems: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of one CPU bucket holding about ``elems`` elements, like a slice of a
+    transformer layer: three large matrices, their biases and a norm weight."""
+    rows = max(1, elems // 4 // 2048)
+    shapes: list[tuple[int, ...]] = [(rows, 2048), (2048,), (rows, 2048), (2048,), (rows, 2048)]
+    rest = elems - sum(torch.Size(s).numel() for s in shapes)
+    if rest > 0:
+        shapes.append((rest,))
+    return shapes
 
-            worker = CpuWorker(threads)
-            try:
-                sec = worker.submit(job).result()
-            finally:
-                worker.shutdown()
-            out.append({"impl": impl, "threads": threads, "elems": elems, "s_per_step": sec,
-                        "g_elems_per_s": elems / sec / 1e9})
-            print(f"  CPU AdamW {impl:8s} threads {threads:3d}: {elems / sec / 1e9:.3f} G elements/s",
-                  flush=True)
+
+class _RawAdamW:
+    """Fused AdamW over fp32 params with fp32 grads already in place: the baseline."""
+
+    def __init__(self, shapes: list) -> None:
+        params = [torch.randn(s) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        self.opt = torch.optim.AdamW(params, fused=True, **KW)
+
+    def __call__(self) -> None:
+        self.opt.step()
+
+
+class _BucketUpdate:
+    """One ``CpuBucket.update`` of a bucket of bf16 parameters: bf16 gradients in staging ->
+    fp32, the same fused AdamW on the fp32 masters, masters -> bf16 into staging, in chunks of
+    ``chunk_bytes`` fp32 bytes (0: one step over the whole bucket)."""
+
+    def __init__(self, shapes: list, chunk_bytes: int) -> None:
+        params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        self.grads = [(torch.randn(s) * 1e-3).to(torch.bfloat16) for s in shapes]
+        self.out = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        self.hypers = [dict(KW)]
+        self.bucket = CpuBucket(params, [0] * len(params), [torch.randn(s) for s in shapes],
+                                self.hypers, lambda groups: torch.optim.AdamW(groups, fused=True, **KW),
+                                chunk_bytes // 4)
+        self.scratch = torch.empty(self.bucket.scratch_elems)
+
+    def __call__(self) -> None:
+        self.bucket.update(self.grads, self.out, self.scratch, self.hypers, None)
+
+
+def _chunk_label(chunk_bytes: int, default: bool) -> str:
+    if chunk_bytes == 0:
+        return "bucket update, whole bucket"
+    return f"bucket update, chunk {chunk_bytes / 2**20:g} MiB" + (" (default)" if default else "")
+
+
+def _micro_job(shapes: list, reps: int, chunk_mib: Sequence[Optional[float]],
+               threads: int) -> dict[str, float]:
+    """Best seconds per step of each path, timed round-robin (one step of each in turn, so noise
+    from other processes hits every path alike); the first step of each (state allocation) is
+    not timed. ``chunk_mib``: chunk sizes in MiB of fp32 masters (0: whole bucket, ``None``:
+    the optimizer's default for ``threads``)."""
+    paths: dict[str, Any] = {"raw fused AdamW": _RawAdamW(shapes)}
+    for mib in chunk_mib:
+        chunk = default_chunk_bytes(threads) if mib is None else int(mib * 2**20)
+        label = _chunk_label(chunk, mib is None)
+        if label not in paths:
+            paths[label] = _BucketUpdate(shapes, chunk)
+    best = {}
+    for name, fn in paths.items():
+        fn()
+        best[name] = float("inf")
+    for _ in range(reps):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def microbench(threads_list: list[int], elems: int, reps: int,
+               chunk_mib: Sequence[Optional[float]] = (0, None)) -> list[dict]:
+    """CPU update throughput per worker thread count: raw fused AdamW (fp32 grads in place) vs
+    one bucket's full update path (``CpuBucket.update``: bf16 grad -> fp32, AdamW, fp32 -> bf16
+    write-back) on the same elements, measured in the same run, per chunk size."""
+    shapes = _bucket_shapes(elems)
+    elems = sum(torch.Size(s).numel() for s in shapes)
+    out = []
+    for threads in threads_list:
+        worker = CpuWorker(threads)
+        try:
+            best = worker.submit(_micro_job, shapes, reps, chunk_mib, threads).result()
+        finally:
+            worker.shutdown()
+        raw = best["raw fused AdamW"]
+        for name, sec in best.items():
+            out.append({"path": name, "threads": threads, "elems": elems, "s_per_step": sec,
+                        "g_elems_per_s": elems / sec / 1e9, "vs_raw": sec / raw})
+            print(f"  threads {threads:3d} {name:40s} {elems / sec / 1e9:7.3f} G elements/s"
+                  f"  {sec / raw:.2f}x raw", flush=True)
     return out
 
 
@@ -266,7 +341,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--big", action="store_true", help="add the model that needs offloading to fit")
     p.add_argument("--no-microbench", action="store_true")
     p.add_argument("--microbench-only", action="store_true")
-    p.add_argument("--microbench-elems", type=int, help="elements per step (cuda 64M, sim 1M)")
+    p.add_argument("--microbench-elems", type=int,
+                   help="elements per bucket (cuda 32M = one default 64 MiB bf16 bucket, sim 1M)")
+    p.add_argument("--microbench-threads", help="comma list of worker thread counts "
+                   "(default 1, 2, 4, 8, all cores but one, all cores)")
+    p.add_argument("--microbench-reps", type=int, help="timed rounds (cuda 5, sim 2)")
+    p.add_argument("--microbench-chunks", default="0,default",
+                   help="comma list of CPU update chunk sizes to compare, MiB of fp32 masters "
+                        "(0: one optimizer step per bucket, as before chunking; 'default': "
+                        "the optimizer's default for the thread count)")
+    p.add_argument("--cpu-chunk-mib", type=float,
+                   help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
@@ -291,10 +376,14 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
 
     micro = []
     if not args.no_microbench or args.microbench_only:
-        elems = args.microbench_elems or (64 * 2**20 if device.is_cuda else 2**20)
+        elems = args.microbench_elems or (32 * 2**20 if device.is_cuda else 2**20)
         cores = torch.get_num_threads()
         counts = sorted({t for t in (1, 2, 4, 8, cores - 1, cores) if 1 <= t <= cores})
-        micro = microbench(counts, elems, reps=3 if device.is_cuda else 1)
+        if args.microbench_threads:
+            counts = [int(t) for t in args.microbench_threads.split(",")]
+        reps = args.microbench_reps or (5 if device.is_cuda else 2)
+        chunks = [None if c.strip() == "default" else float(c) for c in args.microbench_chunks.split(",")]
+        micro = microbench(counts, elems, reps, chunks)
     rows: list[Row] = []
     link: dict = {}
     if not args.microbench_only:
@@ -318,8 +407,8 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
 
     print()
     if micro:
-        print(format_table(("impl", "threads", "G elements/s"),
-                           [[m["impl"], m["threads"], m["g_elems_per_s"]] for m in micro]))
+        print(format_table(("threads", "CPU update path", "G elements/s", "time / raw AdamW"),
+                           [[m["threads"], m["path"], m["g_elems_per_s"], m["vs_raw"]] for m in micro]))
         print()
     if rows:
         print(format_table(HEADERS, table_rows(rows)))

@@ -14,12 +14,15 @@ from torch import nn
 from cpu_offload import OffloadConfigError, OffloadUsageError, SimulatedDevice
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, grad_arrival_order, to_wrapped_format
-from cpu_offload.optim import transfer
+from cpu_offload.optim import cpu_update, transfer
+from cpu_offload.optim.cpu_update import CpuBucket
+from cpu_offload.optim.partition import next_update
 from cpu_offload.optim.reference import MasterWeightOptimizer
 
 CFG = tiny_config().with_(layers=3)
 KW = dict(lr=1e-2, weight_decay=0.1, foreach=False)
 SMALL_BUCKETS = 48 * 1024  # a few buckets per layer: every bucket boundary gets exercised
+SMALL_CHUNKS = 8 * 1024  # fp32 bytes: matrices are split into pieces, small params grouped
 
 
 def model(dtype=torch.float32):
@@ -36,7 +39,8 @@ def hybrid(m, fraction=0.5, overlap="backward_update", cls=torch.optim.AdamW, **
     opt = HybridDeviceOptimizer(
         m.parameters(), fraction, cpu_optimizer_cls=cls, gpu_optimizer_cls=cls,
         device=kw.pop("device", None) or SimulatedDevice(), overlap=overlap,
-        bucket_bytes=kw.pop("bucket_bytes", SMALL_BUCKETS), **kw)
+        bucket_bytes=kw.pop("bucket_bytes", SMALL_BUCKETS),
+        cpu_chunk_bytes=kw.pop("cpu_chunk_bytes", SMALL_CHUNKS), **kw)
     if overlap == "next_forward":
         opt.register_forward_waits(m)
     return opt
@@ -99,7 +103,7 @@ def test_other_classes_and_the_default(cls):
     train(ref, ref_cls(ref.parameters(), **kw), 3)
     m = model()
     opt = HybridDeviceOptimizer(m.parameters(), 0.5, cls, cls, device=SimulatedDevice(),
-                                bucket_bytes=SMALL_BUCKETS, **kw)
+                                bucket_bytes=SMALL_BUCKETS, cpu_chunk_bytes=SMALL_CHUNKS, **kw)
     train(m, opt, 3)
     assert_same_params(m, ref)
 
@@ -135,6 +139,134 @@ def test_offloads_the_parameters_whose_gradients_arrive_first():
     rev = HybridDeviceOptimizer(m.parameters(), 0.25, device=SimulatedDevice(),
                                 grad_order=order[::-1], lr=1e-2)  # pretend layer 0 arrives first
     assert rev.offloaded_params()[0] is order[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked CPU updates: pieces of parameters, stepped one chunk at a time, give the same bits
+
+ODD_SHAPES = [(3001,), (129, 77), (64,), (5,), (2048,), (1000, 33)]  # numels not multiples of 16
+
+
+def _bucket(chunk_elems, cls=torch.optim.AdamW, **kw):
+    params = [torch.empty(s, dtype=torch.bfloat16) for s in ODD_SHAPES]
+    gen = torch.Generator().manual_seed(0)
+    initial = [torch.randn(s, generator=gen) for s in ODD_SHAPES]
+    hypers = [{"lr": 1e-2, "weight_decay": 0.1}]
+    bucket = CpuBucket(params, [0] * len(params), initial, hypers,
+                       lambda groups: cls(groups, **kw), chunk_elems)
+    return bucket, hypers
+
+
+def _run_bucket(bucket, hypers, steps=3, clip=None):
+    gen = torch.Generator().manual_seed(1)
+    out = [torch.empty(p.shape, dtype=p.dtype) for p in bucket.params]
+    scratch = torch.empty(bucket.scratch_elems)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in bucket.params]
+        bucket.update(grads, out, scratch, hypers, clip)
+    return out
+
+
+@pytest.mark.parametrize("cls,kw", [
+    (torch.optim.AdamW, dict(fused=True)), (torch.optim.AdamW, dict(foreach=False)),
+    (torch.optim.Adam, dict(fused=True, amsgrad=True)), (torch.optim.SGD, dict(momentum=0.9, fused=True)),
+], ids=["adamw-fused", "adamw-for-loop", "adam-amsgrad-fused", "sgd-fused"])
+@pytest.mark.parametrize("chunk", [1000, 4096, 40_000])
+def test_chunked_bucket_is_bit_identical_to_one_whole_step(cls, kw, chunk):
+    whole, hypers = _bucket(0, cls, **kw)
+    assert len(whole.chunks) == 1 and not any(pc.split for pc in whole.chunks[0].pieces)
+    chunked, _ = _bucket(chunk, cls, **kw)
+    assert len(chunked.chunks) > 1
+    assert any(pc.split for c in chunked.chunks for pc in c.pieces)  # chunks are filled up
+    coef = torch.tensor(0.5)
+    for a, b in zip(_run_bucket(whole, hypers, clip=coef), _run_bucket(chunked, hypers, clip=coef)):
+        assert torch.equal(a, b)
+    for i, (ma, mb) in enumerate(zip(whole.masters, chunked.masters)):
+        assert torch.equal(ma, mb)
+        sa, sb = whole.param_state(i), chunked.param_state(i)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+            assert sb[k].shape == sa[k].shape
+
+
+def test_split_pieces_start_on_aligned_offsets_and_misaligned_ones_change_bits(monkeypatch):
+    """Fused AdamW rounds its scalar tail differently from its vector loop: a piece boundary
+    off the alignment puts other elements in a tail, and the bits change (this is what the
+    alignment is for; if this test stops failing, the CPU kernels changed)."""
+    bucket, _ = _bucket(1000)
+    for c in bucket.chunks:
+        for pc in c.pieces:
+            assert pc.start % cpu_update.ALIGN_ELEMS == 0
+            assert pc.stop % cpu_update.ALIGN_ELEMS == 0 or pc.stop == bucket.masters[pc.index].numel()
+    whole, hypers = _bucket(0, fused=True)
+    monkeypatch.setattr(cpu_update, "ALIGN_ELEMS", 1)
+    misaligned, _ = _bucket(101, fused=True)
+    _run_bucket(whole, hypers)
+    _run_bucket(misaligned, hypers)
+    assert any(not torch.equal(x, y) for x, y in zip(whole.masters, misaligned.masters))
+
+
+def test_only_elementwise_classes_are_split():
+    class MyAdamW(torch.optim.AdamW):  # may do anything per parameter: never split
+        pass
+
+    bucket, _ = _bucket(1000, MyAdamW)
+    assert len(bucket.chunks) > 1  # whole parameters still grouped into chunks
+    assert not any(pc.split for c in bucket.chunks for pc in c.pieces)
+    assert all(type(o) is MyAdamW for o in bucket.optimizers)
+
+
+@pytest.mark.parametrize("chunks", [(SMALL_CHUNKS, 0), (0, SMALL_CHUNKS), (SMALL_CHUNKS, 12 * 1024)])
+def test_state_dict_round_trip_across_chunk_sizes(chunks):
+    ref, _ = reference(4, fused=True, foreach=None)
+    m = model()
+    opt = hybrid(m, 1.0, "backward_update", cpu_chunk_bytes=chunks[0], fused=True, foreach=None)
+    train(m, opt, 2)
+    sd = _roundtrip(opt.state_dict())
+    m2 = copy.deepcopy(m)
+    opt2 = hybrid(m2, 1.0, "next_forward", cpu_chunk_bytes=chunks[1], fused=True, foreach=None)
+    opt2.load_state_dict(sd)
+    train(m2, opt2, 2, start=2)
+    assert_same_params(m2, ref)
+    # the state dict has the wrapped class's per-parameter shapes, and holds no copies
+    sd = opt.state_dict()
+    for i, p in enumerate(m.parameters()):
+        assert sd["state"][i]["exp_avg"].shape == p.shape
+        assert sd["state"][i]["step"].shape == ()
+    assert opt.state_dict()["state"][2]["exp_avg"].data_ptr() == sd["state"][2]["exp_avg"].data_ptr()
+
+
+def _update_order(monkeypatch, opt):
+    order = []
+    real = HybridDeviceOptimizer._update_bucket
+
+    def spy(self, b, st, coef):
+        order.append(b)
+        return real(self, b, st, coef)
+
+    monkeypatch.setattr(HybridDeviceOptimizer, "_update_bucket", spy)
+    return order
+
+
+def test_landed_buckets_update_first_layers_first(monkeypatch):
+    """Buckets are numbered in gradient-arrival order (last layers first). Of the buckets whose
+    gradients have landed (all of them at step() in this mode, with eager simulated copies), the
+    worker updates first the one the next forward needs first."""
+    ref, _ = reference(2)
+    m = model()
+    opt = hybrid(m, 1.0, "backward_copies", device=SimulatedDevice(defer=False))
+    order = _update_order(monkeypatch, opt)
+    train(m, opt, 2)
+    assert order == list(range(len(opt._buckets) - 1, -1, -1)) * 2
+    assert_same_params(m, ref)
+    opt.close()
+
+
+def test_next_update_prefers_landed_buckets_the_forward_needs_first():
+    assert next_update([0, 1, 2, 3], lambda b: b in (0, 1, 2)) == 2
+    assert next_update([3, 0, 1], lambda b: False) == 1  # none landed: the first to land
+    assert next_update([4, 2], lambda b: b == 2) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +410,8 @@ def test_add_param_group_and_per_group_hyperparameters():
     m = model()
     g = groups(m)
     opt = HybridDeviceOptimizer(g[:1], 0.5, torch.optim.AdamW, torch.optim.AdamW,
-                                device=SimulatedDevice(), bucket_bytes=SMALL_BUCKETS, **KW)
+                                device=SimulatedDevice(), bucket_bytes=4 * SMALL_BUCKETS,
+                                cpu_chunk_bytes=SMALL_CHUNKS, **KW)
     opt.add_param_group(g[1])
     assert opt.param_groups[1]["lr"] == 3e-2
     train(m, opt, 3)
@@ -463,10 +596,11 @@ def test_overlap_modes_really_overlap():
     assert opt.last_step_stats == {} and dev.pending_ops() > 0  # copies back not yet waited for
     before = [p.detach().clone() for p in m.layers[0].parameters()]
     x = make_input(CFG, seed=1, requires_grad=False)
+    st = opt._inflight
     with torch.no_grad():
-        m.layers[2](x)  # waits for layer 2's parameters (copied back first) only
-    assert opt._inflight is not None
-    assert all(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
+        m.layers[2](x)  # waits for the buckets holding layer 2's parameters only
+    assert st.waited == {opt._cpu[id(p)].bucket for p in m.layers[2].parameters()}
+    assert opt._inflight is st  # the other buckets are not waited for yet
     opt.wait_params()
     assert not any(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
     assert 0 <= opt.last_step_stats["overlapped_with_backward"] <= 1  # timing: GPU bench checks it

@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 CFG = GPTConfig(hidden=256, heads=4, seq=128, batch=2, layers=4, dtype=torch.bfloat16)
 KW = dict(lr=1e-3, weight_decay=0.1)
 BUCKET = 256 * 1024
+CHUNK = 64 * 1024  # fp32 bytes: the larger matrices are updated in split pieces
 # Device part vs the same AdamW on the CPU (fp32 masters, then cast to bf16): CPU and CUDA fused
 # kernels round differently, so a bf16 parameter may differ by one bf16 ulp (2**-7 relative).
 GPU_PART_RTOL = 2 ** -7
@@ -46,7 +47,7 @@ def loss_of(m, i):
 
 def hybrid(m, fraction, overlap, **kw):
     opt = HybridDeviceOptimizer(m.parameters(), fraction, overlap=overlap, bucket_bytes=BUCKET,
-                                **{**KW, **kw})
+                                cpu_chunk_bytes=CHUNK, **{**KW, **kw})
     if overlap == "next_forward":
         opt.register_forward_waits(m)
     return opt

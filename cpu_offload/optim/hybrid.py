@@ -19,10 +19,10 @@ from . import state as state_format
 from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
 from .partition import (
     DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
-    make_buckets,
+    make_buckets, next_update,
 )
 from .transfer import TransferEngine
-from .worker import CpuWorker, default_cpu_threads, wait_all
+from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
 
 OVERLAP_MODES = ("none", "backward_copies", "backward_update", "next_forward")
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
@@ -79,6 +79,8 @@ class _Step:
     keep: list = field(default_factory=list)  # temporaries read by queued copies
     norms: dict = field(default_factory=dict)  # bucket -> Future[dict[id, norm]]
     updates: dict = field(default_factory=dict)  # bucket -> Future[h2d event]
+    ready: list = field(default_factory=list)  # (bucket, clip coef): queued, not started
+    ready_lock: Any = field(default_factory=threading.Lock)
     waited: set = field(default_factory=set)  # buckets the compute stream already waits for
     clip_coef: Optional[torch.Tensor] = None
     stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": []})
@@ -135,6 +137,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             reverse registration order.
         bucket_bytes: model-dtype bytes per CPU update unit (default 64 MiB).
         cpu_threads: intra-op threads of the CPU worker (default: all but one).
+        cpu_chunk_bytes: fp32 bytes per CPU update chunk (default: 1 MiB per worker thread, at
+            least 4 MiB; 0: one optimizer step per bucket). Each bucket is converted, stepped
+            and written back one chunk at a time so its data stays in cache, each chunk by its
+            own instance of ``cpu_optimizer_cls``; parameters larger than a chunk are split for
+            ``torch.optim.Adam``/``AdamW``/``SGD`` only (bit-identical to whole-tensor steps,
+            see ``cpu_offload.optim.cpu_update``).
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
@@ -177,6 +185,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grad_order: Optional[Sequence[torch.Tensor]] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         cpu_threads: Optional[int] = None,
+        cpu_chunk_bytes: Optional[int] = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
@@ -197,6 +206,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._bucket_bytes = bucket_bytes
+        cpu_threads = cpu_threads or default_cpu_threads()
+        if cpu_chunk_bytes is None:
+            cpu_chunk_bytes = default_chunk_bytes(cpu_threads)
+        if cpu_chunk_bytes < 0:
+            raise OffloadConfigError(f"cpu_chunk_bytes must be >= 0 (0: no chunks), got {cpu_chunk_bytes}")
+        self._chunk_elems = cpu_chunk_bytes // 4
         self._grad_order = list(grad_order) if grad_order is not None else None
         self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
         self._cpu: dict[int, _CpuParam] = {}
@@ -221,7 +236,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._attach(range(len(self.param_groups)))
         index = self._torch_device.index if self._torch_device is not None else None
         cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
-        self._worker = CpuWorker(cpu_threads or default_cpu_threads(), cuda_index)
+        self._worker = CpuWorker(cpu_threads, cuda_index)
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -270,11 +285,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._engine.read_params(bparams)
             bucket = CpuBucket(bparams, [entries[i][0] for i in order],
                                [self._engine.params.typed(p) for p in bparams], hypers,
-                               lambda groups: self._cpu_cls(groups, **self._kwargs))
+                               lambda groups: self._cpu_cls(groups, **self._kwargs), self._chunk_elems)
             for p, m in zip(bparams, bucket.masters):
                 self._cpu[id(p)] = _CpuParam(len(self._buckets), m)
             self._buckets.append(bucket)
-            need = bucket.fp32_grad_elems
+            need = bucket.scratch_elems
             if need > self._scratch.numel():
                 self._scratch = torch.empty(need, dtype=torch.float32)
         for gi in dict.fromkeys(gi for gi, _ in entries):
@@ -411,7 +426,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 st.norms[b] = self._worker.submit(self._bucket_norms, b, st.landed[b], 2.0, st)
             else:
-                st.updates[b] = self._worker.submit(self._update_bucket, b, st, None)
+                self._queue_updates(st, [b], None)
 
     def _flush(self, st: _Step) -> None:
         """Copy the gradients no hook copied (mode "none", unused params, grads set by hand) and
@@ -436,6 +451,30 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params = [p for p, g in zip(self._buckets[b].params, self._bucket_grads(b, st)) if g is not None]
         grads = [self._engine.grads.typed(p) for p in params]
         return dict(zip(map(id, params), torch._foreach_norm(grads, norm_type) if grads else []))
+
+    def _queue_updates(self, st: _Step, buckets: Sequence[int], coef: Optional[torch.Tensor]) -> None:
+        """Queue the updates of ``buckets`` (their gradient copies are queued), all before any
+        job may pick one; ``st.updates[b]`` is done when bucket ``b`` is, whichever worker job
+        runs it (see ``_run_next_update``)."""
+        with st.ready_lock:
+            for b in buckets:
+                st.updates[b] = Future()
+                st.ready.append((b, coef))
+        for _ in buckets:
+            self._worker.submit(self._run_next_update, st)
+
+    def _run_next_update(self, st: _Step) -> None:
+        """One worker job per queued bucket; each runs the queued bucket that matters most now
+        (``partition.next_update``: of the landed ones, the one the next forward needs first)."""
+        with st.ready_lock:
+            i = next_update([b for b, _ in st.ready], lambda b: self._device.event_done(st.landed[b]))
+            b, coef = st.ready.pop(i)
+        future = st.updates[b]
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(self._update_bucket(b, st, coef))
+        except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the bucket
+            future.set_exception(exc)
 
     def _update_bucket(self, b: int, st: _Step, coef: Optional[torch.Tensor]) -> Optional[Event]:
         t0 = time.perf_counter()
@@ -483,9 +522,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
             if not st.updates:  # nothing started yet: a scheduler may have changed lr since
                 st.hypers = self._hyperparameters()
-            for b in range(len(self._buckets)):
-                if b not in st.updates:
-                    st.updates[b] = self._worker.submit(self._update_bucket, b, st, coef)
+            self._queue_updates(st, [b for b in range(len(self._buckets)) if b not in st.updates], coef)
             self._gpu_step(st.hypers)
             for ev in st.landed.values():  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(ev)
@@ -678,7 +715,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 cp = self._cpu.get(id(p))
                 if cp is not None:
-                    out.append(state_format.Placement(p, self._buckets[cp.bucket].optimizer, cp.master, True))
+                    out.append(state_format.Placement(p, self._buckets[cp.bucket], cp.master, True))
                 else:
                     key = self._gpu_master.get(id(p), p)
                     out.append(state_format.Placement(p, self._gpu_opt, key, False))
@@ -696,7 +733,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         wrapped optimizer class over the same parameter groups. Updated parameters are copied to
         the device (their master weights, when the state dict has them)."""
         self._drain_all()
-        sub_groups = {id(b.optimizer): b.group_ids for b in self._buckets}
+        sub_groups = {id(b): b.group_ids for b in self._buckets}
         if self._gpu_opt is not None:
             sub_groups[id(self._gpu_opt)] = self._gpu_groups
         placements = self._placements()

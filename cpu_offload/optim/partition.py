@@ -76,6 +76,24 @@ def make_buckets(order: Sequence[int], sizes: Sequence[int], bucket_bytes: int) 
     return buckets
 
 
+def next_update(ready: Sequence[int], landed: Callable[[int], bool]) -> int:
+    """Which of the ``ready`` buckets (queued for their CPU update) to update next, as a
+    position in ``ready``.
+
+    Buckets are numbered in gradient-arrival order (last layers first); the next forward needs
+    them in reverse (first layers first). Of the buckets whose gradients have ``landed``, take
+    the one the next forward needs first; if none has landed, the one that lands first (the
+    lowest number: copies land in order). So the buckets still waiting when backward ends are
+    updated first-layer-first and the next forward can start while the CPU works on later
+    layers; in arrival order the first layers' buckets, whose gradients arrive last, would be
+    updated last and the forward would wait for every update. Buckets are independent: the
+    order changes no number.
+    """
+    done = [i for i, b in enumerate(ready) if landed(b)]
+    pick = max if done else min
+    return pick(done or range(len(ready)), key=lambda i: ready[i])
+
+
 def default_arrival(n: int) -> list[int]:
     """Reverse registration order: the last registered parameters get their gradients first."""
     return list(range(n - 1, -1, -1))

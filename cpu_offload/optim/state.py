@@ -32,7 +32,7 @@ class Placement:
     """Where one wrapper parameter's optimizer state lives."""
 
     param: torch.Tensor  # the model parameter
-    optimizer: torch.optim.Optimizer  # the sub-optimizer updating it
+    optimizer: Any  # the sub-optimizer updating it (a torch optimizer, or a CpuBucket: same API)
     key: torch.Tensor  # the tensor that optimizer updates (the param, or its fp32 master)
     offloaded: bool
 
