@@ -424,6 +424,17 @@ def functional_overloads(names: Any) -> frozenset:
     return frozenset(found)
 
 
+def global_module_hooks(pre: Callable, post: Callable) -> list:
+    """Forward pre-hook and forward hook on every ``nn.Module`` call (removable handles); the
+    forward hook also runs when the forward raises, so the two always pair up."""
+    from torch.nn.modules import module
+
+    return [
+        module.register_module_forward_pre_hook(pre),
+        module.register_module_forward_hook(post, always_call=True),
+    ]
+
+
 def autocast_off(device_type: str) -> Any:
     """A context that runs aten ops exactly as called (no autocast casts) on ``device_type``;
     a null context when autocast is not enabled there."""

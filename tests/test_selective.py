@@ -87,8 +87,9 @@ def test_selective_and_offloading_move_fewer_bytes(sim):
 # --- a tiny Hugging Face Llama: RMSNorm in Python, chains of recipes -----------------------------
 
 
+@pytest.mark.parametrize("scope", ["modules", "layer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hf_llama_recomputes_rmsnorm_and_mlp_chains_exactly(dtype, sim):
+def test_hf_llama_recomputes_rmsnorm_and_mlp_chains_exactly(dtype, scope, sim):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -107,14 +108,18 @@ def test_hf_llama_recomputes_rmsnorm_and_mlp_chains_exactly(dtype, sim):
     ref = step()
     layers = model.model.layers
     with apply_offloading(layers, num_layers=1, selective=True, min_tensor_size_to_offload=2048,
-                          device=sim) as handle:
+                          selective_scope=scope, device=sim) as handle:
         for _ in range(2):
             assert_equal(step(), ref)
         stats = handle.stats()
+    tokens, size = ids.numel(), torch.finfo(dtype).bits // 8
+    modules = (2 * cfg.hidden_size + cfg.intermediate_size) * tokens * size
     for i in range(3):
         removed, saved = layer_bytes(stats, i)
-        # both RMSNorm outputs, the SiLU output and the gated product at least
-        assert removed >= saved // 4, (i, removed, saved)
+        if scope == "modules":  # both RMSNorm outputs and the SiLU output: the modules' outputs
+            assert removed >= modules, (i, removed, saved)
+        else:  # ... and the gated product, and chains inside RMSNorm
+            assert removed >= saved // 4 and removed > modules, (i, removed, saved)
 
 
 # --- adversarial layers -----------------------------------------------------------------------
@@ -134,13 +139,15 @@ class Case(nn.Module):
         return self.program(self, x)
 
 
-def run_case(program, sim, n=3, selective=True, num_layers=0):
+def run_case(program, sim, n=3, selective=True, num_layers=0, scope="layer"):
+    """Three ``Case`` layers against the same without offloading; ``scope="layer"`` records
+    the functional ops these programs call outside modules."""
     torch.manual_seed(0)
     layers = nn.ModuleList(Case(program) for _ in range(n))
     x0 = torch.randn(4, 16, 64)
     ref = gpt_step(layers, x0)
     handle = apply_offloading(layers, num_layers=num_layers, selective=selective,
-                              min_tensor_size_to_offload=256, device=sim)
+                              selective_scope=scope, min_tensor_size_to_offload=256, device=sim)
     got = gpt_step(layers, x0)
     stats = handle.stats()
     handle.remove()
@@ -310,6 +317,91 @@ def test_no_grad_forwards_record_nothing(sim):
             for layer in model.layers:
                 h = layer(h)
                 assert current_dispatch_mode() is None
+
+
+# --- scope: modules (the default) or the whole layer -------------------------------------------
+
+
+def test_module_scope_records_only_inside_norm_and_activation_modules(sim):
+    """The default scope pays the dispatch mode only inside norm and activation modules: a GELU
+    module's output is recomputed, the same op called functionally outside modules is not."""
+
+    def program(m, x):
+        a = m.act(m.lin1(x))  # nn.GELU: recorded
+        b = torch.nn.functional.gelu(m.lin1(x) * 0.5)  # functional, outside modules: not
+        return m.lin2(a) + m.lin2(b) + x
+
+    def with_act(program):
+        def run(m, x):
+            if not hasattr(m, "act"):
+                m.act = nn.GELU()
+            return program(m, x)
+        return run
+
+    modules = run_case(with_act(program), sim, scope="modules").to_dict()
+    layer = run_case(with_act(program), sim, scope="layer").to_dict()
+    assert modules["recipe_tensors"] == 3  # one GELU output per layer
+    assert layer["recipe_tensors"] > modules["recipe_tensors"]
+
+
+class Probe(nn.LayerNorm):
+    """A LayerNorm (recomputable by type) that notes the dispatch mode it runs under and can
+    fail inside its forward."""
+
+    seen: list = []
+    fail = False
+
+    def forward(self, x):
+        Probe.seen.append(current_dispatch_mode())
+        out = super().forward(x)
+        if Probe.fail:
+            raise Boom()
+        return out
+
+
+def test_an_exception_inside_a_recorded_module_leaves_no_mode_and_no_module_hooks(sim):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(64, 64), Probe(64), nn.Linear(64, 64)) for _ in range(3)
+    )
+    x0 = torch.randn(4, 16, 64)
+    ref = gpt_step(layers, x0)
+    Probe.seen.clear()
+    with apply_offloading(layers, num_layers=1, selective=True,
+                          min_tensor_size_to_offload=256, device=sim) as handle:
+        assert_equal(gpt_step(layers, x0), ref)
+        assert all(mode is not None for mode in Probe.seen)  # recorded inside every Probe
+        assert handle.stats().to_dict()["recipe_tensors"] == 3
+        Probe.fail = True
+        try:
+            with pytest.raises(Boom):
+                gpt_step(layers, x0)
+        finally:
+            Probe.fail = False
+        assert current_dispatch_mode() is None
+        Probe.seen.clear()
+        layers[0][1](x0)  # outside any layer's forward: no global hook enters the mode
+        assert Probe.seen == [None]
+        assert_equal(gpt_step(layers, x0), ref)
+    Probe.seen.clear()
+    layers[0](x0)
+    assert Probe.seen == [None]
+
+
+def test_which_modules_are_recorded_and_bad_scopes_name_the_fix(sim):
+    class LlamaishRMSNorm(nn.Module):
+        def forward(self, x):
+            return x
+
+    assert recompute.is_recomputable_module(nn.LayerNorm(4))
+    assert recompute.is_recomputable_module(nn.SiLU())
+    assert recompute.is_recomputable_module(LlamaishRMSNorm())
+    assert not recompute.is_recomputable_module(nn.Linear(4, 4))
+    assert not recompute.is_recomputable_module(nn.Dropout())
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    with pytest.raises(OffloadConfigError, match="'modules' records ops inside norm"):
+        apply_offloading(layers, num_layers=1, selective=True, selective_scope="ops", device=sim)
+    assert all(type(m) is nn.Linear for m in layers)
 
 
 # --- misuse -------------------------------------------------------------------------------------

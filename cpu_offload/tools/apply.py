@@ -29,6 +29,7 @@ from torch import nn
 from ..compat import compiler_disable, in_backward, is_compiled_module
 from ..errors import OffloadConfigError, OffloadUsageError
 from ..facade import use_v1
+from ..v2.recompute import check_selective_scope
 
 __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
 
@@ -400,6 +401,7 @@ def apply_offloading(
     num_layers: Optional[int] = None,
     plan: Any = None,
     selective: Union[None, bool, Sequence[int]] = None,
+    selective_scope: Optional[str] = None,
     **context_kwargs: Any,
 ) -> OffloadingHandle:
     """Offload the activations of a model's layers to pinned CPU memory, in place.
@@ -428,6 +430,10 @@ def apply_offloading(
             elementwise ops and dtype casts whose inputs the layer saves anyway (V2 only, not
             with ``torch.compile``'d layers nor with layers the plan checkpoints). Exact, like
             everything else; combines with offloading (only the other saved tensors move).
+        selective_scope: where a selective layer's ops are recorded: ``"modules"`` (default,
+            or the plan's): inside its norm and activation modules, a few ops for little host
+            time; ``"layer"``: every op, which also catches products outside modules (a gated
+            MLP's) but costs the host tens of microseconds per op.
         **context_kwargs: passed to ``get_cpu_offload_context`` (``min_tensor_size_to_offload``,
             ``device``, ``retain_pinned_cpu_buffers``, ``synchronization_dict``, ...).
 
@@ -505,6 +511,9 @@ def apply_offloading(
         )
     if plan is not None and selective is None:
         selective = tuple(getattr(plan, "selective", ()))
+    if selective_scope is None:
+        selective_scope = getattr(plan, "selective_scope", "modules")
+    check_selective_scope(selective_scope)
     sel = _selective_layers(selective, layers, recompute)
     if sel and use_v1():
         raise OffloadConfigError(
@@ -528,7 +537,7 @@ def apply_offloading(
         if plan is not None and getattr(plan, "partial_bytes", None) is not None:
             _limit_last_layer(handle, plan)
         if sel:
-            handle.synchronizer.set_selective(sel)
+            handle.synchronizer.set_selective(sel, selective_scope)
         driver: Any = _OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)

@@ -82,6 +82,7 @@ class Plan:
     partial_fraction: float = 1.0  # the share of its bytes the plan assumed
     partial_bytes: Optional[int] = None  # its byte limit, applied by ``apply_offloading``
     selective: tuple = ()  # layers whose cheap saved tensors are recomputed (never stored)
+    selective_scope: str = "modules"  # where their ops were recorded when profiled
 
     @property
     def time_ratio(self) -> float:

@@ -36,6 +36,7 @@ from torch import nn
 from ..compat import queue_backward_callback, saved_tensors_hooks
 from ..device import OffloadDevice, default_device
 from ..errors import OffloadConfigError
+from ..v2.recompute import check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .apply import as_layer_list, hidden_state, instrument
 from .audit import _v2_verdict
@@ -60,6 +61,7 @@ class StepProfile:
     # Peak of each segment of the step (``planner.memory_segments``) above what it starts with
     # (CUDA), else None: where the real step peaks, for the planner's memory model.
     memory_timeline: Optional[list] = None
+    selective_scope: str = "modules"  # where selective layers were recorded (``set_selective``)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -239,7 +241,9 @@ class _Selective:
 
     owner = None
 
-    def __init__(self, recorder: _StepRecorder, layers: list, device: Any, min_size: int) -> None:
+    def __init__(
+        self, recorder: _StepRecorder, layers: list, device: Any, min_size: int, scope: str
+    ) -> None:
         from ..v2.context import get_cpu_offload_context
         from .apply import _OffloadDriver
 
@@ -247,7 +251,7 @@ class _Selective:
             enabled=True, num_layers=0, model_layers=len(layers), device=device,
             min_tensor_size_to_offload=min_size,
         )
-        context.synchronizer.set_selective(range(len(layers)))
+        context.synchronizer.set_selective(range(len(layers)), scope)
         self.recorder = recorder
         self.context = context
         self.inner = _OffloadDriver(SimpleNamespace(layers=layers), context, sync)
@@ -322,14 +326,16 @@ def profile_step(
     link_gbps: Union[None, float, tuple] = None,
     warmup: int = 1,
     repeats: int = 3,
-    selective: bool = True,
+    selective: Union[bool, str] = True,
 ) -> StepProfile:
     """Measure ``step_fn()`` per layer (see the module docstring); ``plan_offloading``'s input.
 
     ``step_fn`` runs ``warmup + 1 + repeats`` times, twice that with ``selective`` (what
-    selective recomputation removes and costs); the gradients it accumulates are left as they
-    are. Only the first forward pass of each call is recorded.
+    selective recomputation removes and costs; ``True`` or a scope, as in
+    ``plan_offloading``); the gradients it accumulates are left as they are. Only the first
+    forward pass of each call is recorded.
     """
+    scope = _selective_scope(selective)
     layers = as_layer_list(layers)
     device = device or default_device()
     cuda = device.name == "cuda"
@@ -371,9 +377,9 @@ def profile_step(
         fwd_runs.append(fwd)
         bwd_runs.append(bwd)
     sel_bytes, sel_fwd_ms, sel_ms = [0] * n, [0.0] * n, [0.0] * n
-    if selective:
+    if scope is not None:
         sel_bytes, sel_fwd_ms, sel_ms = _measure_selective(
-            step_fn, layers, clock, device, min_tensor_size_to_offload, warmup, repeats,
+            step_fn, layers, clock, device, min_tensor_size_to_offload, scope, warmup, repeats,
             [statistics.median(r[i] for r in fwd_runs) for i in range(n)],
             [statistics.median(r[i] for r in bwd_runs) for i in range(n)],
         )
@@ -401,13 +407,23 @@ def profile_step(
                      "calibrates its memory model with the step's peak instead")
     return StepProfile(
         profiles, statistics.median(step_runs), peak, d2h, h2d, min_tensor_size_to_offload, notes,
-        timeline,
+        timeline, scope or "modules",
     )
+
+
+def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
+    """``selective=`` of ``profile_step``/``plan_offloading`` as a scope, or None (off)."""
+    if selective is True:
+        return "modules"
+    if selective is False:
+        return None
+    check_selective_scope(selective)
+    return selective
 
 
 def _measure_selective(
     step_fn: Callable[[], Any], layers: list, clock: _Clock, device: OffloadDevice,
-    min_size: int, warmup: int, repeats: int, fwd_ms: list, bwd_ms: list,
+    min_size: int, scope: str, warmup: int, repeats: int, fwd_ms: list, bwd_ms: list,
 ) -> tuple:
     """Per layer, the bytes selective recomputation stores as recipes instead, and the forward
     and backward time it adds (against ``fwd_ms`` and ``bwd_ms``, measured without it). The
@@ -417,7 +433,7 @@ def _measure_selective(
     runs, fwd_runs, sel_bytes = [], [], [0] * n
     for i in range(max(1, warmup) + max(1, repeats)):
         recorder = _StepRecorder(n, clock, None, memory=False)
-        driver = _Selective(recorder, layers, device, min_size)
+        driver = _Selective(recorder, layers, device, min_size, scope)
         _run(step_fn, layers, recorder, driver)
         sel_bytes = [max(a, b) for a, b in zip(sel_bytes, driver.recipe_bytes())]
         if i >= max(1, warmup):
@@ -442,7 +458,7 @@ def plan_offloading(
     warmup: int = 1,
     repeats: int = 3,
     partial: bool = True,
-    selective: bool = True,
+    selective: Union[bool, str] = True,
 ) -> Plan:
     """Choose what to offload and what to recompute from one real training step.
 
@@ -472,8 +488,10 @@ def plan_offloading(
             quarter, half or three quarters of bytes), to use the link up to its capacity.
             Only the V2 backend applies such a plan; pass ``False`` for V1.
         selective: measure and consider selective recomputation (``Plan.selective``: layers
-            whose cheap saved tensors are recomputed instead of stored). Only the V2 backend
-            applies it; pass ``False`` for V1 (or to save the extra profiled steps).
+            whose cheap saved tensors are recomputed instead of stored). ``True`` (or
+            ``"modules"``): ops are recorded inside norm and activation modules only;
+            ``"layer"``: every op of the layer (more recipes, more host time per op). Only the
+            V2 backend applies it; pass ``False`` for V1 (or to save the extra profiled steps).
 
     Returns:
         A ``Plan``: ``num_layers``, ``recompute``, ``selective``, predicted
@@ -547,6 +565,7 @@ def plan_from_profile(
         chosen,
         memory_budget_bytes=budget,
         min_tensor_size_to_offload=prof.min_tensor_size_to_offload,
+        selective_scope=prof.selective_scope,
         d2h_gbps=prof.d2h_gbps,
         h2d_gbps=prof.h2d_gbps,
         profiles=tuple(profiles),

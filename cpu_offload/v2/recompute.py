@@ -6,6 +6,15 @@ dtype casts, copies; ``CHEAP_OPS``), how it was made: the op, its non-tensor arg
 tensor argument, its storage (weakly), geometry and version. Nothing is held: outputs and
 inputs stay weak references, parameters are the module's own.
 
+A Python dispatch mode costs the host tens of microseconds per op, which a layer of many small
+ops (a Hugging Face decoder layer runs about 90) turns into a host-bound forward. So by default
+(``scope="modules"``) the mode is active only while a norm or activation module runs
+(``is_recomputable_module``: ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and classes named
+``*RMSNorm``/``*LayerNorm``, ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``, ``Sigmoid``), entered and
+left by global module hooks: a few ops recorded per layer, the outputs that matter most (a
+GPT block's two LayerNorm outputs and its GELU output). ``scope="layer"`` records every op of the
+layer (also elementwise products outside modules, such as a gated MLP's), at that host cost.
+
 When the layer's pack hook sees a saved tensor whose whole storage is such an output, unchanged
 since, and every tensor input of its op is held anyway by this layer's forward (saved by it,
 offloaded or kept, a parameter, a tiny tensor, or itself recomputable the same way from such
@@ -29,13 +38,17 @@ from typing import Any, Optional
 
 import torch
 
+from torch import nn
+
 from ..compat import (
     TorchDispatchMode,
     autocast_off,
     bytes_on_storage,
     functional_overloads,
+    global_module_hooks,
     is_parameter,
 )
+from ..errors import OffloadConfigError
 from ..storage import KeptRef, VersionWatch, ViewMeta, check_version, restore_view, storage_bytes
 from .layer_state import SavedRef
 from .stats import LayerStats
@@ -166,6 +179,73 @@ class RecipeRecorder(TorchDispatchMode):
                 func, targs, tkwargs, inputs, index if len(outs) > 1 or out is not o else None,
                 o, storage,
             )
+
+
+SELECTIVE_SCOPES = ("modules", "layer")
+RECOMPUTABLE_MODULES = tuple(
+    getattr(nn, name) for name in
+    ("LayerNorm", "GroupNorm", "RMSNorm", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid")
+    if hasattr(nn, name)  # nn.RMSNorm: torch 2.4 and later
+)
+NORM_NAME_SUFFIXES = ("RMSNorm", "LayerNorm")  # e.g. transformers' LlamaRMSNorm
+_recomputable: dict = {}  # module class -> verdict
+
+
+def check_selective_scope(scope: str) -> None:
+    if scope not in SELECTIVE_SCOPES:
+        raise OffloadConfigError(
+            f"selective scope must be one of {SELECTIVE_SCOPES}, got {scope!r}: 'modules' records "
+            "ops inside norm and activation modules (cheap), 'layer' every op of the layer"
+        )
+
+
+def is_recomputable_module(module: nn.Module) -> bool:
+    """Whether ``scope="modules"`` records the ops of ``module``'s forward: a norm or an
+    activation (by type, or a class named ``*RMSNorm``/``*LayerNorm``)."""
+    cls = type(module)
+    verdict = _recomputable.get(cls)
+    if verdict is None:
+        verdict = _recomputable[cls] = (
+            issubclass(cls, RECOMPUTABLE_MODULES) or cls.__name__.endswith(NORM_NAME_SUFFIXES)
+        )
+    return verdict
+
+
+class ModuleScopedRecorder:
+    """``RecipeRecorder`` entered only while a recomputable module runs (and the modules it
+    calls), by global module hooks: the host pays the dispatch mode for a few ops per layer,
+    not all of them. Same interface as the recorder (``recipes``, context manager)."""
+
+    def __init__(self) -> None:
+        self.mode = RecipeRecorder()
+        self.recipes = self.mode.recipes
+        self.depth = 0  # module calls open since a recomputable one started
+        self.handles: list = []
+
+    def __enter__(self) -> "ModuleScopedRecorder":
+        self.handles = global_module_hooks(self._pre, self._post)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.depth:  # left from inside a module (cannot happen with paired hooks; be safe)
+            self.depth = 0
+            self.mode.__exit__(None, None, None)
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self.depth:
+            self.depth += 1
+        elif is_recomputable_module(module):
+            self.mode.__enter__()
+            self.depth = 1
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self.depth:
+            self.depth -= 1
+            if not self.depth:
+                self.mode.__exit__(None, None, None)
 
 
 class _Skip(Exception):
@@ -312,19 +392,21 @@ class SelectiveLayer:
     """Per step, one selective layer's forward: the recorder while it runs, the saved states
     its pack hook produced (by storage), and the recompute entries it made."""
 
-    __slots__ = ("index", "lstats", "recorder", "sources", "by_recipe", "entries")
+    __slots__ = ("index", "lstats", "scope", "recorder", "sources", "by_recipe", "entries")
 
-    def __init__(self, index: int, lstats: LayerStats) -> None:
+    def __init__(self, index: int, lstats: LayerStats, scope: str = "modules") -> None:
         self.index = index
         self.lstats = lstats
-        self.recorder: Optional[RecipeRecorder] = None
+        self.scope = scope
+        self.recorder: Any = None  # RecipeRecorder or ModuleScopedRecorder while recording
         self.sources: dict[int, Any] = {}  # storage data_ptr -> SavedRef / KeptRef packed last
         self.by_recipe: dict[int, RecomputeEntry] = {}  # id(Recipe) -> its entry, this forward
         self.entries: list = []  # weak references to every RecomputeEntry made
 
     def begin(self) -> None:
-        self.recorder = RecipeRecorder()
-        self.recorder.__enter__()
+        recorder = RecipeRecorder() if self.scope == "layer" else ModuleScopedRecorder()
+        recorder.__enter__()
+        self.recorder = recorder
 
     def end(self) -> None:
         """The layer's forward is over (or failed): stop recording, forget what was recorded."""

@@ -25,7 +25,7 @@ from ..compat import (
 from ..device import OffloadDevice
 from ..errors import OffloadUsageError, check_sync_argument
 from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
-from .recompute import SelectiveLayer
+from .recompute import SelectiveLayer, check_selective_scope
 from ..storage import KeptRef
 from ..pinned_pool import PinnedPool
 from .schedule import Schedule
@@ -39,12 +39,12 @@ class Step:
     __slots__ = (
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
-        "selective_indices", "selective",
+        "selective_indices", "selective", "selective_scope",
     )
 
     def __init__(
         self, rt: Runtime, schedule: Optional[Schedule], model_layers: int,
-        selective: frozenset = frozenset(),
+        selective: frozenset = frozenset(), selective_scope: str = "modules",
     ) -> None:
         self.rt = rt
         self.stats = StepStats(rt.device, rt.pool)
@@ -61,6 +61,7 @@ class Step:
         self.last_trigger: Optional[weakref.ref] = None  # of the newest layer output's trigger
         self.selective_indices = selective  # layers whose cheap saved tensors are recomputed
         self.selective: dict[int, SelectiveLayer] = {}  # of this step, made as they run
+        self.selective_scope = selective_scope
 
     @property
     def complete(self) -> bool:
@@ -92,7 +93,9 @@ class Step:
         )
         self.layers.append(layer)
         if grad and index in self.selective_indices:
-            self.selective[index] = SelectiveLayer(index, self.stats.layer(index))
+            self.selective[index] = SelectiveLayer(
+                index, self.stats.layer(index), self.selective_scope
+            )
         return layer
 
     def end_forward_layer(self) -> None:
@@ -226,6 +229,7 @@ class OffloadSynchronizer:
         self.step: Optional[Step] = None
         self.current: Optional[LayerState] = None
         self.selective: frozenset = frozenset()  # layers whose cheap saved tensors are recomputed
+        self.selective_scope = "modules"  # where their ops are recorded (``set_selective``)
         self.current_selective: Optional[SelectiveLayer] = None
         self.current_index = -1
         self.inside = False
@@ -270,7 +274,9 @@ class OffloadSynchronizer:
                 step.abort()  # a forward left half-way: its graph is gone or unusable
             if step is not None:
                 step.stats.log()
-            self.step = step = Step(self.rt, self.schedule, self.model_layers, self.selective)
+            self.step = step = Step(
+                self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope
+            )
             self.rt.pool.trim()
         self.current = step.begin_forward()
         self.current_index = step.fwd_count - 1
@@ -336,9 +342,13 @@ class OffloadSynchronizer:
         else:
             self.rt.byte_limits[layer] = nbytes
 
-    def set_selective(self, layers: Any) -> None:
+    def set_selective(self, layers: Any, scope: str = "modules") -> None:
         """Recompute the cheap saved tensors of these layers (indices) in backward instead of
-        storing them (``cpu_offload.v2.recompute``); from the next forward pass on."""
+        storing them (``cpu_offload.v2.recompute``); from the next forward pass on. ``scope``:
+        where ops are recorded, ``"modules"`` (inside norm and activation modules: cheap) or
+        ``"layer"`` (every op of the layer: more recipes, tens of microseconds of host time per
+        op)."""
+        check_selective_scope(scope)
         layers = frozenset(layers)
         bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int)
                or not 0 <= i < self.model_layers]
@@ -348,6 +358,7 @@ class OffloadSynchronizer:
                 f"{sorted(bad, key=repr)!r}"
             )
         self.selective = layers
+        self.selective_scope = scope
 
     def _end_selective(self) -> None:
         selective, self.current_selective = self.current_selective, None
