@@ -49,7 +49,7 @@ from ..compat import (
     is_parameter,
 )
 from ..errors import OffloadConfigError
-from ..storage import KeptRef, VersionWatch, ViewMeta, check_version, restore_view, storage_bytes
+from ..storage import KeptRef, VersionWatch, ViewMeta, restore_view, storage_bytes
 from .layer_state import SavedRef
 from .stats import LayerStats
 
@@ -357,20 +357,16 @@ class RecomputedRef:
         return t
 
 
-class HeldInput:
+class HeldInput(KeptRef):
     """A recipe input held as it is (a parameter or a tiny tensor), checked for in-place
-    changes as autograd checks a saved tensor."""
+    changes as autograd checks a saved tensor: a ``KeptRef`` whose expected version is the one
+    the recorded op saw."""
 
-    __slots__ = ("alias", "version")
+    __slots__ = ()
 
-    def __init__(self, alias: torch.Tensor, version: int) -> None:
-        self.alias = alias
+    def __init__(self, t: torch.Tensor, version: int) -> None:
+        super().__init__(t)
         self.version = version
-
-    def unpack(self) -> torch.Tensor:
-        if self.alias._version != self.version:
-            check_version(self.alias, self.version, self.alias.size())
-        return self.alias
 
 
 class KeptInput:
@@ -466,7 +462,7 @@ class SelectiveLayer:
         """A reference that gives ``spec``'s tensor back in backward, holding no new memory;
         ``None`` if there is none."""
         if spec.held is not None:
-            return HeldInput(spec.held.detach(), spec.version)
+            return HeldInput(spec.held, spec.version)
         src = self.sources.get(spec.key)
         if type(src) is SavedRef:
             entry = src.entry
