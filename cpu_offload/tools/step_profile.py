@@ -17,7 +17,7 @@ layer signature) with the layers instrumented by ``apply.instrument``:
 - the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter;
 - selective recomputation: one more counted step and timed steps with every layer selective
   (a V2 context that offloads nothing): per layer the bytes it stores as recipes instead, and
-  the backward time it adds (the difference to the timed steps without it).
+  the forward and backward time it adds (the difference to the timed steps without it).
 
 ``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
 that ``apply_offloading(layers, plan=plan)`` applies.
@@ -237,13 +237,12 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 class _Selective:
     """``instrument`` driver: a recorder's measurements around a V2 context that offloads
-    nothing and recomputes every layer's cheap saved tensors."""
+    nothing and recomputes every layer's cheap saved tensors. One context serves every
+    profiled step; each step gets a fresh ``recorder``."""
 
     owner = None
 
-    def __init__(
-        self, recorder: _StepRecorder, layers: list, device: Any, min_size: int, scope: str
-    ) -> None:
+    def __init__(self, layers: list, device: Any, min_size: int, scope: str) -> None:
         from ..v2.context import get_cpu_offload_context
         from .apply import _OffloadDriver
 
@@ -252,7 +251,7 @@ class _Selective:
             min_tensor_size_to_offload=min_size,
         )
         context.synchronizer.set_selective(range(len(layers)), scope)
-        self.recorder = recorder
+        self.recorder: Optional[_StepRecorder] = None
         self.context = context
         self.inner = _OffloadDriver(SimpleNamespace(layers=layers), context, sync)
 
@@ -430,21 +429,21 @@ def _measure_selective(
     forward time is the recording dispatch mode's host work where the host is the bottleneck
     (device events then measure the host's pace)."""
     n = len(layers)
-    runs, fwd_runs, sel_bytes = [], [], [0] * n
+    fwd_runs, bwd_runs, sel_bytes = [], [], [0] * n
+    driver = _Selective(layers, device, min_size, scope)
     for i in range(max(1, warmup) + max(1, repeats)):
-        recorder = _StepRecorder(n, clock, None, memory=False)
-        driver = _Selective(recorder, layers, device, min_size, scope)
+        recorder = driver.recorder = _StepRecorder(n, clock, None, memory=False)
         _run(step_fn, layers, recorder, driver)
         sel_bytes = [max(a, b) for a, b in zip(sel_bytes, driver.recipe_bytes())]
         if i >= max(1, warmup):
             fwd, bwd = recorder.times()
             fwd_runs.append(fwd)
-            runs.append(bwd)
+            bwd_runs.append(bwd)
 
     def added(measured: list, base: list) -> list:
         return [max(0.0, statistics.median(r[i] for r in measured) - base[i]) for i in range(n)]
 
-    return sel_bytes, added(fwd_runs, fwd_ms), added(runs, bwd_ms)
+    return sel_bytes, added(fwd_runs, fwd_ms), added(bwd_runs, bwd_ms)
 
 
 def plan_offloading(
