@@ -5,9 +5,11 @@ Launched by ``tests/test_distributed.py`` (CPU: gloo + SimulatedDevice, in CI) a
 
     torchrun --standalone --nproc-per-node 2 tests/distributed_cases.py --case ddp --device cuda
 
-Cases (``--case``): ``ddp``, ``fsdp2``, ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``. Each one
-runs the same training step with and without offloading on the same model and inputs and checks
-on every rank that every gradient is ``torch.equal`` to the run without offloading; on CUDA it
+Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
+``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and
+``HybridDeviceOptimizer``). Each one runs the same training step with and without offloading on
+the same model and inputs and checks on every rank that every gradient (``ddp-optim``: every
+parameter after three optimizer steps) is ``torch.equal`` to the run without offloading; on CUDA it
 also measures peak memory above the pre-step baseline (and checks it shrinks where the case says
 so). Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
 torchrun reports the case as failed.
@@ -32,11 +34,11 @@ import torch.nn.functional as F
 from packaging.version import Version
 from torch import nn
 
-from cpu_offload import SimulatedDevice, get_cpu_offload_context
+from cpu_offload import SimulatedDevice, apply_offloading, get_cpu_offload_context
 from cpu_offload import compat
 from cpu_offload.models import GPTConfig, build_model, make_input, run_layers
 
-CASES = ("ddp", "fsdp2", "pipeline-gpipe", "pipeline-1f1b", "tp")
+CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim")
 
 # Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
 # compat.tensor_flatten for them (non-tensor inner attributes such as DTensor's device_mesh on
@@ -164,21 +166,55 @@ def case_ddp(env: Env) -> dict:
 # Seen on the tox releases: FSDP2 creates CUDA streams even for CPU parameters before torch 2.8
 # (fails on 2.4.1 and 2.6.0), and Schedule1F1B over gloo hangs in its fused send/recv before 2.8
 # (2.4.1, 2.6.0). Both work on 2.8.0 and later; on GPUs (NCCL) they are run on every release.
-CPU_NEEDS_2_8 = ("fsdp2", "pipeline-1f1b")
+CPU_NEEDS_2_8 = ("fsdp2", "fsdp2-apply", "pipeline-1f1b")
 
 
-def case_fsdp2(env: Env) -> dict:
+def fsdp2_model(env: Env, cfg: GPTConfig) -> Optional[nn.Module]:
+    """A GPT stack with ``fully_shard`` on every block and on the stack (None before FSDP2)."""
     fully_shard = compat.fully_shard()
     if fully_shard is None:
-        return {"skipped": f"no FSDP2 fully_shard in torch {torch.__version__}"}
-    n, k = 4, 2
-    cfg = env.config(n)
+        return None
     model = build_model(cfg, env.device, seed=0)
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
+    return model
+
+
+def case_fsdp2(env: Env) -> dict:
+    n, k = 4, 2
+    cfg = env.config(n)
+    model = fsdp2_model(env, cfg)
+    if model is None:
+        return {"skipped": f"no FSDP2 fully_shard in torch {torch.__version__}"}
     x = make_input(cfg, env.device, seed=10 + env.rank)
     return compare_steps(env, model, x, k, n, "FSDP2")
+
+
+def case_fsdp2_apply(env: Env) -> dict:
+    """``apply_offloading`` on layers already wrapped by ``fully_shard`` (the order README gives:
+    shard first, then apply), exact for three steps; ``remove()`` gives back FSDP2's classes."""
+    n, k = 4, 2
+    cfg = env.config(n)
+    model = fsdp2_model(env, cfg)
+    if model is None:
+        return {"skipped": f"no FSDP2 fully_shard in torch {torch.__version__}"}
+    sharded = [type(block) for block in model.layers]
+    x = make_input(cfg, env.device, seed=10 + env.rank)
+    ref, ref_peak = env.measure(lambda: train_step(model, x))
+    handle = apply_offloading(model.layers, num_layers=k, **env.offload_kwargs())
+    for step in range(3):
+        got, peak = env.measure(lambda: train_step(model, x))
+        assert_equal(got, ref, f"FSDP2 + apply_offloading step {step}")
+    moved = env.copies()
+    handle.remove()
+    assert [type(block) for block in model.layers] == sharded, "remove() did not restore FSDP2"
+    assert_equal(train_step(model, x), ref, "FSDP2 after remove()")
+    if env.cuda:
+        assert peak < ref_peak, f"FSDP2 + apply_offloading: peak {peak} not below {ref_peak}"
+    else:
+        assert moved > 0, "FSDP2 + apply_offloading: nothing was offloaded"
+    return {"peak_ratio": peak / ref_peak if ref_peak else None, "grads": len(ref)}
 
 
 class PipelineStageModule(nn.Module):
@@ -315,6 +351,61 @@ def case_tp(env: Env) -> dict:
     return compare_steps(env, model, x, k, n, "tensor parallel")
 
 
+def case_ddp_optim(env: Env) -> dict:
+    """DDP, activation offloading and ``HybridDeviceOptimizer`` (half the parameters updated on
+    the CPU) together. The optimizer takes the offloaded gradients from DDP's all-reduced
+    buckets (``ddp_comm_hook``) and updates during backward, or during the next forward; the
+    reference copies the reduced ``p.grad`` inside ``step()`` with no activation offloading.
+    Parameters after three steps (a different batch per rank and step) must be equal bit for
+    bit, and equal on both ranks (an unreduced gradient would make them differ)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpu_offload.optim import HybridDeviceOptimizer
+
+    n, k = 4, 2
+    cfg = env.config(n)
+    hybrid_kw = {} if env.cuda else {"device": SimulatedDevice(), "foreach": False}
+
+    def run(overlap: str, offload: bool) -> tuple:
+        model = build_model(cfg, env.device, seed=0)
+        ddp = DDP(model, device_ids=[env.device.index] if env.cuda else None)
+        opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, lr=1e-3, overlap=overlap, **hybrid_kw)
+        ctx = sync = None
+        if offload:
+            ddp.register_comm_hook(*opt.ddp_comm_hook())
+            opt.register_forward_waits(model)
+            ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,
+                                                **env.offload_kwargs())
+
+        def step(i: int) -> None:
+            x = make_input(cfg, env.device, seed=100 * i + env.rank, requires_grad=False)
+            loss_of(ddp(x, ctx, sync)).backward()
+            opt.step()
+            opt.zero_grad()
+
+        peak = 0
+        for i in range(3):
+            peak = max(peak, env.measure(lambda: step(i))[1])
+        opt.wait_params()
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return params, peak
+
+    ref, ref_peak = run("none", offload=False)
+    for overlap in ("backward_update", "next_forward"):
+        got, peak = run(overlap, offload=True)
+        assert_equal(got, ref, f"DDP + offload + HybridDeviceOptimizer({overlap}) parameters")
+    for i, p in enumerate(ref):
+        theirs = p.clone()
+        dist.broadcast(theirs, src=0)
+        assert torch.equal(theirs, p), f"parameter {i} differs between rank 0 and {env.rank}"
+    if env.cuda:
+        assert peak < ref_peak, f"DDP + offload + optimizer: peak {peak} not below {ref_peak}"
+    else:
+        assert env.copies() > 0, "DDP + offload + optimizer: no activation was offloaded"
+    return {"peak_ratio": peak / ref_peak if ref_peak else None, "params": len(ref)}
+
+
 def run_cases(cases: List[str], device_kind: str) -> None:
     """Run ``cases`` one after the other in one process group; stop at the first failure."""
     env = Env(device_kind)
@@ -330,6 +421,10 @@ def run_cases(cases: List[str], device_kind: str) -> None:
                 result = case_ddp(env)
             elif case == "fsdp2":
                 result = case_fsdp2(env)
+            elif case == "fsdp2-apply":
+                result = case_fsdp2_apply(env)
+            elif case == "ddp-optim":
+                result = case_ddp_optim(env)
             elif case in ("pipeline-gpipe", "pipeline-1f1b"):
                 result = case_pipeline(env, case.split("-", 1)[1])
             elif case == "tp":
