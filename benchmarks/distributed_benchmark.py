@@ -6,12 +6,19 @@ Run on a host with 2 GPUs (one process per GPU, NCCL)::
 
 Workload (defaults): 8 plain-torch GPT blocks (``cpu_offload.models``), hidden
 2048, 16 heads, sequence 4096, batch 1 per rank, bf16, deterministic kernels; offloading the first
-``--k`` (4) of the 8 layers with the default V2 schedule. DDP wraps the whole stack; FSDP2 calls
-``fully_shard`` on every block and on the stack. For each row: median step time over ``--steps``
-timed steps (after ``--warmup``), peak allocated memory above the memory held before the step
-(parameters, gradients, optimizer-free), the ratio of both to the same wrapper without offloading,
-and whether every gradient on this rank is ``torch.equal`` to that run. Rank 0 prints the table
-(the maximum over ranks of time and peak) and writes ``distributed.json`` under ``--out``.
+k of the 8 layers (``--ks``, default 2 and 4) with the default V2 schedule. Wrappers: ``single``
+(no wrapper: each rank trains its own copy, both at once, the control that shares the host and
+its PCIe links the same way but has no collectives), ``ddp`` (DDP around the whole stack) and
+``fsdp2`` (``fully_shard`` on every block and on the stack).
+
+For each row: median step time over ``--steps`` timed steps (after ``--warmup``); "host ms", the
+median time until ``backward()`` returned (the host's share: near the step time means the host,
+not the GPU, sets the pace); peak allocated memory above the memory held before the step; the
+ratio of both to the same wrapper without offloading; the bytes each rank copied to the host per
+step and "link ms", those bytes at the device-to-host bandwidth measured with both ranks copying
+at once (a lower bound for the copies alone); and whether every gradient on this rank is
+``torch.equal`` to the wrapper's run without offloading. Rank 0 prints the table (the maximum over
+ranks) and writes ``distributed.json`` under ``--out``.
 
 ``--device cpu`` runs the same code on the CPU with gloo and the simulated device (a smoke test
 of the script: times there mean nothing).
@@ -42,10 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--k", type=int, default=4, help="layers offloaded (the first k)")
+    p.add_argument("--ks", default="2,4", help="layers offloaded (the first k), comma-separated")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--wrappers", default="ddp,fsdp2")
+    p.add_argument("--wrappers", default="single,ddp,fsdp2")
+    p.add_argument("--link-mib", type=int, default=1024, help="buffer for the link measurement")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -77,6 +85,8 @@ class Runner:
 
     def wrap(self, name: str) -> torch.nn.Module:
         model = build_model(self.cfg, self.device, seed=0)
+        if name == "single":
+            return model
         if name == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -89,11 +99,32 @@ class Runner:
         fully_shard(model)
         return model
 
-    def step(self, model, x, ctx, sync) -> None:
+    def step(self, model, x, ctx, sync) -> float:
+        """One training step; returns the host seconds until ``backward()`` returned."""
+        t0 = time.perf_counter()
         for p in model.parameters():
             p.grad = None
         x.grad = None
         model(x, ctx, sync).float().square().mean().backward()
+        return time.perf_counter() - t0
+
+    def link_gbps(self) -> float:
+        """Device-to-host GB/s into pinned memory with every rank copying at once (the slowest
+        rank's), the median of 5 copies of ``--link-mib``."""
+        if not self.cuda:
+            return 50.0
+        n = self.args.link_mib * 2**20
+        src = torch.empty(n, dtype=torch.uint8, device=self.device)
+        dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        times = []
+        for _ in range(6):
+            self.sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return -self.gather_max(-n / median(times[1:]) / 1e9)
 
     def measure(self, name: str, k: int) -> dict:
         model = self.wrap(name)
@@ -106,7 +137,7 @@ class Runner:
             ctx = sync = None
         for _ in range(self.args.warmup):
             self.step(model, x, ctx, sync)
-        times, peaks = [], []
+        times, hosts, peaks = [], [], []
         for _ in range(self.args.steps):
             self.sync()
             dist.barrier()
@@ -114,14 +145,16 @@ class Runner:
                 torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated() if self.cuda else 0
             t0 = time.perf_counter()
-            self.step(model, x, ctx, sync)
+            hosts.append(self.step(model, x, ctx, sync))
             self.sync()
             times.append(time.perf_counter() - t0)
             peaks.append(torch.cuda.max_memory_allocated() - base if self.cuda else 0)
         grads = [compat_local(p.grad).detach().clone() for p in model.parameters()]
         grads.append(x.grad.detach().clone())
+        out_bytes = ctx.stats().to_dict()["copied_out_bytes"] if k else 0
         del model
-        return {"time_s": median(times), "peak_bytes": max(peaks), "grads": grads}
+        return {"time_s": median(times), "host_s": median(hosts), "peak_bytes": max(peaks),
+                "out_bytes": out_bytes, "grads": grads}
 
     def gather_max(self, value: float) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64,
@@ -137,36 +170,44 @@ def compat_local(t: torch.Tensor) -> torch.Tensor:
 def main(argv=None) -> None:
     args = parse_args(argv)
     r = Runner(args)
+    ks = [int(k) for k in args.ks.split(",") if k]
     rows, records = [], []
     try:
+        gbps = r.link_gbps()
         for name in args.wrappers.split(","):
             base = r.measure(name, 0)
-            off = r.measure(name, args.k)
-            exact = all(torch.equal(a, b) for a, b in zip(off["grads"], base["grads"]))
-            all_exact = r.gather_max(0.0 if exact else 1.0) == 0.0
-            for label, m in ((f"{name}", base), (f"{name} + offload k={args.k}", off)):
+            t0, p0 = r.gather_max(base["time_s"]), r.gather_max(base["peak_bytes"])
+            for k in [0] + ks:
+                m = base if k == 0 else r.measure(name, k)
+                exact = all(torch.equal(a, b) for a, b in zip(m["grads"], base["grads"]))
+                all_exact = r.gather_max(0.0 if exact else 1.0) == 0.0
                 t, peak = r.gather_max(m["time_s"]), r.gather_max(m["peak_bytes"])
-                t0, p0 = r.gather_max(base["time_s"]), r.gather_max(base["peak_bytes"])
-                rec = {"method": label, "step_ms": t * 1e3, "time_x": t / t0,
+                host, out = r.gather_max(m["host_s"]), r.gather_max(m["out_bytes"])
+                rec = {"method": name if k == 0 else f"{name} + offload k={k}", "k": k,
+                       "step_ms": t * 1e3, "host_ms": host * 1e3, "time_x": t / t0,
                        "peak_gib": peak / 2**30, "peak_x": (peak / p0) if p0 else None,
+                       "out_gb": out / 1e9, "link_ms": out / 1e9 / gbps * 1e3,
                        "exact": all_exact}
                 records.append(rec)
-                rows.append([label, f"{rec['step_ms']:.1f}", f"{rec['time_x']:.3f}",
-                             f"{rec['peak_gib']:.2f}",
+                rows.append([rec["method"], f"{rec['step_ms']:.1f}", f"{rec['host_ms']:.1f}",
+                             f"{rec['time_x']:.3f}", f"{rec['peak_gib']:.2f}",
                              "" if rec["peak_x"] is None else f"{rec['peak_x']:.3f}",
+                             f"{rec['out_gb']:.2f}", f"{rec['link_ms']:.1f}",
                              "yes" if all_exact else "NO"])
         if r.rank == 0:
             cfg = r.cfg
             print(f"torch {torch.__version__} | {r.world} ranks | {args.device} | hidden "
                   f"{cfg.hidden}, heads {cfg.heads}, seq {cfg.seq}, batch {cfg.batch}/rank, "
-                  f"{cfg.layers} layers, {str(cfg.dtype).replace('torch.', '')}")
-            print(format_table(["method", "step ms", "time x", "peak GiB", "peak x", "exact"],
-                               rows))
+                  f"{cfg.layers} layers, {str(cfg.dtype).replace('torch.', '')} | "
+                  f"D2H {gbps:.1f} GB/s per rank with both ranks copying")
+            print(format_table(["method", "step ms", "host ms", "time x", "peak GiB", "peak x",
+                                "GB out", "link ms", "exact"], rows))
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 write_json(args.out / "distributed.json",
                            {"args": {k: str(v) for k, v in vars(args).items()},
-                            "torch": torch.__version__, "world": r.world, "rows": records})
+                            "torch": torch.__version__, "world": r.world, "d2h_gbps": gbps,
+                            "rows": records})
         dist.barrier()  # gloo on torch 2.1 hangs in teardown when one rank gets there first
     finally:
         dist.destroy_process_group()

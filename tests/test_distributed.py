@@ -61,8 +61,8 @@ def test_distributed_benchmark_runs_on_cpu():
         # table and then never exited (twice, also with a barrier before teardown).
         pytest.skip("the distributed benchmark needs torch >= 2.4")
     # FSDP2 runs on the CPU from torch 2.8 (see distributed_cases.CPU_NEEDS_2_8)
-    wrappers = ["ddp"] + (["fsdp2"] if TORCH_VERSION >= Version("2.8") else [])
-    code, out, _ = torchrun([str(script), "--device", "cpu", "--layers", "4", "--k", "2",
+    wrappers = ["single", "ddp"] + (["fsdp2"] if TORCH_VERSION >= Version("2.8") else [])
+    code, out, _ = torchrun([str(script), "--device", "cpu", "--layers", "4", "--ks", "1,2",
                              "--warmup", "1", "--steps", "1", "--wrappers", ",".join(wrappers)],
                             timeout=TIMEOUT)
     assert code == 0, out[-6000:]
