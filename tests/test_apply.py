@@ -265,6 +265,23 @@ def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
     assert fast.recompute == () and fast.num_layers >= 3  # a fast link: offloading only
 
 
+def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim):
+    """A plan may checkpoint offloaded layers: the checkpoint keeps only the layer's input,
+    and that input goes to the host too, so nothing of the layer stays on the device between
+    its forward and backward. Gradients stay exact; those layers copy exactly their input."""
+    layers = make_layers(n=5)
+    ref = step(layers, x0)
+    plan = Plan(3, (1, 2))  # layer 0 offloaded whole, 1-2 checkpointed with inputs offloaded
+    handle = apply_offloading(layers, plan=plan, device=sim, min_tensor_size_to_offload=64)
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    out = {i: s["copied_out_bytes"] for i, s in handle.stats().to_dict()["layers"].items()}
+    assert out[1] == out[2] == x0.nbytes  # the hidden-state input, nothing else
+    assert out[0] > x0.nbytes  # a whole layer: its input and what its ops saved
+    assert 3 not in out or out[3] == 0
+    handle.remove()
+
+
 def test_partial_plan_offloads_the_last_layer_up_to_its_byte_limit(x0, sim, monkeypatch):
     layers = make_layers(n=4)
     ref = step(layers, x0)

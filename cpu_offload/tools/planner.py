@@ -13,8 +13,10 @@ recomputation (``apply_offloading(..., selective=...)``): the cheap saved tensor
 (norm, activation and elementwise outputs, ``selective_bytes`` of it) are recomputed in its
 backward (``selective_ms``) and never stored; the rest is kept or offloaded as usual, so an
 offloaded selective layer moves fewer bytes over the link. Per layer a plan thus keeps,
-offloads (the last offloaded layer possibly in part), recomputes selectively, does both, or
-checkpoints the whole layer.
+offloads (the last offloaded layer possibly in part), recomputes selectively, does both,
+checkpoints the whole layer, or checkpoints it and offloads its input: the checkpoint then holds
+nothing on the device between the layer's forward and backward, for little link time, which is
+what takes a plan below checkpointing every layer.
 
 Whole layers are coarse: when the link can move 3.4 layers' bytes during the forward, offloading
 3 wastes link time and offloading 4 stalls. So the last offloaded layer may be offloaded only in
@@ -124,6 +126,7 @@ def simulate(
     ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest, and the
     ``selective`` layers store ``selective_bytes`` less (offloaded ones move that much less)
     and take ``selective_fwd_ms`` longer in forward and ``selective_ms`` longer in backward.
+    A ``recompute`` layer among the offloaded ones stores only its input, which it offloads.
 
     Without ``memory_timeline`` the peak counts layer activations only (plus the largest
     transient). With it (the measured peak of each segment of a step without offloading, as
@@ -132,10 +135,10 @@ def simulate(
     the last layer), not where the layers alone would."""
     n, k = len(profiles), num_layers
     rec = set(recompute)
-    if not 0 <= k < n or any(not k <= r < n for r in rec):
+    if not 0 <= k < n or any(not 0 <= r < n for r in rec):
         raise OffloadConfigError(
-            f"num_layers must be in [0, {n}) and recomputed layers among the non-offloaded "
-            f"layers [{k}, {n}), got num_layers={k}, recompute={sorted(rec)}"
+            f"num_layers must be in [0, {n}) and recomputed layers in [0, {n}), got "
+            f"num_layers={k}, recompute={sorted(rec)}"
         )
     if not 0.0 < partial_fraction <= 1.0:
         raise OffloadConfigError(f"partial_fraction must be in (0, 1], got {partial_fraction}")
@@ -145,8 +148,10 @@ def simulate(
             f"selective layers must be in [0, {n}) and not checkpointed, got "
             f"selective={sorted(sel)}, recompute={sorted(rec)}"
         )
-    stored = [p.activation_bytes - (p.selective_bytes if j in sel else 0)
-              for j, p in enumerate(profiles)]
+    stored = [  # what each layer keeps for backward (a checkpointed one: its input)
+        p.input_bytes if j in rec else p.activation_bytes - (p.selective_bytes if j in sel else 0)
+        for j, p in enumerate(profiles)
+    ]
     moved = list(stored)  # bytes each layer sends over the link
     if k:
         moved[k - 1] = int(moved[k - 1] * partial_fraction)
@@ -267,9 +272,10 @@ def plan(
 ) -> Plan:
     """Fastest ``(num_layers, recompute, selective)`` whose predicted peak fits the budget.
 
-    Recomputation is tried on the earliest non-offloaded layers (resident the longest), then
-    selective recomputation on the next ones, and on all offloaded layers or none of them
-    (when the profiles say what it removes, ``selective_bytes``). With
+    Recomputation is tried on the earliest non-offloaded layers (resident the longest), and
+    on offloaded layers after the ones offloaded whole (a checkpointed offloaded layer offloads
+    only its input); then selective recomputation on the next ones, and on all offloaded
+    layers or none of them (when the profiles say what it removes, ``selective_bytes``). With
     ``partial``, the last offloaded layer may also be offloaded in part (``PARTIAL_FRACTIONS``
     of its bytes; ``Plan.partial_bytes`` is the resulting byte limit). Without
     a budget, the fastest plan that offloads as much as possible at no predicted time cost.
@@ -290,22 +296,17 @@ def plan(
     base_ms += extra_ms
     selective = any(p.selective_bytes for p in profiles)
     candidates = []
-    for k in range(n):
-        fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
-        for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
-            last = profiles[k - 1] if k else None
-            stored = last and last.activation_bytes - (last.selective_bytes if sel_off else 0)
-            limit = int(stored * frac) if frac < 1.0 else None
-            for r in range(n - k + 1):
-                rec = tuple(range(k, k + r))
-                for s in range(n - k - r + 1) if selective else (0,):
-                    sel = tuple(range(k) if sel_off else ()) + tuple(range(k + r, k + r + s))
-                    ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac,
-                                        memory_timeline, sel)
-                    candidates.append(Plan(
-                        k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
-                        partial_fraction=frac, partial_bytes=limit, selective=sel,
-                    ))
+    for k, frac, rec, sel in _layouts(profiles, partial, selective):
+        ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel)
+        limit = None
+        if frac < 1.0:
+            last = profiles[k - 1]
+            limit = int((last.activation_bytes - (last.selective_bytes if k - 1 in sel else 0))
+                        * frac)
+        candidates.append(Plan(
+            k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
+            partial_fraction=frac, partial_bytes=limit, selective=sel,
+        ))
     if memory_budget_bytes is None:
         fastest = min(c.step_ms for c in candidates)
         fits = [c for c in candidates if c.step_ms <= fastest * 1.001]
@@ -326,6 +327,38 @@ def plan(
         round(c.step_ms, 3), c.peak_bytes, len(c.recompute), len(c.selective)))
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
     return replace(best, alternatives=others)
+
+
+def _layouts(profiles: Sequence[LayerProfile], partial: bool, selective: bool):
+    """Every ``(num_layers, partial_fraction, recompute, selective)`` the planner compares.
+
+    Two families, each with selective recomputation on the next layers (and on the fully
+    offloaded ones, or not):
+
+    - offload the first ``k`` layers (the last possibly in part), checkpoint the next ``r``;
+    - offload the first ``a`` layers whole, checkpoint the next ``c`` *and offload their
+      inputs* (so ``num_layers = a + c``: a checkpointed layer then holds nothing on the device
+      between its forward and backward, for a few MB over the link), checkpoint the next ``r``.
+    """
+    n = len(profiles)
+    sel_range = (lambda lo: range(n - lo + 1)) if selective else (lambda lo: (0,))
+    for k in range(n):
+        fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
+        for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
+            for r in range(n - k + 1):
+                rec = tuple(range(k, k + r))
+                for s in sel_range(k + r):
+                    sel = tuple(range(k) if sel_off else ()) + tuple(range(k + r, k + r + s))
+                    yield k, frac, rec, sel
+    for a in range(n - 1):
+        for sel_off in (False, True) if selective and a else (False,):
+            for c in range(1, n - a):
+                k = a + c
+                for r in range(n - k + 1):
+                    rec = tuple(range(a, k + r))
+                    for s in sel_range(k + r):
+                        sel = tuple(range(a) if sel_off else ()) + tuple(range(k + r, k + r + s))
+                        yield k, 1.0, rec, sel
 
 
 def profile_layers(
