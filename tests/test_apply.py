@@ -209,6 +209,17 @@ def test_checkpointed_layers_recompute_untouched(x0, sim):
     handle.remove()
 
 
+def test_remove_refuses_when_a_wrapper_changed_the_class_afterwards(sim):
+    """fully_shard (and similar wrappers) swap the class again: remove() must not undo theirs."""
+    layers = make_layers()
+    handle = apply_offloading(layers, num_layers=1, device=sim)
+    wrapped = type("FSDPLike", (type(layers[2]),), {})
+    layers[2].__class__ = wrapped
+    with pytest.raises(OffloadUsageError, match="layer 2's class was changed after offloading"):
+        handle.remove()
+    assert type(layers[2]) is wrapped
+
+
 def test_copies_and_pickles_are_plain_layers(sim):
     layers = make_layers()
     handle = apply_offloading(layers, num_layers=1, device=sim)
