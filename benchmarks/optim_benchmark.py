@@ -12,7 +12,9 @@ master weights). Rows, each on a freshly built model in the same process:
 
 Per row: GPU peak memory (max allocated over the timed steps) and steady memory (allocated
 after a step: weights plus GPU optimizer state), step time (wall clock per training iteration,
-host and device, median-free mean over ``--iters`` consecutive iterations), GPU forward+backward
+host and device, mean over ``--iters`` consecutive iterations in steady state: with
+``next_forward`` each timed step absorbs the previous step's CPU update, and the last step's
+update, still in flight at the end, is not charged), GPU forward+backward
 time alone (same model, no optimizer), CPU update time (worker thread), bytes over the link per
 step and the achieved rate, the share of the CPU update that ran before ``step()`` was called
 (i.e. overlapped backward), the largest loss difference to ``plain`` over the same steps (Megatron's
@@ -146,14 +148,18 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         engine = opt._engine if hybrid else None
         moved0 = (engine.bytes_out, engine.bytes_in) if engine else (0, 0)
         del stats[:]
+        # Steady state, as a training loop sees it: the timed steps start and end in the same
+        # phase (device drained, the last step's CPU update in flight under "next_forward"), so
+        # they pay for exactly `iters` CPU updates. Draining the last one (wait_params) would
+        # charge one update more than the steps did; it happens once per training run.
         with gc_paused():
             t0 = time.perf_counter()
             for i in range(args.warmup, args.warmup + args.iters):
                 train_step(i)
-            if hybrid:
-                opt.wait_params()
             device.synchronize()
             row.step_ms = (time.perf_counter() - t0) * 1e3 / args.iters
+        if hybrid:
+            opt.wait_params()
         if hybrid and opt.last_step_stats and (not stats or stats[-1] != opt.last_step_stats):
             stats.append(dict(opt.last_step_stats))
         peak = device.max_memory_allocated()
