@@ -276,7 +276,7 @@ def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
     assert fast.recompute == () and fast.num_layers >= 3  # a fast link: offloading only
 
 
-def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim):
+def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim, monkeypatch):
     """A plan may checkpoint offloaded layers: the checkpoint keeps only the layer's input,
     and that input goes to the host too, so nothing of the layer stays on the device between
     its forward and backward. Gradients stay exact; those layers copy exactly their input."""
@@ -290,7 +290,12 @@ def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim):
     assert out[1] == out[2] == x0.nbytes  # the hidden-state input, nothing else
     assert out[0] > x0.nbytes  # a whole layer: its input and what its ops saved
     assert 3 not in out or out[3] == 0
+    assert "(of which 1, 2 offload their checkpointed inputs)" in plan.describe()
     handle.remove()
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    with pytest.raises(OffloadConfigError, match=r"checkpoints layers \[1, 2\] and offloads"):
+        apply_offloading(layers, plan=plan, device=sim)
+    assert all(type(m) is KwargLayer for m in layers)  # the refused apply left nothing behind
 
 
 def test_partial_plan_offloads_the_last_layer_up_to_its_byte_limit(x0, sim, monkeypatch):

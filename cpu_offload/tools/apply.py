@@ -515,6 +515,13 @@ def apply_offloading(
         selective_scope = getattr(plan, "selective_scope", "modules")
     check_selective_scope(selective_scope)
     sel = _selective_layers(selective, layers, recompute)
+    moved_checkpoints = sorted(set(recompute) & set(range(num_layers or 0)))
+    if moved_checkpoints and use_v1():
+        raise OffloadConfigError(
+            f"the plan checkpoints layers {moved_checkpoints} and offloads their inputs, which "
+            "needs the V2 backend (V1 offloads only tagged tensors, and a checkpoint saves its "
+            "inputs untagged), but NVTE_CPU_OFFLOAD_V1=1 selects V1; unset NVTE_CPU_OFFLOAD_V1"
+        )
     if sel and use_v1():
         raise OffloadConfigError(
             "selective recomputation needs the V2 backend, but NVTE_CPU_OFFLOAD_V1=1 selects V1; "

@@ -103,6 +103,9 @@ class Plan:
                 f"{self.partial_fraction:.0%} of saved bytes ({self.partial_bytes / 2**20:.0f} MiB)"
             )
         sel = ", ".join(map(str, self.selective)) or "none"
+        moved = [r for r in self.recompute if r < self.num_layers]
+        if moved:
+            rec += f" (of which {', '.join(map(str, moved))} offload their checkpointed inputs)"
         return (
             f"offload the first {self.num_layers} layers (get_cpu_offload_context(num_layers="
             f"{self.num_layers})){part}, recompute layers: {rec}, selective layers: {sel}; "
