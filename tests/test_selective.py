@@ -71,6 +71,49 @@ def test_gpt_blocks_recompute_norm_and_gelu_outputs_exactly(k, sim):
     assert_equal(gpt_step(model.layers, x0), ref)
 
 
+class LinearNormLinear(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(width, width), nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+def test_a_multi_output_op_is_rerun_once_for_all_its_recipe_outputs(sim):
+    """LayerNorm saves its output (for the next Linear) and its mean and rstd (for its own
+    backward): all three are recipes of one native_layer_norm call, rerun once per backward."""
+    from cpu_offload.compat import TorchDispatchMode
+
+    class CountNorms(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.native_layer_norm.default:
+                CountNorms.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(LinearNormLinear(16) for _ in range(3))
+    x0 = torch.randn(8, 16)
+    ref = gpt_step(layers, x0)
+    handle = apply_offloading(layers, num_layers=0, selective=True, min_tensor_size_to_offload=1,
+                              device=sim)
+    layers.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    h = x
+    for layer in layers:
+        h = layer(h)
+    with CountNorms():
+        h.square().sum().backward()
+    assert CountNorms.calls == 3  # one rerun per layer, not one per saved output
+    d = handle.stats().to_dict()
+    assert d["recipe_tensors"] == 3 * 3  # out, mean, rstd of each norm
+    assert d["recomputed_bytes"] == 3 * (8 * 16 + 8 + 8) * 4
+    assert_equal(gpt_step(layers, x0), ref)
+    handle.remove()
+
+
 def test_selective_and_offloading_move_fewer_bytes(sim):
     cfg = tiny_config()
     model = build_model(cfg)

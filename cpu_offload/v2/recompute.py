@@ -97,10 +97,13 @@ class Recipe:
     """How one output of a recorded op call was made (the call is shared by its outputs)."""
 
     __slots__ = ("func", "args", "kwargs", "inputs", "index", "storage", "version", "nbytes",
-                 "meta", "device")
+                 "meta", "device", "call")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, inputs: list, index: Optional[int],
-                 out: torch.Tensor, storage: Any) -> None:
+                 out: torch.Tensor, storage: Any, call: Optional[list] = None) -> None:
+        # The entries of every output of the same call (``SelectiveLayer._entry`` fills it):
+        # one rerun of a multi-output op (native_layer_norm: out, mean, rstd) serves them all.
+        self.call: list = call if call is not None else []
         self.func = func
         self.args = args  # tensor arguments replaced by their position in ``inputs``
         self.kwargs = kwargs
@@ -167,6 +170,7 @@ class RecipeRecorder(TorchDispatchMode):
             tkwargs = {k: template(v) for k, v in kwargs.items()}
         except _Skip:
             return
+        call: list = []  # shared by this call's recipes
         for index, o in enumerate(outs):
             if type(o) is not torch.Tensor or o.layout is not torch.strided:
                 continue
@@ -177,7 +181,7 @@ class RecipeRecorder(TorchDispatchMode):
                 continue  # only outputs that own their whole storage
             self.recipes[storage.data_ptr()] = Recipe(
                 func, targs, tkwargs, inputs, index if len(outs) > 1 or out is not o else None,
-                o, storage,
+                o, storage, call,
             )
 
 
@@ -290,6 +294,8 @@ class RecomputeEntry:
         return flat
 
     def _recompute(self) -> torch.Tensor:
+        """Rerun the recorded call; its other outputs that are recipes waiting for a backward
+        (LayerNorm's mean and rstd beside its output) are cached from the same run."""
         r = self.recipe
         tensors = [ref.unpack() for ref in self.inputs]
 
@@ -298,8 +304,18 @@ class RecomputeEntry:
 
         with torch.no_grad(), autocast_off(r.device.type):
             out = r.func(*[fill(a) for a in r.args], **{k: fill(v) for k, v in r.kwargs.items()})
-        if r.index is not None:
-            out = out[r.index]
+        if r.index is None:
+            return self._checked(out)
+        for ref in r.call:
+            sibling = ref()
+            if (sibling is not None and sibling is not self and sibling.cached is None
+                    and sibling.live and sibling.inputs):
+                sibling.cached = sibling._checked(out[sibling.recipe.index])
+        return self._checked(out[r.index])
+
+    def _checked(self, out: torch.Tensor) -> torch.Tensor:
+        """``out``'s storage bytes, after checking it has the layout recorded in forward."""
+        r = self.recipe
         storage = out.untyped_storage()
         if ViewMeta.of(out)[:4] != r.meta[:4] or storage.nbytes() != r.nbytes:
             raise RuntimeError(
@@ -456,6 +472,7 @@ class SelectiveLayer:
         entry = RecomputeEntry(recipe, inputs, self.lstats)
         self.by_recipe[id(recipe)] = entry
         self.entries.append(weakref.ref(entry))
+        recipe.call.append(weakref.ref(entry))
         return entry
 
     def _input(self, spec: InputSpec, depth: int) -> Any:
