@@ -17,7 +17,10 @@ other in this process), every configuration of three methods is measured on one 
   planner's model) are kept next to the measured ones.
 
 ``none`` (nothing installed) is the reference of every ratio and of exactness; it is measured
-first and again last (the drift between the two is printed). A configuration is measured once:
+first, again after every ``--none-every`` configurations (default 4) and last. A configuration's
+time ratio is to the ``none`` time interpolated between the two ``none`` measurements around it,
+so that the machine's drift over the run (the H100 host: up to +7% in a minute) does not show
+as a cost of the configurations measured late; the drift between first and last is printed. A configuration is measured once:
 a plan equal to an ``off k`` / ``ckpt k`` configuration (or to another budget's plan) reuses
 that measurement. Each measurement is ``--warmup`` untimed steps, then ``--iters`` timed steps
 (CUDA events, median); peak = ``max_memory_allocated`` above what the step starts with (max over
@@ -32,8 +35,7 @@ what the planner chose for b (flagged when its measured peak is over b). The plo
 planner's predicted points (dashed) and the budgets; ``frontier_<workload>_<device>.json``
 holds every measurement.
 
-GPU (not yet run on one; estimated for an H100 from the step times of the two scripts: gpt
-about 25 configurations x 8 steps, ~30 s; hf about 40 x 8, ~60-90 s)::
+GPU (H100: gpt about 40 s of measurements, 70 s in all; hf about 100 s)::
 
     python benchmarks/frontier.py --out bench_out
     python benchmarks/frontier.py --workload gpt --out bench_out   # one workload
@@ -95,6 +97,7 @@ class Point(hf_bench.Row):
     predicted_time_ratio: Optional[float] = None  # the planner's model (plans only)
     predicted_peak_ratio: Optional[float] = None
     sim_copies: Optional[int] = None  # simulated device: copies made (proof something moved)
+    baseline_ms: Optional[float] = None  # the none time this point's time ratio is to
 
     @property
     def label(self) -> str:
@@ -247,13 +250,31 @@ def profile(
 # --- the frontier ---------------------------------------------------------------------------------
 
 
-def derive(points: list[Point], base: Point) -> None:
-    """Ratios to ``none`` (the first measurement)."""
-    for p in points:
-        if p.measured and base.step_ms:
-            p.time_ratio = p.step_ms / base.step_ms
+def derive(points: list[Point], base: Point, nones: Optional[list] = None) -> None:
+    """Time ratios to ``none`` interpolated at each point's place in the run (``nones``:
+    ``(position, ms)`` of every ``none`` measurement, positions as in ``points``; default: the
+    first one only), peak ratios to the first ``none``."""
+    nones = sorted(n for n in (nones or [(0.0, base.step_ms)]) if n[1])
+    for i, p in enumerate(points):
+        if p.measured and nones:
+            p.baseline_ms = interpolate(nones, float(i)) if p is not base else base.step_ms
+            p.time_ratio = p.step_ms / p.baseline_ms
         if p.peak_bytes is not None and base.peak_bytes:
             p.peak_ratio = p.peak_bytes / base.peak_bytes
+
+
+def interpolate(samples: list, x: float) -> float:
+    """Piecewise-linear value at ``x`` of sorted ``(x, y)`` samples, flat beyond the ends.
+
+    >>> interpolate([(0.0, 10.0), (4.0, 14.0)], 1.0)
+    11.0
+    """
+    if x <= samples[0][0]:
+        return samples[0][1]
+    for (x0, y0), (x1, y1) in zip(samples, samples[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return samples[-1][1]
 
 
 def best_point(points: list[Point], method: str, budget: float) -> Optional[Point]:
@@ -403,6 +424,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "on cuda, 50 on sim; a low value on sim makes plans mix recompute and "
                         "partial offload)")
     p.add_argument("--no-exact", action="store_true", help="skip the deterministic exactness step")
+    p.add_argument("--none-every", type=int, default=4,
+                   help="measure none again after this many configurations (0: only first and "
+                        "last); time ratios are to the none time interpolated around each one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
     p.add_argument("--no-plot", action="store_true")
@@ -472,12 +496,20 @@ def measure_all(
             device.free_memory()
         else:
             chosen = add_plans(points, prof, budgets, notes)
-    for p in points[1:]:
+    nones = [(0.0, none.step_ms)]
+    for i, p in enumerate(points[1:], start=1):
         measure(p, wl, device, args, min_size, reference)
+        if args.none_every and i % args.none_every == 0 and i < len(points) - 1:
+            check = Point("none (check)")
+            measure(check, wl, device, args, min_size, reference)
+            nones.append((i + 0.5, check.step_ms))
     end = Point("none (end)")
     measure(end, wl, device, args, min_size, reference)
-    derive(points + [end], none)
-    notes.insert(0, drift_note(none, end))
+    nones.append((len(points) - 0.5, end.step_ms))
+    derive(points, none, nones)
+    derive([end], none)  # the end against the start: the drift
+    notes.insert(0, drift_note(none, end) + f"; {len(nones)} none measurements, time ratios "
+                 "to none interpolated around each configuration")
     return points + [end], chosen
 
 
@@ -485,7 +517,7 @@ def report(
     name: str, points: list[Point], rows: list[dict], methods: list[str], notes: list[str],
     device: BenchDevice,
 ) -> None:
-    print(f"\n{name}: every measured configuration (ratios to none at the start)")
+    print(f"\n{name}: every measured configuration (time ratios to none measured around it)")
     print(points_table(points))
     print(f"\n{name}: fastest configuration per method within each peak budget (x none)")
     print(frontier_table(rows, methods))

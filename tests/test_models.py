@@ -225,6 +225,20 @@ def test_hook_overhead_smoke_sim(tmp_path):
     assert all("error" not in r for r in payload["results"].values())
 
 
+def test_frontier_time_ratios_use_the_none_time_measured_around_each_configuration():
+    """A machine that slows down 10% over the run must not make late configurations look 10%
+    slower: each ratio is to none interpolated between the none measurements around it."""
+    bench = _benchmark_module("frontier")
+    none = bench.Point("none", step_ms=100.0, peak_bytes=1000)
+    points = [none] + [bench.Point(f"off {k}", step_ms=100.0 + 10.0 * k / 4.5, peak_bytes=900)
+                       for k in range(1, 5)]
+    bench.derive(points, none, [(0.0, 100.0), (4.5, 110.0)])
+    assert [round(p.time_ratio, 6) for p in points] == [1.0] * 5
+    assert [p.peak_ratio for p in points[1:]] == [0.9] * 4
+    assert bench.interpolate([(0.0, 10.0), (4.0, 14.0)], 1.0) == 11.0
+    assert bench.interpolate([(0.0, 10.0), (4.0, 14.0)], 9.0) == 14.0
+
+
 def test_frontier_smoke_sim(tmp_path, capsys):
     """Every configuration of both workloads runs and is bit-exact on the simulated device.
 
@@ -256,6 +270,8 @@ def test_frontier_smoke_sim(tmp_path, capsys):
         assert [r["budget"] for r in res["frontier"]] == budgets
         assert all(r["winner"] is None for r in res["frontier"])  # no peak measured on sim
         assert (tmp_path / f"frontier_{name}_sim.json").exists()
+        assert all(p.baseline_ms for p in points)  # every ratio has its local none time
+        assert any("none measurements" in n for n in res["notes"])
     assert not torch.are_deterministic_algorithms_enabled()
     lines = capsys.readouterr().out.splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("budget ")]
