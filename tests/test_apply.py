@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import pickle
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from cpu_offload import (
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.tools.apply import hidden_state
 from cpu_offload.tools.planner import Plan
+from cpu_offload.tools.step_profile import profile_step
 from cpu_offload.v2.selection import SelectionPolicy
 
 Pair = collections.namedtuple("Pair", "hidden aux")
@@ -296,6 +298,35 @@ def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim, monkeypat
     with pytest.raises(OffloadConfigError, match=r"checkpoints layers \[1, 2\] and offloads"):
         apply_offloading(layers, plan=plan, device=sim)
     assert all(type(m) is KwargLayer for m in layers)  # the refused apply left nothing behind
+
+
+class SlowForward(nn.Module):
+    """A layer whose forward takes 20 ms of host time (the simulated device's clock)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return torch.tanh(self.lin(x))
+
+
+def test_the_profile_measures_what_checkpointing_adds_to_backward(x0, sim):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(SlowForward(32) for _ in range(3))
+
+    def step():
+        h = x0.clone().requires_grad_()
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+
+    prof = profile_step(step, layers, device=sim, selective=False, warmup=0,
+                        repeats=2, min_tensor_size_to_offload=64)
+    # A checkpointed layer reruns its forward, sleep included, inside its backward.
+    assert all(p.recompute_ms is not None and p.recompute_ms > 15 for p in prof.layers)
+    assert all(type(m) is SlowForward for m in layers)  # nothing left installed
 
 
 def test_partial_plan_offloads_the_last_layer_up_to_its_byte_limit(x0, sim, monkeypatch):

@@ -42,6 +42,13 @@ def test_recompute_costs_a_forward_and_keeps_only_the_input():
     assert peak < base_peak
 
 
+def test_a_measured_recompute_cost_replaces_the_forward_time():
+    cheap = [replace(p, recompute_ms=1.0) for p in REFERENCE]
+    base, _ = simulate(cheap, 0)
+    assert simulate(cheap, 0, (0, 1))[0] == pytest.approx(base + 2 * 1.0)
+    assert simulate(REFERENCE, 0, (0, 1))[0] == pytest.approx(base + 2 * 2.84)  # unmeasured
+
+
 def test_a_checkpointed_offloaded_layer_holds_nothing_and_moves_its_input():
     _, kept = simulate(REFERENCE, 2, (2, 3), 55, 55)
     ms, away = simulate(REFERENCE, 4, (2, 3), 55, 55)

@@ -60,6 +60,14 @@ class LayerProfile:
     # The forward time it adds: its ops are recorded by a Python dispatch mode, which costs the
     # host tens of microseconds per op; a layer with many small ops becomes host-bound.
     selective_fwd_ms: float = 0.0
+    # The backward time checkpointing the layer adds (measured); None: its forward time. Less
+    # than the forward where that is host-bound: recomputed kernels queue behind backward ones.
+    recompute_ms: Optional[float] = None
+
+    @property
+    def checkpoint_ms(self) -> float:
+        """What recomputing the whole layer in backward costs."""
+        return self.fwd_ms if self.recompute_ms is None else self.recompute_ms
 
 
 @dataclass(frozen=True)
@@ -178,7 +186,7 @@ def simulate(
     queue = t
     for m in range(n - 1, -1, -1):
         start = max(t, reload_end[m]) if m < k else t
-        cost = profiles[m].bwd_ms + (profiles[m].fwd_ms if m in rec else 0.0)
+        cost = profiles[m].bwd_ms + (profiles[m].checkpoint_ms if m in rec else 0.0)
         if m in sel:
             cost += profiles[m].selective_ms
         bwd_end[m] = t = start + cost

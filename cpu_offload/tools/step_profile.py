@@ -15,9 +15,15 @@ layer signature) with the layers instrumented by ``apply.instrument``:
   layer's backward): where the step peaks, which the planner's memory model charges each plan
   with (CUDA only);
 - the link: pinned copies each way (CUDA), or the ``link_gbps`` parameter;
-- selective recomputation: one more counted step and timed steps with every layer selective
-  (a V2 context that offloads nothing): per layer the bytes it stores as recipes instead, and
-  the forward and backward time it adds (the difference to the timed steps without it).
+- recomputation: timed steps with every layer checkpointed, taking turns with the plain timed
+  steps: per layer the backward time a checkpoint adds (less than the layer's forward time
+  where the forward is host-bound: in backward the recomputed kernels queue behind others);
+- selective recomputation: timed steps with every layer selective (a V2 context that offloads
+  nothing), taking turns with the same plain steps: per layer the bytes it stores as recipes
+  instead, and the forward and backward time it adds.
+
+Added times are medians of step-by-step differences to the plain step next to them, so that a
+machine whose speed drifts while it is profiled does not charge the drift to one of them.
 
 ``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
 that ``apply_offloading(layers, plan=plan)`` applies.
@@ -272,12 +278,13 @@ class _Selective:
 
 
 def _run(
-    step_fn: Callable[[], Any], layers: list, recorder: _StepRecorder, driver: Any = None
+    step_fn: Callable[[], Any], layers: list, recorder: _StepRecorder, driver: Any = None,
+    recompute: Sequence[int] = (),
 ) -> float:
-    """One instrumented ``step_fn()`` (``driver``: one that wraps ``recorder``); returns the
-    whole step's time in ms."""
+    """One instrumented ``step_fn()`` (``driver``: one that wraps ``recorder``; ``recompute``:
+    layers run checkpointed); returns the whole step's time in ms."""
     clock = recorder.clock
-    undo = instrument(layers, driver or recorder)
+    undo = instrument(layers, driver or recorder, recompute)
     try:
         clock.synchronize()
         start = clock.mark()
@@ -329,10 +336,10 @@ def profile_step(
 ) -> StepProfile:
     """Measure ``step_fn()`` per layer (see the module docstring); ``plan_offloading``'s input.
 
-    ``step_fn`` runs ``warmup + 1 + repeats`` times, twice that with ``selective`` (what
-    selective recomputation removes and costs; ``True`` or a scope, as in
-    ``plan_offloading``); the gradients it accumulates are left as they are. Only the first
-    forward pass of each call is recorded.
+    ``step_fn`` runs ``warmup + 1 + 2 * repeats`` times (plain and checkpointed timed steps),
+    and ``max(1, warmup) + repeats`` more with ``selective`` (what selective recomputation
+    removes and costs; ``True`` or a scope, as in ``plan_offloading``); the gradients it
+    accumulates are left as they are. Only the first forward pass of each call is recorded.
     """
     scope = _selective_scope(selective)
     layers = as_layer_list(layers)
@@ -367,31 +374,36 @@ def profile_step(
         torch.cuda.reset_peak_memory_stats()
     _run(step_fn, layers, counted)
     peak = max(counted.peak_so_far, _max_allocated()) - before if cuda else None
-    # Times, without the counting hook's host work.
-    fwd_runs, bwd_runs, step_runs = [], [], []
-    for _ in range(max(1, repeats)):
-        timed = _StepRecorder(n, clock, None, memory=False)
-        step_runs.append(_run(step_fn, layers, timed))
-        fwd, bwd = timed.times()
-        fwd_runs.append(fwd)
-        bwd_runs.append(bwd)
-    sel_bytes, sel_fwd_ms, sel_ms = [0] * n, [0.0] * n, [0.0] * n
+    # Times, without the counting hook's host work; plain steps take turns with checkpointed
+    # and (with ``selective``) selective ones.
+    timing = _Timing(step_fn, layers, clock, n)
+    selective_driver = None
     if scope is not None:
-        sel_bytes, sel_fwd_ms, sel_ms = _measure_selective(
-            step_fn, layers, clock, device, min_tensor_size_to_offload, scope, warmup, repeats,
-            [statistics.median(r[i] for r in fwd_runs) for i in range(n)],
-            [statistics.median(r[i] for r in bwd_runs) for i in range(n)],
-        )
+        selective_driver = _Selective(layers, device, min_tensor_size_to_offload, scope)
+        for _ in range(max(1, warmup)):  # the recording mode's first calls
+            timing.run("selective", selective_driver)
+    for _ in range(max(1, repeats)):
+        timing.run("plain")
+        timing.run("checkpoint", recompute=range(n))
+        if selective_driver is not None:
+            timing.run("selective", selective_driver)
+    fwd_ms, bwd_ms = timing.medians("plain")
+    recompute_ms = timing.added("checkpoint", "bwd")
+    sel_bytes, sel_fwd_ms, sel_ms = [0] * n, [0.0] * n, [0.0] * n
+    if selective_driver is not None:
+        sel_bytes = timing.recipe_bytes
+        sel_fwd_ms, sel_ms = timing.added("selective", "fwd"), timing.added("selective", "bwd")
     profiles = [
         LayerProfile(
             activation_bytes=counted.saved[i],
             input_bytes=counted.inputs[i],
-            fwd_ms=statistics.median(r[i] for r in fwd_runs),
-            bwd_ms=statistics.median(r[i] for r in bwd_runs),
+            fwd_ms=fwd_ms[i],
+            bwd_ms=bwd_ms[i],
             transient_bytes=counted.transient[i],
             selective_bytes=min(sel_bytes[i], counted.saved[i]),
             selective_ms=sel_ms[i],
             selective_fwd_ms=sel_fwd_ms[i],
+            recompute_ms=recompute_ms[i],
         )
         for i in range(n)
     ]
@@ -405,7 +417,7 @@ def profile_step(
         notes.append("memory timeline: not every layer's backward was seen; the planner "
                      "calibrates its memory model with the step's peak instead")
     return StepProfile(
-        profiles, statistics.median(step_runs), peak, d2h, h2d, min_tensor_size_to_offload, notes,
+        profiles, timing.step_ms(), peak, d2h, h2d, min_tensor_size_to_offload, notes,
         timeline, scope or "modules",
     )
 
@@ -420,30 +432,40 @@ def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
     return selective
 
 
-def _measure_selective(
-    step_fn: Callable[[], Any], layers: list, clock: _Clock, device: OffloadDevice,
-    min_size: int, scope: str, warmup: int, repeats: int, fwd_ms: list, bwd_ms: list,
-) -> tuple:
-    """Per layer, the bytes selective recomputation stores as recipes instead, and the forward
-    and backward time it adds (against ``fwd_ms`` and ``bwd_ms``, measured without it). The
-    forward time is the recording dispatch mode's host work where the host is the bottleneck
-    (device events then measure the host's pace)."""
-    n = len(layers)
-    fwd_runs, bwd_runs, sel_bytes = [], [], [0] * n
-    driver = _Selective(layers, device, min_size, scope)
-    for i in range(max(1, warmup) + max(1, repeats)):
-        recorder = driver.recorder = _StepRecorder(n, clock, None, memory=False)
-        _run(step_fn, layers, recorder, driver)
-        sel_bytes = [max(a, b) for a, b in zip(sel_bytes, driver.recipe_bytes())]
-        if i >= max(1, warmup):
-            fwd, bwd = recorder.times()
-            fwd_runs.append(fwd)
-            bwd_runs.append(bwd)
+class _Timing:
+    """Timed steps of several kinds, in the order they ran: per kind, the per-layer forward and
+    backward times of each step, and the step's own time."""
 
-    def added(measured: list, base: list) -> list:
-        return [max(0.0, statistics.median(r[i] for r in measured) - base[i]) for i in range(n)]
+    def __init__(self, step_fn: Callable[[], Any], layers: list, clock: _Clock, n: int) -> None:
+        self.step_fn, self.layers, self.clock, self.n = step_fn, layers, clock, n
+        self.runs: dict[str, list] = {}  # kind -> [(fwd list, bwd list, step ms)]
+        self.recipe_bytes = [0] * n
 
-    return sel_bytes, added(fwd_runs, fwd_ms), added(bwd_runs, bwd_ms)
+    def run(self, kind: str, driver: Optional[_Selective] = None, recompute: Sequence[int] = ()) -> None:
+        recorder = _StepRecorder(self.n, self.clock, None, memory=False)
+        if driver is not None:
+            driver.recorder = recorder
+        ms = _run(self.step_fn, self.layers, recorder, driver, recompute)
+        if driver is not None:
+            self.recipe_bytes = [max(a, b) for a, b in zip(self.recipe_bytes, driver.recipe_bytes())]
+        self.runs.setdefault(kind, []).append((*recorder.times(), ms))
+
+    def medians(self, kind: str) -> tuple:
+        runs = self.runs[kind]
+        return tuple([statistics.median(r[part][i] for r in runs) for i in range(self.n)]
+                     for part in (0, 1))
+
+    def step_ms(self) -> float:
+        return statistics.median(r[2] for r in self.runs["plain"])
+
+    def added(self, kind: str, part: str) -> list:
+        """Per layer, what ``kind`` adds to its forward (``"fwd"``) or backward time: the median
+        of the differences to the plain step before it (its last ``len(plain)`` steps are
+        paired with the plain ones; earlier ones were warm-up), never below zero."""
+        j = 0 if part == "fwd" else 1
+        plain, other = self.runs["plain"], self.runs[kind][-len(self.runs["plain"]):]
+        return [max(0.0, statistics.median(o[j][i] - p[j][i] for p, o in zip(plain, other)))
+                for i in range(self.n)]
 
 
 def plan_offloading(
@@ -470,7 +492,8 @@ def plan_offloading(
 
     Args:
         step_fn: runs one training step (forward and backward; no optimizer step needed). It
-            is called ``warmup + 1 + repeats`` times; the gradients it accumulates are left as
+            is called ``warmup + 1 + 2 * repeats`` times, plus ``max(1, warmup) + repeats``
+            with ``selective`` (see ``profile_step``); the gradients it accumulates are left as
             they are (zero them afterwards).
         layers: the model's layers, as for ``apply_offloading``.
         memory_budget: peak memory of the step, above what it starts with: bytes (``int``), or
