@@ -300,21 +300,35 @@ def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim, monkeypat
     assert all(type(m) is KwargLayer for m in layers)  # the refused apply left nothing behind
 
 
-class SlowForward(nn.Module):
-    """A layer whose forward takes 20 ms of host time (the simulated device's clock)."""
+class TanhLayer(nn.Module):
+    """``tanh(lin(x))``; ``SlowForward`` sleeps 20 ms (host time, the simulated device's clock)
+    in forward, ``NoRecompute`` cannot run again inside backward (as some stateful layers)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
 
     def forward(self, x):
-        time.sleep(0.02)
         return torch.tanh(self.lin(x))
 
 
-def test_the_profile_measures_what_checkpointing_adds_to_backward(x0, sim):
+class SlowForward(TanhLayer):
+    def forward(self, x):
+        time.sleep(0.02)
+        return super().forward(x)
+
+
+class NoRecompute(TanhLayer):
+    def forward(self, x):
+        if cpu_offload.compat.graph_task_id() != -1:
+            raise RuntimeError("this layer cannot be recomputed")
+        return super().forward(x)
+
+
+def profile_three(cls, x0, sim):
+    """Three ``cls`` layers profiled on the simulated device (plain + checkpointed steps)."""
     torch.manual_seed(0)
-    layers = nn.ModuleList(SlowForward(32) for _ in range(3))
+    layers = nn.ModuleList(cls(32) for _ in range(3))
 
     def step():
         h = x0.clone().requires_grad_()
@@ -322,11 +336,23 @@ def test_the_profile_measures_what_checkpointing_adds_to_backward(x0, sim):
             h = layer(h)
         h.sum().backward()
 
-    prof = profile_step(step, layers, device=sim, selective=False, warmup=0,
-                        repeats=2, min_tensor_size_to_offload=64)
+    prof = profile_step(step, layers, device=sim, selective=False, warmup=0, repeats=2,
+                        min_tensor_size_to_offload=64)
+    assert all(type(m) is cls for m in layers)  # nothing left installed
+    return prof
+
+
+def test_the_profile_measures_what_checkpointing_adds_to_backward(x0, sim):
+    prof = profile_three(SlowForward, x0, sim)
     # A checkpointed layer reruns its forward, sleep included, inside its backward.
     assert all(p.recompute_ms is not None and p.recompute_ms > 15 for p in prof.layers)
-    assert all(type(m) is SlowForward for m in layers)  # nothing left installed
+
+
+def test_a_model_that_cannot_be_checkpointed_is_still_profiled(x0, sim):
+    prof = profile_three(NoRecompute, x0, sim)
+    assert all(p.recompute_ms is None and p.fwd_ms > 0 for p in prof.layers)
+    assert any("checkpointed steps failed (RuntimeError: this layer cannot be recomputed)" in n
+               for n in prof.notes)
 
 
 def test_partial_plan_offloads_the_last_layer_up_to_its_byte_limit(x0, sim, monkeypatch):

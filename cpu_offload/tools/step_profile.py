@@ -382,13 +382,15 @@ def profile_step(
         selective_driver = _Selective(layers, device, min_tensor_size_to_offload, scope)
         for _ in range(max(1, warmup)):  # the recording mode's first calls
             timing.run("selective", selective_driver)
+    checkpointed = True
     for _ in range(max(1, repeats)):
         timing.run("plain")
-        timing.run("checkpoint", recompute=range(n))
+        if checkpointed:
+            checkpointed = timing.try_run("checkpoint", notes, recompute=range(n))
         if selective_driver is not None:
             timing.run("selective", selective_driver)
     fwd_ms, bwd_ms = timing.medians("plain")
-    recompute_ms = timing.added("checkpoint", "bwd")
+    recompute_ms = timing.added("checkpoint", "bwd") if checkpointed else [None] * n
     sel_bytes, sel_fwd_ms, sel_ms = [0] * n, [0.0] * n, [0.0] * n
     if selective_driver is not None:
         sel_bytes = timing.recipe_bytes
@@ -449,6 +451,19 @@ class _Timing:
         if driver is not None:
             self.recipe_bytes = [max(a, b) for a, b in zip(self.recipe_bytes, driver.recipe_bytes())]
         self.runs.setdefault(kind, []).append((*recorder.times(), ms))
+
+    def try_run(self, kind: str, notes: list, recompute: Sequence[int]) -> bool:
+        """``run``, or, if ``step_fn`` fails with the layers checkpointed, a note and False:
+        the planner then charges a checkpointed layer its forward time."""
+        try:
+            self.run(kind, recompute=recompute)
+        except Exception as exc:  # noqa: BLE001 - profiling goes on without this measurement
+            notes.append(
+                f"checkpointed steps failed ({type(exc).__name__}: {exc}); the planner charges "
+                "each checkpointed layer its forward time instead of a measured cost"
+            )
+            return False
+        return True
 
     def medians(self, kind: str) -> tuple:
         runs = self.runs[kind]
