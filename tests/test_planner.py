@@ -177,6 +177,72 @@ def test_the_memory_timeline_charges_a_plan_where_the_step_peaks():
         simulate(REFERENCE, 0, memory_timeline=[1, 2, 3])
 
 
+def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
+    """The peak search runs once per candidate plan; its difference-array form must equal the
+    plain definition: per segment, the measured peak minus every window covering it."""
+    import random
+
+    from cpu_offload.tools import planner
+    from cpu_offload.v2.schedule import Schedule
+
+    rng = random.Random(0)
+    n = 6
+    profiles = [LayerProfile(rng.randint(100, 900) * MIB, rng.randint(1, 90) * MIB, 1.0, 2.0,
+                             selective_bytes=rng.randint(0, 90) * MIB) for _ in range(n)]
+    timeline = [rng.randint(1000, 5000) * MIB for _ in range(2 * n + 2)]
+    checked = 0
+    for k, frac, rec, sel in planner._layouts(profiles, True, True):
+        stored = [p.input_bytes if j in rec else p.activation_bytes -
+                  (p.selective_bytes if j in sel else 0) for j, p in enumerate(profiles)]
+        moved = list(stored)
+        if k:
+            moved[k - 1] = int(moved[k - 1] * frac)
+        schedule = Schedule.default(k, n)
+        windows = [(*(planner._segment_at(pos, n) for pos in schedule.window(j)), moved[j])
+                   for j in schedule.sync]
+        windows += [(j + 2, 2 * n + 1 - j, profiles[j].activation_bytes - profiles[j].input_bytes)
+                    for j in rec]
+        windows += [(j + 2, 2 * n + 1 - j, profiles[j].selective_bytes) for j in sel]
+        expected = max(seg - sum(b for a, z, b in windows if a <= i < z)
+                       for i, seg in enumerate(timeline))
+        got = planner._peak_from_timeline(timeline, profiles, k, set(rec), moved, set(sel))
+        assert got == expected, (k, frac, rec, sel)
+        checked += 1
+    assert checked > 500  # every layout of 6 layers
+
+
+def test_many_layers_are_searched_coarsely_then_refined_near_the_best(monkeypatch):
+    """Above COARSE_LAYERS layers the search steps through layer counts, then tries every
+    layout within one stride of the best: a small share of the candidates, and a plan within
+    2% of the exhaustive search's (predicted) time, within the same budget."""
+    import random
+
+    from cpu_offload.tools import planner
+
+    rng = random.Random(1)
+    n = 26
+    profiles = [LayerProfile(rng.randint(400, 900) * MIB, 33 * MIB, rng.uniform(2, 4),
+                             rng.uniform(5, 8), 100 * MIB, rng.randint(50, 300) * MIB,
+                             rng.uniform(0, 0.5), rng.uniform(0, 0.5)) for _ in range(n)]
+    timeline = [2000 * MIB + 700 * MIB * min(i, 2 * n + 1 - i) for i in range(2 * n + 2)]
+    budget = int(0.5 * max(timeline))
+    calls = {"n": 0}
+    real = planner.simulate
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "simulate", counting)
+    coarse = plan(profiles, 55, 55, budget, memory_timeline=timeline)
+    coarse_calls, calls["n"] = calls["n"], 0
+    monkeypatch.setattr(planner, "COARSE_LAYERS", n)  # every layout
+    full = plan(profiles, 55, 55, budget, memory_timeline=timeline)
+    assert coarse_calls * 4 < calls["n"]
+    assert coarse.peak_bytes <= budget and full.peak_bytes <= budget
+    assert full.step_ms <= coarse.step_ms <= full.step_ms * 1.02
+
+
 def test_a_step_that_peaks_before_the_layers_cannot_be_planned_below_it():
     timeline = timeline_of(REFERENCE, 0)
     timeline[0] = 10 * 512 * MIB  # e.g. an embedding workspace larger than every activation

@@ -29,6 +29,7 @@ validated against the benchmark, not a promise.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from itertools import product
@@ -215,21 +216,28 @@ def _segment_at(pos: int, n: int) -> int:
     return pos if pos <= n else pos + 1
 
 
+@functools.lru_cache(maxsize=4096)
+def _offload_windows(k: int, n: int) -> tuple:
+    """``(first, last, layer)``: the segments in which the default schedule keeps each of the
+    first ``k`` of ``n`` layers off the device (the search asks for the same ``k`` many times)."""
+    from ..v2.schedule import Schedule
+
+    schedule = Schedule.default(k, n)
+    return tuple((*(_segment_at(pos, n) for pos in schedule.window(j)), j) for j in schedule.sync)
+
+
 def _peak_from_timeline(
     timeline: Sequence[int], profiles: Sequence[LayerProfile], k: int, rec: set, moved: list,
     sel: set = frozenset(),
 ) -> int:
     """The measured step's peak, segment by segment, minus the bytes the plan keeps away."""
-    from ..v2.schedule import Schedule
-
     n = len(profiles)
     if len(timeline) != 2 * n + 2:
         raise OffloadConfigError(
             f"memory_timeline has {len(timeline)} segments; {n} layers need {2 * n + 2}"
         )
-    schedule = Schedule.default(k, n)
     windows = [  # [first, last) segment indices in which the plan keeps ``bytes`` off the device
-        (*(_segment_at(pos, n) for pos in schedule.window(j)), moved[j]) for j in schedule.sync
+        (first, last, moved[j]) for first, last, j in _offload_windows(k, n)
     ]
     windows += [  # a checkpointed layer holds only its input between its forward and backward
         (j + 2, 2 * n + 1 - j,
@@ -239,10 +247,15 @@ def _peak_from_timeline(
     windows += [  # a selective layer never stores its recomputed tensors (the same window)
         (j + 2, 2 * n + 1 - j, profiles[j].selective_bytes) for j in sel
     ]
-    return max(
-        seg - sum(b for first, last, b in windows if first <= s < last)
-        for s, seg in enumerate(timeline)
-    )
+    away = [0] * (len(timeline) + 1)  # a difference array: the search calls this ~n^3 times
+    for first, last, b in windows:
+        away[first] += b
+        away[last] -= b
+    peak, held_away = None, 0
+    for seg, delta in zip(timeline, away):
+        held_away += delta
+        peak = seg - held_away if peak is None else max(peak, seg - held_away)
+    return peak
 
 
 def _peak_bytes(
@@ -296,6 +309,12 @@ def plan(
     what runs outside the layers (embedding, loss, optimizer hooks) is added to every plan, so
     ratios are to the whole step. ``memory_timeline`` (see ``simulate``) replaces that memory
     calibration with the measured step's own peaks, segment by segment.
+
+    Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
+    steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
+    within one stride of the best: about a tenth of the candidates (seconds for 80 layers
+    instead of many minutes), for a plan whose predicted time was within 1% of the exhaustive
+    search's in tests with 26-32 layers.
     """
     n = len(profiles)
     base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps, 1.0, memory_timeline)
@@ -306,70 +325,153 @@ def plan(
     base_peak += extra
     base_ms += extra_ms
     selective = any(p.selective_bytes for p in profiles)
-    candidates = []
-    for k, frac, rec, sel in _layouts(profiles, partial, selective):
+    limit = None if memory_budget_bytes is None else (
+        # Measured peaks have landed within 0.7% of the baseline's peak of the prediction (H100,
+        # both workloads): keep a margin, so that a plan meets its budget.
+        memory_budget_bytes - int(PEAK_MARGIN * base_peak))
+    candidates: dict = {}
+
+    def evaluate(params: tuple) -> None:
+        if params in candidates:
+            return
+        k, frac, rec, sel = _layout(params)
         ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel)
-        limit = None
+        cap = None
         if frac < 1.0:
             last = profiles[k - 1]
-            limit = int((last.activation_bytes - (last.selective_bytes if k - 1 in sel else 0))
-                        * frac)
-        candidates.append(Plan(
+            cap = int((last.activation_bytes - (last.selective_bytes if k - 1 in sel else 0))
+                      * frac)
+        candidates[params] = Plan(
             k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
-            partial_fraction=frac, partial_bytes=limit, selective=sel,
-        ))
-    if memory_budget_bytes is None:
-        fastest = min(c.step_ms for c in candidates)
-        fits = [c for c in candidates if c.step_ms <= fastest * 1.001]
-    else:
-        # Measured peaks land within about half a percent of the baseline's peak of the
-        # prediction (H100, both workloads): keep a margin, so that a plan meets its budget.
-        limit = memory_budget_bytes - int(PEAK_MARGIN * base_peak)
-        fits = [c for c in candidates if c.peak_bytes <= limit]
-        if not fits:
-            lowest = min(c.peak_bytes for c in candidates)
-            raise OffloadConfigError(
-                f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
-                f"peak is {lowest} bytes (plans keep {PEAK_MARGIN:.0%} of the peak without "
-                "offloading as a margin for the model's error); raise the budget or reduce "
-                "the batch"
-            )
-    best = min(fits, key=lambda c: (
-        round(c.step_ms, 3), c.peak_bytes, len(c.recompute), len(c.selective)))
+            partial_fraction=frac, partial_bytes=cap, selective=sel,
+        )
+
+    n = len(profiles)
+    stride = -(-n // COARSE_LAYERS)  # 1 up to COARSE_LAYERS layers: every layout
+    for params in _layout_params(n, partial, selective, stride):
+        evaluate(params)
+    if stride > 1:  # then every layout within one stride of the best coarse one
+        centre = _pick(candidates, limit, lowest_if_none=True)
+        for params in _neighbours(centre, n, partial, selective, stride):
+            evaluate(params)
+    best_params = _pick(candidates, limit)
+    if best_params is None:
+        lowest = min(c.peak_bytes for c in candidates.values())
+        raise OffloadConfigError(
+            f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
+            f"peak is {lowest} bytes (plans keep {PEAK_MARGIN:.0%} of the peak without "
+            "offloading as a margin for the model's error); raise the budget or reduce "
+            "the batch"
+        )
+    fits = _fits(candidates, limit)
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
-    return replace(best, alternatives=others)
+    return replace(candidates[best_params], alternatives=others)
+
+
+COARSE_LAYERS = 24  # above this many layers the search first steps through layer counts
+
+
+def _fits(candidates: dict, limit: Optional[int]) -> list:
+    """The candidate plans a pick chooses from: within the peak ``limit``, or (no budget)
+    within 0.1% of the fastest."""
+    plans = list(candidates.values())
+    if limit is None:
+        fastest = min(c.step_ms for c in plans)
+        return [c for c in plans if c.step_ms <= fastest * 1.001]
+    return [c for c in plans if c.peak_bytes <= limit]
+
+
+def _pick(candidates: dict, limit: Optional[int], lowest_if_none: bool = False) -> Optional[tuple]:
+    """Parameters of the best candidate: fastest, then lowest peak, fewest recomputed and
+    selective layers; ``None`` if none fits (or, with ``lowest_if_none``, the lowest peak)."""
+    def key(item: tuple) -> tuple:
+        c = item[1]
+        return (round(c.step_ms, 3), c.peak_bytes, len(c.recompute), len(c.selective))
+
+    if limit is None:
+        fastest = min(c.step_ms for c in candidates.values())
+        items = [i for i in candidates.items() if i[1].step_ms <= fastest * 1.001]
+    else:
+        items = [i for i in candidates.items() if i[1].peak_bytes <= limit]
+    if not items:
+        if not lowest_if_none:
+            return None
+        return min(candidates.items(), key=lambda i: i[1].peak_bytes)[0]
+    return min(items, key=key)[0]
+
+
+def _layout_params(n: int, partial: bool, selective: bool, stride: int = 1):
+    """The planner's layouts as parameter tuples (see ``_layout``); with ``stride`` > 1 only
+    every ``stride``-th layer count (and the largest) of each dimension."""
+    def counts(lo: int, hi: int) -> list:  # lo..hi inclusive, every stride-th, and hi
+        return sorted(set(range(lo, hi + 1, stride)) | ({hi} if hi >= lo else set()))
+
+    sel_counts = (lambda used: counts(0, n - used)) if selective else (lambda used: [0])
+    for k in counts(0, n - 1):
+        fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
+        for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
+            for r in counts(0, n - k):
+                for s in sel_counts(k + r):
+                    yield ("offload", k, frac, sel_off, r, s)
+    for a in counts(0, n - 2):
+        for sel_off in (False, True) if selective and a else (False,):
+            for c in counts(1, n - a - 1):
+                for r in counts(0, n - a - c):
+                    for s in sel_counts(a + c + r):
+                        yield ("checkpoint-offload", a, c, sel_off, r, s)
+
+
+def _neighbours(params: tuple, n: int, partial: bool, selective: bool, stride: int):
+    """Every valid layout of the same family whose layer counts are each within ``stride`` of
+    ``params``' (any partial fraction and selective choice for the offloaded layers)."""
+    family, x, y, _, r, s = params
+    near = lambda v: range(v - stride, v + stride + 1)  # noqa: E731
+    sel_near = near(s) if selective else (0,)
+    if family == "offload":
+        for k, r2, s2 in product(near(x), near(r), sel_near):
+            if not (0 <= k < n and 0 <= r2 <= n - k and 0 <= s2 <= n - k - r2):
+                continue
+            fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
+            for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
+                yield ("offload", k, frac, sel_off, r2, s2)
+    else:
+        for a, c, r2, s2 in product(near(x), near(y), near(r), sel_near):
+            if not (0 <= a <= n - 2 and 1 <= c <= n - a - 1 and 0 <= r2 <= n - a - c
+                    and 0 <= s2 <= n - a - c - r2):
+                continue
+            for sel_off in (False, True) if selective and a else (False,):
+                yield ("checkpoint-offload", a, c, sel_off, r2, s2)
+
+
+def _layout(params: tuple) -> tuple:
+    """``(num_layers, partial_fraction, recompute, selective)`` of one parameter tuple.
+
+    Two families, each with selective recomputation on the ``s`` layers after the
+    checkpointed ones (and on the fully offloaded ones, ``sel_off``, or not):
+
+    - ``("offload", k, frac, sel_off, r, s)``: offload the first ``k`` layers (the last one
+      ``frac`` of its bytes), checkpoint the next ``r``;
+    - ``("checkpoint-offload", a, c, sel_off, r, s)``: offload the first ``a`` layers whole,
+      checkpoint the next ``c`` *and offload their inputs* (so ``num_layers = a + c``: a
+      checkpointed layer then holds nothing on the device between its forward and backward,
+      for a few MB over the link), checkpoint the next ``r``.
+    """
+    if params[0] == "offload":
+        _, k, frac, sel_off, r, s = params
+        full, first_rec = k, k
+    else:
+        _, a, c, sel_off, r, s = params
+        k, frac, full, first_rec = a + c, 1.0, a, a
+    rec = tuple(range(first_rec, k + r))
+    sel = tuple(range(full) if sel_off else ()) + tuple(range(k + r, k + r + s))
+    return k, frac, rec, sel
 
 
 def _layouts(profiles: Sequence[LayerProfile], partial: bool, selective: bool):
-    """Every ``(num_layers, partial_fraction, recompute, selective)`` the planner compares.
-
-    Two families, each with selective recomputation on the next layers (and on the fully
-    offloaded ones, or not):
-
-    - offload the first ``k`` layers (the last possibly in part), checkpoint the next ``r``;
-    - offload the first ``a`` layers whole, checkpoint the next ``c`` *and offload their
-      inputs* (so ``num_layers = a + c``: a checkpointed layer then holds nothing on the device
-      between its forward and backward, for a few MB over the link), checkpoint the next ``r``.
-    """
-    n = len(profiles)
-    sel_range = (lambda lo: range(n - lo + 1)) if selective else (lambda lo: (0,))
-    for k in range(n):
-        fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
-        for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
-            for r in range(n - k + 1):
-                rec = tuple(range(k, k + r))
-                for s in sel_range(k + r):
-                    sel = tuple(range(k) if sel_off else ()) + tuple(range(k + r, k + r + s))
-                    yield k, frac, rec, sel
-    for a in range(n - 1):
-        for sel_off in (False, True) if selective and a else (False,):
-            for c in range(1, n - a):
-                k = a + c
-                for r in range(n - k + 1):
-                    rec = tuple(range(a, k + r))
-                    for s in sel_range(k + r):
-                        sel = tuple(range(a) if sel_off else ()) + tuple(range(k + r, k + r + s))
-                        yield k, 1.0, rec, sel
+    """Every ``(num_layers, partial_fraction, recompute, selective)`` the exhaustive search
+    compares (``_layout`` describes the two families)."""
+    for params in _layout_params(len(profiles), partial, selective):
+        yield _layout(params)
 
 
 def profile_layers(
