@@ -70,6 +70,13 @@ class LayerProfile:
         """What recomputing the whole layer in backward costs."""
         return self.fwd_ms if self.recompute_ms is None else self.recompute_ms
 
+    def stored_bytes(self, checkpointed: bool, selective: bool) -> int:
+        """What the layer keeps for backward (on the device or offloaded): a checkpointed layer
+        its input, a selective one its activations but the recomputed ones."""
+        if checkpointed:
+            return self.input_bytes
+        return self.activation_bytes - (self.selective_bytes if selective else 0)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -160,10 +167,7 @@ def simulate(
             f"selective layers must be in [0, {n}) and not checkpointed, got "
             f"selective={sorted(sel)}, recompute={sorted(rec)}"
         )
-    stored = [  # what each layer keeps for backward (a checkpointed one: its input)
-        p.input_bytes if j in rec else p.activation_bytes - (p.selective_bytes if j in sel else 0)
-        for j, p in enumerate(profiles)
-    ]
+    stored = [p.stored_bytes(j in rec, j in sel) for j, p in enumerate(profiles)]
     moved = list(stored)  # bytes each layer sends over the link
     if k:
         moved[k - 1] = int(moved[k - 1] * partial_fraction)
@@ -197,7 +201,7 @@ def simulate(
             reload_end[i] = queue
     if memory_timeline is not None:
         return bwd_end[0], _peak_from_timeline(memory_timeline, profiles, k, rec, moved, sel)
-    return bwd_end[0], _peak_bytes(profiles, k, rec, moved, stored)
+    return bwd_end[0], _peak_bytes(profiles, k, moved, stored)
 
 
 def memory_segments(model_layers: int) -> list[str]:
@@ -258,9 +262,7 @@ def _peak_from_timeline(
     return peak
 
 
-def _peak_bytes(
-    profiles: Sequence[LayerProfile], k: int, rec: set, moved: list, stored: list
-) -> int:
+def _peak_bytes(profiles: Sequence[LayerProfile], k: int, moved: list, stored: list) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
     from ..v2.schedule import Schedule, position
 
@@ -276,10 +278,7 @@ def _peak_bytes(
             if schedule.away(j, pos):
                 total += stored[j] - moved[j]  # what a partial layer keeps
                 continue
-            if pos == bwd_start or pos == start:
-                total += p.activation_bytes
-            else:
-                total += p.input_bytes if j in rec else stored[j]
+            total += p.activation_bytes if pos in (start, bwd_start) else stored[j]
         peak = max(peak, total)
     return peak + max(p.transient_bytes for p in profiles)
 
@@ -338,15 +337,12 @@ def plan(
         ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel)
         cap = None
         if frac < 1.0:
-            last = profiles[k - 1]
-            cap = int((last.activation_bytes - (last.selective_bytes if k - 1 in sel else 0))
-                      * frac)
+            cap = int(profiles[k - 1].stored_bytes(k - 1 in rec, k - 1 in sel) * frac)
         candidates[params] = Plan(
             k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
             partial_fraction=frac, partial_bytes=cap, selective=sel,
         )
 
-    n = len(profiles)
     stride = -(-n // COARSE_LAYERS)  # 1 up to COARSE_LAYERS layers: every layout
     for params in _layout_params(n, partial, selective, stride):
         evaluate(params)
@@ -363,7 +359,7 @@ def plan(
             "offloading as a margin for the model's error); raise the budget or reduce "
             "the batch"
         )
-    fits = _fits(candidates, limit)
+    fits = [c for _, c in _fitting(candidates, limit)]
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
     return replace(candidates[best_params], alternatives=others)
 
@@ -371,14 +367,13 @@ def plan(
 COARSE_LAYERS = 24  # above this many layers the search first steps through layer counts
 
 
-def _fits(candidates: dict, limit: Optional[int]) -> list:
-    """The candidate plans a pick chooses from: within the peak ``limit``, or (no budget)
-    within 0.1% of the fastest."""
-    plans = list(candidates.values())
+def _fitting(candidates: dict, limit: Optional[int]) -> list:
+    """The ``(params, plan)`` items a pick chooses from: within the peak ``limit``, or (no
+    budget) within 0.1% of the fastest."""
     if limit is None:
-        fastest = min(c.step_ms for c in plans)
-        return [c for c in plans if c.step_ms <= fastest * 1.001]
-    return [c for c in plans if c.peak_bytes <= limit]
+        fastest = min(c.step_ms for c in candidates.values())
+        return [i for i in candidates.items() if i[1].step_ms <= fastest * 1.001]
+    return [i for i in candidates.items() if i[1].peak_bytes <= limit]
 
 
 def _pick(candidates: dict, limit: Optional[int], lowest_if_none: bool = False) -> Optional[tuple]:
@@ -388,11 +383,7 @@ def _pick(candidates: dict, limit: Optional[int], lowest_if_none: bool = False) 
         c = item[1]
         return (round(c.step_ms, 3), c.peak_bytes, len(c.recompute), len(c.selective))
 
-    if limit is None:
-        fastest = min(c.step_ms for c in candidates.values())
-        items = [i for i in candidates.items() if i[1].step_ms <= fastest * 1.001]
-    else:
-        items = [i for i in candidates.items() if i[1].peak_bytes <= limit]
+    items = _fitting(candidates, limit)
     if not items:
         if not lowest_if_none:
             return None
