@@ -7,6 +7,8 @@ import copy
 import pickle
 import time
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -298,6 +300,35 @@ def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim, monkeypat
     with pytest.raises(OffloadConfigError, match=r"checkpoints layers \[1, 2\] and offloads"):
         apply_offloading(layers, plan=plan, device=sim)
     assert all(type(m) is KwargLayer for m in layers)  # the refused apply left nothing behind
+
+
+def test_a_plan_offloading_every_layer_frees_the_last_input_before_the_loss(x0, sim):
+    """Every layer checkpointed with its input offloaded, the last one too: when the forward
+    pass returns, no layer input is left on the device (the last one was released at the
+    forward's end, once its copy was done), and backward reloads it. Gradients stay exact."""
+    layers = make_layers(n=4)
+    ref = step(layers, x0)
+    plan = Plan(4, (0, 1, 2, 3), model_layers=4)
+    handle = apply_offloading(layers, plan=plan, device=sim, min_tensor_size_to_offload=64)
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    layers.zero_grad(set_to_none=True)
+    h = x0.clone().requires_grad_()
+    scale, mask = torch.full((x0.shape[-1],), 0.5), torch.ones(x0.shape[:-1] + (1,))
+    inputs = []
+    for layer in layers:
+        inputs.append(weakref.ref(h))
+        h = layer(h, scale=scale, mask=mask)
+    assert handle.synchronizer.held_device_bytes() == 0
+    assert [r() is None for r in inputs] == [False, True, True, True]  # the caller holds x only
+    h.square().sum().backward()
+    out = {i: s["copied_out_bytes"] for i, s in handle.stats().to_dict()["layers"].items()}
+    assert out == {i: x0.nbytes for i in range(4)}
+    assert "offload all 4 layers" in plan.describe()
+    handle.remove()
+    with pytest.raises(OffloadConfigError, match="needs layer 3 recomputed"):
+        apply_offloading(layers, plan=Plan(4, (0, 1, 2)), device=sim)
+    assert all(type(m) is KwargLayer for m in layers)
 
 
 class TanhLayer(nn.Module):

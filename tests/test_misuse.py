@@ -169,7 +169,7 @@ def test_min_tensor_size_must_be_a_count():
         ({0: (1, 2, False, 4)}, ["offload_fwd must be a bool"]),
         ({0: (True, 2, "no", 4)}, ["reload_fwd must be a bool"]),
         ({0: (True, 0, False, 4)}, ["offload_num must be an int in [1, model_layers=4]", "got 0"]),
-        ({0: (True, 5, False, 4)}, ["offload_num must be an int in [1, model_layers=4]", "got 5"]),
+        ({0: (True, 6, False, 4)}, ["offload_num must be an int in [1, model_layers=4]", "got 6"]),
         ({0: (True, 2, False, 9)}, ["reload_num must be an int in [1, model_layers=4]", "got 9"]),
         ({1: (True, 2, False, 3)}, ["before its own forward ends", "offload_num >= 3"]),
         ({0: (False, 2, True, 4)}, ["reload would start before the offload finishes",

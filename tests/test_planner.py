@@ -183,7 +183,7 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
     import random
 
     from cpu_offload.tools import planner
-    from cpu_offload.v2.schedule import Schedule
+    from cpu_offload.v2.schedule import Schedule, plan_synchronization_dict
 
     rng = random.Random(0)
     n = 6
@@ -197,9 +197,11 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
         moved = list(stored)
         if k:
             moved[k - 1] = int(moved[k - 1] * frac)
-        schedule = Schedule.default(k, n)
+        schedule = Schedule(n, plan_synchronization_dict(k, n))
         windows = [(*(planner._segment_at(pos, n) for pos in schedule.window(j)), moved[j])
-                   for j in schedule.sync]
+                   for j in schedule.sync if not schedule.released_at_forward_end(j)]
+        if k == n:  # the last layer's input is away in the loss segment (n + 1) only
+            windows.append((n + 1, n + 2, moved[n - 1]))
         windows += [(j + 2, 2 * n + 1 - j, profiles[j].activation_bytes - profiles[j].input_bytes)
                     for j in rec]
         windows += [(j + 2, 2 * n + 1 - j, profiles[j].selective_bytes) for j in sel]
@@ -257,8 +259,34 @@ def test_plans_keep_a_margin_under_the_budget():
     exactly_k2 = simulate(REFERENCE, 2, (), 55, 55)[1]  # 6 of 8 layers: 0.75 of the peak
     chosen = plan(REFERENCE, 55, 55, exactly_k2)
     assert chosen.peak_bytes <= exactly_k2 - 0.01 * base_peak  # k=2 itself would be too tight
-    with pytest.raises(OffloadConfigError, match="keep 1% of the peak without offloading"):
+    with pytest.raises(OffloadConfigError, match=r"keep peak_margin=1.0% of the peak without"):
         plan(REFERENCE, 55, 55, simulate(REFERENCE, 7, (), 1e9, 1e9)[1])
+    # peak_margin=0 trusts the prediction: k=2 exactly at the budget is a candidate again.
+    exact = plan(REFERENCE, 55, 55, exactly_k2, peak_margin=0.0)
+    assert exact.peak_bytes <= exactly_k2 and exact.peak_bytes > chosen.peak_bytes
+    with pytest.raises(OffloadConfigError, match=r"peak_margin is a fraction .* in \[0, 1\)"):
+        plan(REFERENCE, 55, 55, exactly_k2, peak_margin=1.5)
+
+
+def test_every_layer_checkpointed_and_offloaded_moves_the_last_input_at_the_forward_end():
+    """Checkpointing every layer and offloading every input, the last one included, holds no
+    layer input during the loss: the peak of a loss-peaked step falls by that input, and the
+    time pays for the last input's copies (out before the loss, back before its backward)."""
+    n, layer_in = 8, 32 * MIB
+    profiles = [LayerProfile(512 * MIB, layer_in, 2.84, 6.5)] * n
+    timeline = [0] + [512 * MIB * (j + 1) for j in range(n)] + [512 * MIB * n + 2048 * MIB] + [
+        512 * MIB * (n - c) for c in range(n)]
+    everything = tuple(range(n))
+    ms_all, peak_all = simulate(profiles, n, everything, 55, 55, memory_timeline=timeline)
+    ms_prev, peak_prev = simulate(profiles, n - 1, everything, 55, 55, memory_timeline=timeline)
+    assert peak_prev - peak_all == layer_in
+    link_ms = layer_in / 55e6
+    assert ms_prev < ms_all <= ms_prev + 2 * link_ms + 1e-9
+    with pytest.raises(OffloadConfigError, match=r"or 8 with layer 7 recomputed"):
+        simulate(profiles, n, everything[:-1], 55, 55)
+    chosen = plan(profiles, 55, 55, peak_all, memory_timeline=timeline, peak_margin=0.0)
+    assert (chosen.num_layers, chosen.recompute, chosen.peak_bytes) == (n, everything, peak_all)
+    assert "offload all 8 layers (the last one's input when the forward pass ends" in chosen.describe()
 
 
 # Selective recomputation: per GPT block, both LayerNorm outputs and the GELU output (6 of 16

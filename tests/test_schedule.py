@@ -6,6 +6,7 @@ from cpu_offload.v2.schedule import (
     Schedule,
     check_default_arguments,
     default_synchronization_dict,
+    plan_synchronization_dict,
     validate_synchronization_dict,
 )
 
@@ -41,9 +42,24 @@ def test_validated_custom_dict_drives_positions():
     assert s.releases_at(3) == [] and s.reloads_at(6) == []
 
 
+def test_release_at_the_forward_end_is_offload_num_model_layers_plus_one():
+    """``(True, n + 1, ...)``: released after the last layer's forward, before the loss; plans
+    use it so that the last (checkpointed) layer's input is away during the loss."""
+    assert plan_synchronization_dict(2, 4) == default_synchronization_dict(2, 4)
+    sync = plan_synchronization_dict(4, 4)
+    assert sync == {**default_synchronization_dict(3, 4), 3: (True, 5, False, 1)}
+    s = Schedule(4, validate_synchronization_dict(sync, 4))
+    assert s.releases_at_forward_end() == [3] and s.released_at_forward_end(3)
+    assert all(3 not in s.releases_at(pos) for pos in range(1, 9))  # no layer start releases it
+    assert s.reloads_at(5) == [3] and s.reloads_at(6) == [2]  # each as its own backward starts
+    assert s.resident_profile() == [1] * 8  # at every layer start, that layer only
+
+
 @pytest.mark.parametrize(
     "sync, message",
     [
+        ({0: (True, 6, False, 1)}, "offload_fwd=True, offload_num=5: released when the forward"),
+        ({0: (False, 5, False, 4)}, "offload_num must be an int in [1, model_layers=4]"),
         ([1, 2], "must be a dict"),
         ({"0": (True, 2, False, 1)}, "layer ids must be ints"),
         ({4: (True, 2, False, 1)}, "layer ids must be ints in [0, model_layers=4)"),

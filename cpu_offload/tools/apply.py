@@ -30,6 +30,7 @@ from ..compat import compiler_disable, in_backward, is_compiled_module
 from ..errors import OffloadConfigError, OffloadUsageError
 from ..facade import use_v1
 from ..v2.recompute import check_selective_scope
+from ..v2.schedule import plan_synchronization_dict
 
 __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
 
@@ -504,6 +505,13 @@ def apply_offloading(
         min_size = getattr(plan, "min_tensor_size_to_offload", None)
         if min_size is not None:
             context_kwargs.setdefault("min_tensor_size_to_offload", min_size)
+        if num_layers == n:  # every layer: the last one's input leaves when the forward ends
+            if "synchronization_dict" in context_kwargs or n - 1 not in recompute:
+                raise OffloadConfigError(
+                    f"the plan offloads all {n} layers, which needs layer {n - 1} recomputed "
+                    "and the plan's own schedule; plan again, and pass no synchronization_dict"
+                )
+            context_kwargs["synchronization_dict"] = plan_synchronization_dict(n, n)
     elif num_layers is None and "synchronization_dict" not in context_kwargs:
         raise OffloadConfigError(
             "apply_offloading needs num_layers=k (offload the first k layers) or "

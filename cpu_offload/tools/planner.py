@@ -16,7 +16,9 @@ offloaded selective layer moves fewer bytes over the link. Per layer a plan thus
 offloads (the last offloaded layer possibly in part), recomputes selectively, does both,
 checkpoints the whole layer, or checkpoints it and offloads its input: the checkpoint then holds
 nothing on the device between the layer's forward and backward, for little link time, which is
-what takes a plan below checkpointing every layer.
+what takes a plan below checkpointing every layer. When every layer is offloaded this way, the
+last one's input is released when the forward pass ends and reloaded when its backward starts
+(``plan_synchronization_dict``): away during the loss only, which is often the step's peak.
 
 Whole layers are coarse: when the link can move 3.4 layers' bytes during the forward, offloading
 3 wastes link time and offloading 4 stalls. So the last offloaded layer may be offloaded only in
@@ -34,7 +36,7 @@ import statistics
 import time
 from itertools import product
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -101,6 +103,7 @@ class Plan:
     partial_bytes: Optional[int] = None  # its byte limit, applied by ``apply_offloading``
     selective: tuple = ()  # layers whose cheap saved tensors are recomputed (never stored)
     selective_scope: str = "modules"  # where their ops were recorded when profiled
+    model_layers: int = 0  # the number of layers planned for
 
     @property
     def time_ratio(self) -> float:
@@ -122,9 +125,14 @@ class Plan:
         moved = [r for r in self.recompute if r < self.num_layers]
         if moved:
             rec += f" (of which {', '.join(map(str, moved))} offload their checkpointed inputs)"
+        if self.num_layers and self.num_layers == self.model_layers:
+            what = (f"offload all {self.num_layers} layers (the last one's input when the forward "
+                    "pass ends: cpu_offload.v2.schedule.plan_synchronization_dict)")
+        else:
+            what = (f"offload the first {self.num_layers} layers (get_cpu_offload_context("
+                    f"num_layers={self.num_layers}))")
         return (
-            f"offload the first {self.num_layers} layers (get_cpu_offload_context(num_layers="
-            f"{self.num_layers})){part}, recompute layers: {rec}, selective layers: {sel}; "
+            f"{what}{part}, recompute layers: {rec}, selective layers: {sel}; "
             f"predicted step {self.step_ms:.1f} ms "
             f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
             f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
@@ -146,6 +154,8 @@ def simulate(
     ``selective`` layers store ``selective_bytes`` less (offloaded ones move that much less)
     and take ``selective_fwd_ms`` longer in forward and ``selective_ms`` longer in backward.
     A ``recompute`` layer among the offloaded ones stores only its input, which it offloads.
+    ``num_layers == len(profiles)`` (every layer; the last one must be checkpointed) releases the
+    last layer's input when the forward pass ends (``plan_synchronization_dict``).
 
     Without ``memory_timeline`` the peak counts layer activations only (plus the largest
     transient). With it (the measured peak of each segment of a step without offloading, as
@@ -154,10 +164,10 @@ def simulate(
     the last layer), not where the layers alone would."""
     n, k = len(profiles), num_layers
     rec = set(recompute)
-    if not 0 <= k < n or any(not 0 <= r < n for r in rec):
+    if not 0 <= k <= n or (k == n and n - 1 not in rec) or any(not 0 <= r < n for r in rec):
         raise OffloadConfigError(
-            f"num_layers must be in [0, {n}) and recomputed layers in [0, {n}), got "
-            f"num_layers={k}, recompute={sorted(rec)}"
+            f"num_layers must be in [0, {n}) (or {n} with layer {n - 1} recomputed) and "
+            f"recomputed layers in [0, {n}), got num_layers={k}, recompute={sorted(rec)}"
         )
     if not 0.0 < partial_fraction <= 1.0:
         raise OffloadConfigError(f"partial_fraction must be in (0, 1], got {partial_fraction}")
@@ -173,12 +183,14 @@ def simulate(
         moved[k - 1] = int(moved[k - 1] * partial_fraction)
     d2h = [b / (d2h_gbps * 1e6) for b in moved]  # ms
     h2d = [b / (h2d_gbps * 1e6) for b in moved]
-    # Forward: copies queue in layer order; layer m waits for layer m-(n-k)'s copy (its release).
+    # Forward: copies queue in layer order; layer m waits for layer m-(n-kd)'s copy (its
+    # release). With every layer offloaded the last one is released at the forward's end.
+    kd = min(k, n - 1)  # layers on the default schedule
     fwd_start, fwd_end, copy_end = [0.0] * n, [0.0] * n, [0.0] * n
     t = queue = 0.0
     for m in range(n):
-        i = m - (n - k)
-        start = max(t, copy_end[i]) if 0 <= i < k else t
+        i = m - (n - kd)
+        start = max(t, copy_end[i]) if 0 <= i < kd else t
         fwd_ms = profiles[m].fwd_ms + (profiles[m].selective_fwd_ms if m in sel else 0.0)
         fwd_start[m], fwd_end[m] = start, start + fwd_ms
         t = fwd_end[m]
@@ -189,14 +201,17 @@ def simulate(
     bwd_end, reload_end = [0.0] * n, [0.0] * n
     t = fwd_end[-1]
     queue = t
+    if k == n:  # the last layer: released once its copy is done, reloaded as its backward starts
+        t = queue = max(t, copy_end[n - 1])
+        queue = reload_end[n - 1] = queue + h2d[n - 1]
     for m in range(n - 1, -1, -1):
         start = max(t, reload_end[m]) if m < k else t
         cost = profiles[m].bwd_ms + (profiles[m].checkpoint_ms if m in rec else 0.0)
         if m in sel:
             cost += profiles[m].selective_ms
         bwd_end[m] = t = start + cost
-        i = m - (n - k)  # layer whose reload this backward unlocks
-        if 0 <= i < k:
+        i = m - (n - kd)  # layer whose reload this backward unlocks
+        if 0 <= i < kd:
             queue = max(queue, t) + h2d[i]
             reload_end[i] = queue
     if memory_timeline is not None:
@@ -222,12 +237,22 @@ def _segment_at(pos: int, n: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _offload_windows(k: int, n: int) -> tuple:
-    """``(first, last, layer)``: the segments in which the default schedule keeps each of the
-    first ``k`` of ``n`` layers off the device (the search asks for the same ``k`` many times)."""
-    from ..v2.schedule import Schedule
+    """``(first, last, layer)``: the segments in which a plan's schedule keeps each of the
+    first ``k`` of ``n`` layers off the device (the search asks for the same ``k`` many times).
+    A layer released when the forward ends is away in the loss segment only."""
+    schedule = _schedule(k, n)
+    return tuple(
+        (n + 1, n + 2, j) if schedule.released_at_forward_end(j)
+        else (*(_segment_at(pos, n) for pos in schedule.window(j)), j)
+        for j in schedule.sync
+    )
 
-    schedule = Schedule.default(k, n)
-    return tuple((*(_segment_at(pos, n) for pos in schedule.window(j)), j) for j in schedule.sync)
+
+def _schedule(k: int, n: int) -> Any:
+    """The V2 schedule ``apply_offloading`` installs for a plan offloading ``k`` of ``n``."""
+    from ..v2.schedule import Schedule, plan_synchronization_dict
+
+    return Schedule(n, plan_synchronization_dict(k, n))
 
 
 def _peak_from_timeline(
@@ -264,10 +289,10 @@ def _peak_from_timeline(
 
 def _peak_bytes(profiles: Sequence[LayerProfile], k: int, moved: list, stored: list) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
-    from ..v2.schedule import Schedule, position
+    from ..v2.schedule import position
 
     n = len(profiles)
-    schedule = Schedule.default(k, n)
+    schedule = _schedule(k, n)
     peak = 0
     for pos in range(1, 2 * n + 1):
         total = 0
@@ -292,6 +317,7 @@ def plan(
     measured_baseline_ms: Optional[float] = None,
     partial: bool = True,
     memory_timeline: Optional[Sequence[int]] = None,
+    peak_margin: float = PEAK_MARGIN,
 ) -> Plan:
     """Fastest ``(num_layers, recompute, selective)`` whose predicted peak fits the budget.
 
@@ -307,7 +333,9 @@ def plan(
     ``measured_baseline_ms`` (time of one real step without offloading) does the same for time:
     what runs outside the layers (embedding, loss, optimizer hooks) is added to every plan, so
     ratios are to the whole step. ``memory_timeline`` (see ``simulate``) replaces that memory
-    calibration with the measured step's own peaks, segment by segment.
+    calibration with the measured step's own peaks, segment by segment. ``peak_margin`` (a
+    fraction of the peak without offloading, default ``PEAK_MARGIN``) is kept between a plan's
+    predicted peak and the budget, for the model's error; 0 trusts the prediction.
 
     Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
     steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
@@ -316,6 +344,12 @@ def plan(
     search's in tests with 26-32 layers.
     """
     n = len(profiles)
+    if isinstance(peak_margin, bool) or not isinstance(peak_margin, (int, float)) or not (
+            0.0 <= peak_margin < 1.0):
+        raise OffloadConfigError(
+            f"peak_margin is a fraction of the peak without offloading in [0, 1), got "
+            f"{peak_margin!r}"
+        )
     base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps, 1.0, memory_timeline)
     extra = max(0, measured_baseline_peak - base_peak) if measured_baseline_peak else 0
     if memory_timeline is not None:
@@ -327,7 +361,7 @@ def plan(
     limit = None if memory_budget_bytes is None else (
         # Measured peaks have landed within 0.7% of the baseline's peak of the prediction (H100,
         # both workloads): keep a margin, so that a plan meets its budget.
-        memory_budget_bytes - int(PEAK_MARGIN * base_peak))
+        memory_budget_bytes - int(peak_margin * base_peak))
     candidates: dict = {}
 
     def evaluate(params: tuple) -> None:
@@ -340,7 +374,7 @@ def plan(
             cap = int(profiles[k - 1].stored_bytes(k - 1 in rec, k - 1 in sel) * frac)
         candidates[params] = Plan(
             k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
-            partial_fraction=frac, partial_bytes=cap, selective=sel,
+            partial_fraction=frac, partial_bytes=cap, selective=sel, model_layers=n,
         )
 
     stride = -(-n // COARSE_LAYERS)  # 1 up to COARSE_LAYERS layers: every layout
@@ -355,9 +389,9 @@ def plan(
         lowest = min(c.peak_bytes for c in candidates.values())
         raise OffloadConfigError(
             f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
-            f"peak is {lowest} bytes (plans keep {PEAK_MARGIN:.0%} of the peak without "
-            "offloading as a margin for the model's error); raise the budget or reduce "
-            "the batch"
+            f"peak is {lowest} bytes (plans keep peak_margin={peak_margin:.1%} of the peak "
+            "without offloading as a margin for the model's error); raise the budget, lower "
+            "peak_margin, or reduce the batch"
         )
     fits = [c for _, c in _fitting(candidates, limit)]
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
@@ -406,7 +440,7 @@ def _layout_params(n: int, partial: bool, selective: bool, stride: int = 1):
                     yield ("offload", k, frac, sel_off, r, s)
     for a in counts(0, n - 2):
         for sel_off in (False, True) if selective and a else (False,):
-            for c in counts(1, n - a - 1):
+            for c in counts(1, n - a):  # a + c == n: the last input released at forward end
                 for r in counts(0, n - a - c):
                     for s in sel_counts(a + c + r):
                         yield ("checkpoint-offload", a, c, sel_off, r, s)
@@ -427,7 +461,7 @@ def _neighbours(params: tuple, n: int, partial: bool, selective: bool, stride: i
                 yield ("offload", k, frac, sel_off, r2, s2)
     else:
         for a, c, r2, s2 in product(near(x), near(y), near(r), sel_near):
-            if not (0 <= a <= n - 2 and 1 <= c <= n - a - 1 and 0 <= r2 <= n - a - c
+            if not (0 <= a <= n - 2 and 1 <= c <= n - a and 0 <= r2 <= n - a - c
                     and 0 <= s2 <= n - a - c - r2):
                 continue
             for sel_off in (False, True) if selective and a else (False,):

@@ -6,6 +6,12 @@ position ``n + c``. A ``synchronization_dict`` entry ``i -> (offload_fwd, offloa
 reload_num)`` says: layer ``i`` finishes offloading (and its GPU memory is released) when
 ``offload_num`` layers have begun their forward (``offload_fwd``) or backward pass, and its reload
 starts when ``reload_num`` layers have begun their forward (``reload_fwd``) or backward pass.
+
+One extension of that format: ``offload_fwd=True, offload_num=model_layers + 1`` ("one layer more
+than the forward pass runs") releases the layer when the forward pass is over, after the last
+layer's forward and before whatever follows it (the loss, often the step's peak). Only this lets
+the last layer be away from the device at all; ``plan_synchronization_dict`` uses it for a
+checkpointed last layer, whose input then spends the loss on the host.
 """
 from __future__ import annotations
 
@@ -28,6 +34,23 @@ def default_synchronization_dict(num_layers: int, model_layers: int) -> dict[int
     before the forward of layer ``n-k+i`` and reloaded after the backward of layer ``n-k+i``."""
     n, k = model_layers, num_layers
     return {i: (True, n - k + i + 1, False, k - i + 1) for i in range(k)}
+
+
+def plan_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, SyncEntry]:
+    """The schedule of a plan: the default one, except that ``num_layers == model_layers``
+    (every layer, the last one checkpointed, so that only its input moves) offloads the last
+    layer too, released when the forward pass ends and reloaded when its backward starts."""
+    n, k = model_layers, num_layers
+    if k < n:
+        return default_synchronization_dict(k, n)
+    sync = default_synchronization_dict(n - 1, n)
+    sync[n - 1] = (True, n + 1, False, 1)
+    return sync
+
+
+def forward_end(model_layers: int) -> int:
+    """``offload_num`` (with ``offload_fwd=True``) of "released when the forward pass ends"."""
+    return model_layers + 1
 
 
 def validate_synchronization_dict(
@@ -57,9 +80,11 @@ def validate_synchronization_dict(
             if not isinstance(v, bool):
                 raise OffloadConfigError(f"{where}: {name} must be a bool, got {v!r}")
         for name, v in (("offload_num", off_num), ("reload_num", rel_num)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= n:
+            top = n + 1 if name == "offload_num" and off_fwd else n  # n + 1: the forward's end
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
                 raise OffloadConfigError(
-                    f"{where}: {name} must be an int in [1, model_layers={n}], got {v!r}"
+                    f"{where}: {name} must be an int in [1, model_layers={n}], got {v!r} "
+                    f"(offload_fwd=True, offload_num={n + 1}: released when the forward ends)"
                 )
         off_pos, rel_pos = position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
         own_fwd_end, own_bwd_start = layer + 2, position(False, n - layer, n)
@@ -91,12 +116,17 @@ class Schedule:
     def __post_init__(self) -> None:
         releases: dict[int, list[int]] = defaultdict(list)
         reloads: dict[int, list[int]] = defaultdict(list)
+        at_end = []
         for layer in sorted(self.sync):
             release, reload = self.window(layer)
-            releases[release].append(layer)
+            if self.released_at_forward_end(layer):
+                at_end.append(layer)
+            else:
+                releases[release].append(layer)
             reloads[reload].append(layer)
         object.__setattr__(self, "_releases", dict(releases))
         object.__setattr__(self, "_reloads", dict(reloads))
+        object.__setattr__(self, "_at_forward_end", at_end)
 
     @classmethod
     def default(cls, num_layers: int, model_layers: int) -> "Schedule":
@@ -108,12 +138,22 @@ class Schedule:
     def releases_at(self, pos: int) -> list[int]:
         return self._releases.get(pos, [])  # type: ignore[attr-defined]
 
+    def released_at_forward_end(self, layer: int) -> bool:
+        """Whether ``layer`` is released when the forward pass ends (between the position of the
+        last forward start and the first backward start, so between two positions)."""
+        off_fwd, off_num, _, _ = self.sync[layer]
+        return off_fwd and off_num == forward_end(self.model_layers)
+
+    def releases_at_forward_end(self) -> list[int]:
+        return self._at_forward_end  # type: ignore[attr-defined]
+
     def reloads_at(self, pos: int) -> list[int]:
         return self._reloads.get(pos, [])  # type: ignore[attr-defined]
 
     def window(self, layer: int) -> tuple[int, int]:
         """``(release, reload)`` positions of an offloaded layer: its memory is off the device
-        from the first (inclusive) to the second (exclusive)."""
+        from the first (inclusive) to the second (exclusive). A layer released when the forward
+        ends (``released_at_forward_end``) is away between positions: its window is empty."""
         off_fwd, off_num, rel_fwd, rel_num = self.sync[layer]
         n = self.model_layers
         return position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)

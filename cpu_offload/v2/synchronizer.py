@@ -104,6 +104,10 @@ class Step:
             for layer in self.layers:
                 if layer is not None:
                     layer.shared = self.shared
+            if self.schedule is not None:  # layers released when the forward pass ends
+                for i in self.schedule.releases_at_forward_end():
+                    if self.layers[i] is not None:
+                        self.layers[i].release()
 
     def begin_backward(self, index: int) -> None:
         if self.aborted:
