@@ -331,6 +331,39 @@ def test_a_plan_offloading_every_layer_frees_the_last_input_before_the_loss(x0, 
     assert all(type(m) is KwargLayer for m in layers)
 
 
+def test_the_profile_charges_what_offloading_costs_beyond_the_link(x0, sim, monkeypatch):
+    """What offloaded steps take beyond the planner's link model (here: every batch of
+    device-to-host copies costs 10 ms of host time, with a link fast enough to hide any copy)
+    is measured per GB moved and charged to every plan in proportion to what it moves."""
+    from cpu_offload.tools import planner
+
+    layers = make_layers(n=5)
+    batches = []
+    copy_batch = sim.copy_after_compute
+
+    def slow_copy_batch(stream, pairs):
+        batches.append(len(pairs))
+        time.sleep(0.01)
+        return copy_batch(stream, pairs)
+
+    monkeypatch.setattr(sim, "copy_after_compute", slow_copy_batch)
+    prof = profile_step(lambda: step(layers, x0), layers, device=sim, selective=False,
+                        warmup=0, repeats=3, min_tensor_size_to_offload=64, link_gbps=1e4)
+    (note,) = [m for m in prof.notes if "per GB moved is charged" in m]
+    k = int(note.split()[1])  # "offloading {k} layers (...)"
+    moved = sum(p.activation_bytes for p in prof.layers[:k])
+    batches_per_step = len(batches) // (1 + 6)  # one warm-up and 2 * 3 timed offloaded steps
+    assert batches_per_step >= k
+    charged_ms = prof.offload_ms_per_gb * moved / 1e9
+    assert charged_ms >= 0.9 * 10 * batches_per_step
+    plain, _ = planner.simulate(prof.layers, k, (), 1e4, 1e4)
+    charged, _ = planner.simulate(prof.layers, k, (), 1e4, 1e4,
+                                  offload_ms_per_gb=prof.offload_ms_per_gb)
+    assert charged - plain == pytest.approx(charged_ms)
+    nothing, _ = planner.simulate(prof.layers, 0, (), 1e4, 1e4, offload_ms_per_gb=1e6)
+    assert nothing == planner.simulate(prof.layers, 0, (), 1e4, 1e4)[0]
+
+
 class TanhLayer(nn.Module):
     """``tanh(lin(x))``; ``SlowForward`` sleeps 20 ms (host time, the simulated device's clock)
     in forward, ``NoRecompute`` cannot run again inside backward (as some stateful layers)."""

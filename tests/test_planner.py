@@ -259,8 +259,12 @@ def test_plans_keep_a_margin_under_the_budget():
     exactly_k2 = simulate(REFERENCE, 2, (), 55, 55)[1]  # 6 of 8 layers: 0.75 of the peak
     chosen = plan(REFERENCE, 55, 55, exactly_k2)
     assert chosen.peak_bytes <= exactly_k2 - 0.01 * base_peak  # k=2 itself would be too tight
-    with pytest.raises(OffloadConfigError, match=r"keep peak_margin=1.0% of the peak without"):
+    with pytest.raises(OffloadConfigError, match=r"keep peak_margin=1.0% of the peak without") as err:
         plan(REFERENCE, 55, 55, simulate(REFERENCE, 7, (), 1e9, 1e9)[1])
+    lowest = err.value.lowest_peak_bytes  # the budget that fits a plan, with no margin
+    assert plan(REFERENCE, 55, 55, lowest, peak_margin=0.0).peak_bytes == lowest
+    with pytest.raises(OffloadConfigError, match="no plan fits"):
+        plan(REFERENCE, 55, 55, lowest - 1, peak_margin=0.0)
     # peak_margin=0 trusts the prediction: k=2 exactly at the budget is a candidate again.
     exact = plan(REFERENCE, 55, 55, exactly_k2, peak_margin=0.0)
     assert exact.peak_bytes <= exactly_k2 and exact.peak_bytes > chosen.peak_bytes

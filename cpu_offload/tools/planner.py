@@ -148,6 +148,7 @@ def simulate(
     partial_fraction: float = 1.0,
     memory_timeline: Optional[Sequence[int]] = None,
     selective: Sequence[int] = (),
+    offload_ms_per_gb: float = 0.0,
 ) -> tuple[float, int]:
     """Predicted ``(step_ms, peak_bytes)`` of one forward+backward, where layer
     ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest, and the
@@ -156,6 +157,7 @@ def simulate(
     A ``recompute`` layer among the offloaded ones stores only its input, which it offloads.
     ``num_layers == len(profiles)`` (every layer; the last one must be checkpointed) releases the
     last layer's input when the forward pass ends (``plan_synchronization_dict``).
+    ``offload_ms_per_gb`` (measured by ``profile_step``) is added per GB the plan moves out.
 
     Without ``memory_timeline`` the peak counts layer activations only (plus the largest
     transient). With it (the measured peak of each segment of a step without offloading, as
@@ -214,9 +216,10 @@ def simulate(
         if 0 <= i < kd:
             queue = max(queue, t) + h2d[i]
             reload_end[i] = queue
+    step_ms = bwd_end[0] + offload_ms_per_gb * sum(moved[:k]) / 1e9
     if memory_timeline is not None:
-        return bwd_end[0], _peak_from_timeline(memory_timeline, profiles, k, rec, moved, sel)
-    return bwd_end[0], _peak_bytes(profiles, k, moved, stored)
+        return step_ms, _peak_from_timeline(memory_timeline, profiles, k, rec, moved, sel)
+    return step_ms, _peak_bytes(profiles, k, moved, stored)
 
 
 def memory_segments(model_layers: int) -> list[str]:
@@ -318,6 +321,7 @@ def plan(
     partial: bool = True,
     memory_timeline: Optional[Sequence[int]] = None,
     peak_margin: float = PEAK_MARGIN,
+    offload_ms_per_gb: float = 0.0,
 ) -> Plan:
     """Fastest ``(num_layers, recompute, selective)`` whose predicted peak fits the budget.
 
@@ -336,6 +340,7 @@ def plan(
     calibration with the measured step's own peaks, segment by segment. ``peak_margin`` (a
     fraction of the peak without offloading, default ``PEAK_MARGIN``) is kept between a plan's
     predicted peak and the budget, for the model's error; 0 trusts the prediction.
+    ``offload_ms_per_gb``: see ``simulate``.
 
     Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
     steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
@@ -368,7 +373,9 @@ def plan(
         if params in candidates:
             return
         k, frac, rec, sel = _layout(params)
-        ms, peak = simulate(profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel)
+        ms, peak = simulate(
+            profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel, offload_ms_per_gb
+        )
         cap = None
         if frac < 1.0:
             cap = int(profiles[k - 1].stored_bytes(k - 1 in rec, k - 1 in sel) * frac)
@@ -387,12 +394,14 @@ def plan(
     best_params = _pick(candidates, limit)
     if best_params is None:
         lowest = min(c.peak_bytes for c in candidates.values())
-        raise OffloadConfigError(
+        err = OffloadConfigError(
             f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
             f"peak is {lowest} bytes (plans keep peak_margin={peak_margin:.1%} of the peak "
             "without offloading as a margin for the model's error); raise the budget, lower "
             "peak_margin, or reduce the batch"
         )
+        err.lowest_peak_bytes = lowest  # what a budget needs (with peak_margin=0) to fit a plan
+        raise err
     fits = [c for _, c in _fitting(candidates, limit)]
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
     return replace(candidates[best_params], alternatives=others)

@@ -20,7 +20,12 @@ layer signature) with the layers instrumented by ``apply.instrument``:
   where the forward is host-bound: in backward the recomputed kernels queue behind others);
 - selective recomputation: timed steps with every layer selective (a V2 context that offloads
   nothing), taking turns with the same plain steps: per layer the bytes it stores as recipes
-  instead, and the forward and backward time it adds.
+  instead, and the forward and backward time it adds;
+- what offloading costs beyond the link: timed steps offloading the most layers the link hides
+  (by the planner's model), taking turns with the same plain steps. What they add above the
+  model's prediction (copies slowing the kernels they overlap, the hooks' host time in the
+  offloaded layers' forward, copies starting later than the model assumes), per GB moved, is
+  charged to every plan in proportion to the bytes it moves (``offload_ms_per_gb``).
 
 Added times are medians of step-by-step differences to the plain step next to them, so that a
 machine whose speed drifts while it is profiled does not charge the drift to one of them.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence, Union
@@ -68,6 +74,8 @@ class StepProfile:
     # (CUDA), else None: where the real step peaks, for the planner's memory model.
     memory_timeline: Optional[list] = None
     selective_scope: str = "modules"  # where selective layers were recorded (``set_selective``)
+    # Measured time per GB offloaded above the planner's model (see the module docstring).
+    offload_ms_per_gb: float = 0.0
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -241,22 +249,25 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _Selective:
-    """``instrument`` driver: a recorder's measurements around a V2 context that offloads
-    nothing and recomputes every layer's cheap saved tensors. One context serves every
-    profiled step; each step gets a fresh ``recorder``."""
+class _Wrapped:
+    """``instrument`` driver: a recorder's measurements around a V2 context that offloads the
+    first ``num_layers`` layers and (with ``scope``) recomputes every layer's cheap saved
+    tensors. One context serves every profiled step; each step gets a fresh ``recorder``."""
 
     owner = None
 
-    def __init__(self, layers: list, device: Any, min_size: int, scope: str) -> None:
+    def __init__(
+        self, layers: list, device: Any, min_size: int, scope: Optional[str], num_layers: int = 0
+    ) -> None:
         from ..v2.context import get_cpu_offload_context
         from .apply import _OffloadDriver
 
         context, sync = get_cpu_offload_context(
-            enabled=True, num_layers=0, model_layers=len(layers), device=device,
+            enabled=True, num_layers=num_layers, model_layers=len(layers), device=device,
             min_tensor_size_to_offload=min_size,
         )
-        context.synchronizer.set_selective(range(len(layers)), scope)
+        if scope is not None:
+            context.synchronizer.set_selective(range(len(layers)), scope)
         self.recorder: Optional[_StepRecorder] = None
         self.context = context
         self.inner = _OffloadDriver(SimpleNamespace(layers=layers), context, sync)
@@ -337,9 +348,10 @@ def profile_step(
     """Measure ``step_fn()`` per layer (see the module docstring); ``plan_offloading``'s input.
 
     ``step_fn`` runs ``warmup + 1 + 2 * repeats`` times (plain and checkpointed timed steps),
-    and ``max(1, warmup) + repeats`` more with ``selective`` (what selective recomputation
-    removes and costs; ``True`` or a scope, as in ``plan_offloading``); the gradients it
-    accumulates are left as they are. Only the first forward pass of each call is recorded.
+    ``max(1, warmup) + repeats`` more with ``selective`` (what selective recomputation
+    removes and costs; ``True`` or a scope, as in ``plan_offloading``), and ``1 + 4 * repeats``
+    more to measure what offloading costs beyond the link (half of them plain); the gradients
+    it accumulates are left as they are. Only the first forward pass of each call is recorded.
     """
     scope = _selective_scope(selective)
     layers = as_layer_list(layers)
@@ -379,7 +391,7 @@ def profile_step(
     timing = _Timing(step_fn, layers, clock, n)
     selective_driver = None
     if scope is not None:
-        selective_driver = _Selective(layers, device, min_tensor_size_to_offload, scope)
+        selective_driver = _Wrapped(layers, device, min_tensor_size_to_offload, scope)
         for _ in range(max(1, warmup)):  # the recording mode's first calls
             timing.run("selective", selective_driver)
     checkpointed = True
@@ -414,14 +426,61 @@ def profile_step(
             f"no saved tensor has >= {min_tensor_size_to_offload} elements: lower "
             "min_tensor_size_to_offload, or nothing can be offloaded"
         )
+    offload_ms_per_gb = _offload_overhead(
+        step_fn, layers, device, clock, profiles, d2h, h2d, min_tensor_size_to_offload, repeats,
+        notes,
+    )
     timeline = counted.memory_timeline(before)
     if cuda and timeline is None:
         notes.append("memory timeline: not every layer's backward was seen; the planner "
                      "calibrates its memory model with the step's peak instead")
     return StepProfile(
         profiles, timing.step_ms(), peak, d2h, h2d, min_tensor_size_to_offload, notes,
-        timeline, scope or "modules",
+        timeline, scope or "modules", offload_ms_per_gb,
     )
+
+
+PROBE_HIDDEN = 0.002  # the probe offloads the most layers whose predicted cost is below this
+
+
+def _offload_overhead(
+    step_fn: Callable[[], Any], layers: list, device: Any, clock: "_Clock", profiles: list,
+    d2h: float, h2d: float, min_size: int, repeats: int, notes: list,
+) -> float:
+    """Time per GB moved that offloading adds above the planner's model: steps offloading the
+    most layers the model says the link hides take turns with plain steps (see the module
+    docstring). 0.0 when nothing is offloadable or the offloaded steps fail (with a note)."""
+    from .planner import simulate
+
+    n = len(profiles)
+    if n < 2 or not any(p.activation_bytes for p in profiles):
+        return 0.0
+    base = simulate(profiles, 0, (), d2h, h2d)[0]
+    # At most n - 2 layers: one resident layer more keeps copies overlapped with compute.
+    predicted = {k: simulate(profiles, k, (), d2h, h2d)[0] - base for k in range(1, max(2, n - 1))}
+    hidden = [k for k, ms in predicted.items() if ms <= PROBE_HIDDEN * base]
+    k = max(hidden) if hidden else 1
+    moved_gb = sum(p.activation_bytes for p in profiles[:k]) / 1e9
+    timing = _Timing(step_fn, layers, clock, n)
+    try:
+        with warnings.catch_warnings():  # the probe's own findings are not the user's concern
+            warnings.filterwarnings("ignore", message="cpu_offload: an offload step freed no")
+            driver = _Wrapped(layers, device, min_size, None, num_layers=k)
+            timing.run("offload", driver)  # warm-up: pinned host buffers are allocated once
+            for _ in range(2 * max(1, repeats)):  # a few ms on a noisy step: more pairs
+                timing.run("plain")
+                timing.run("offload", driver)
+    except Exception as exc:  # noqa: BLE001 - profiling goes on without this measurement
+        notes.append(f"offloaded steps failed ({type(exc).__name__}: {exc}); the planner "
+                     "charges offloading the link time of its model only")
+        return 0.0
+    extra = timing.added_step("offload") - predicted[k]
+    notes.append(
+        f"offloading {k} layers ({moved_gb:.2f} GB) measured {extra:+.2f} ms against the "
+        f"model's {predicted[k]:.2f} ms: {max(0.0, extra) / moved_gb:.2f} ms per GB moved is "
+        "charged to every plan" if moved_gb else "offload probe moved nothing"
+    )
+    return max(0.0, extra) / moved_gb if moved_gb else 0.0
 
 
 def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
@@ -443,12 +502,12 @@ class _Timing:
         self.runs: dict[str, list] = {}  # kind -> [(fwd list, bwd list, step ms)]
         self.recipe_bytes = [0] * n
 
-    def run(self, kind: str, driver: Optional[_Selective] = None, recompute: Sequence[int] = ()) -> None:
+    def run(self, kind: str, driver: Optional[_Wrapped] = None, recompute: Sequence[int] = ()) -> None:
         recorder = _StepRecorder(self.n, self.clock, None, memory=False)
         if driver is not None:
             driver.recorder = recorder
         ms = _run(self.step_fn, self.layers, recorder, driver, recompute)
-        if driver is not None:
+        if kind == "selective":
             self.recipe_bytes = [max(a, b) for a, b in zip(self.recipe_bytes, driver.recipe_bytes())]
         self.runs.setdefault(kind, []).append((*recorder.times(), ms))
 
@@ -472,6 +531,12 @@ class _Timing:
 
     def step_ms(self) -> float:
         return statistics.median(r[2] for r in self.runs["plain"])
+
+    def added_step(self, kind: str) -> float:
+        """What ``kind`` adds to the whole step: the median of its differences to the plain
+        step before it (paired as in ``added``)."""
+        plain, other = self.runs["plain"], self.runs[kind][-len(self.runs["plain"]):]
+        return statistics.median(o[2] - p[2] for p, o in zip(plain, other))
 
     def added(self, kind: str, part: str) -> list:
         """Per layer, what ``kind`` adds to its forward (``"fwd"``) or backward time: the median
@@ -508,7 +573,7 @@ def plan_offloading(
 
     Args:
         step_fn: runs one training step (forward and backward; no optimizer step needed). It
-            is called ``warmup + 1 + 2 * repeats`` times, plus ``max(1, warmup) + repeats``
+            is called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
             with ``selective`` (see ``profile_step``); the gradients it accumulates are left as
             they are (zero them afterwards).
         layers: the model's layers, as for ``apply_offloading``.
@@ -541,12 +606,14 @@ def plan_offloading(
 
     Raises:
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
-            message names it), or a ``step_fn`` that runs none of ``layers``.
+            message names it, and the exception's ``lowest_peak_bytes`` holds it), or a
+            ``step_fn`` that runs none of ``layers``.
 
     Example::
 
         >>> import torch, cpu_offload
-        >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        >>> layers = torch.nn.ModuleList(
+        ...     torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
         >>> x0 = torch.randn(8, 64)
         >>> def step():
         ...     x = x0.requires_grad_()
@@ -593,7 +660,7 @@ def plan_from_profile(
     timeline = prof.memory_timeline
     base = search_plan(
         profiles, prof.d2h_gbps, prof.h2d_gbps, None, prof.peak_bytes, prof.step_ms, partial,
-        timeline,
+        timeline, PEAK_MARGIN, prof.offload_ms_per_gb,
     )
     if isinstance(memory_budget, float):
         budget = int(memory_budget * base.baseline_peak_bytes)
@@ -601,7 +668,7 @@ def plan_from_profile(
         budget = int(memory_budget)
     chosen = search_plan(
         profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms, partial,
-        timeline, peak_margin,
+        timeline, peak_margin, prof.offload_ms_per_gb,
     )
     return replace(
         chosen,
