@@ -360,3 +360,39 @@ def test_gpu_llama_plan_peak_near_its_budget(gpu_llama, gpu_plan):
         f"peak {peak / 2**30:.2f} GiB, budget {gpu_plan.memory_budget_bytes / 2**30:.2f} GiB, "
         f"none {base / 2**30:.2f} GiB; {gpu_plan.describe()}"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_gpu_llama_every_input_offloaded_matches_hf_offload_peak(gpu_llama):
+    """Every layer checkpointed with its input offloaded, the last input released when the
+    forward ends: bit-identical gradients, and a peak no higher than HF's own offload
+    (``save_on_cpu`` around each checkpointed layer), which holds no layer input in the loss."""
+    import sys
+    from pathlib import Path
+
+    from cpu_offload.tools.planner import Plan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from hf_llama_benchmark import hf_checkpointing, hf_checkpointing_off
+
+    model, ids = gpu_llama
+    layers = model.model.layers
+    n = len(layers)
+    ref = gpu_snapshot(model, gpu_step(model, ids))
+    handle = apply_offloading(layers, plan=Plan(n, tuple(range(n)), model_layers=n))
+    try:
+        for _ in range(2):
+            assert_exact(gpu_snapshot(model, gpu_step(model, ids)), ref)
+        ours = peak_of(lambda: gpu_step(model, ids))
+    finally:
+        handle.remove()
+    hf_offload = hf_checkpointing(model, offload=True)
+    if hf_offload is None:
+        pytest.skip("this transformers has no offload option for activation checkpointing")
+    try:
+        gpu_step(model, ids)
+        theirs = peak_of(lambda: gpu_step(model, ids))
+    finally:
+        hf_checkpointing_off(model)
+    assert ours <= theirs, f"ours {ours / 2**20:.1f} MiB, HF offload {theirs / 2**20:.1f} MiB"
