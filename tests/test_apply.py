@@ -25,7 +25,7 @@ from cpu_offload import (
 )
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.tools.apply import hidden_state
-from cpu_offload.tools.planner import Plan
+from cpu_offload.tools.planner import LayerProfile, Plan
 from cpu_offload.tools.step_profile import profile_step
 from cpu_offload.v2.selection import SelectionPolicy
 
@@ -362,6 +362,39 @@ def test_the_profile_charges_what_offloading_costs_beyond_the_link(x0, sim, monk
     assert charged - plain == pytest.approx(charged_ms)
     nothing, _ = planner.simulate(prof.layers, 0, (), 1e4, 1e4, offload_ms_per_gb=1e6)
     assert nothing == planner.simulate(prof.layers, 0, (), 1e4, 1e4)[0]
+
+
+@pytest.mark.parametrize("offload_ms, charged", [
+    ((100.6, 101.4, 99.7, 100.9, 102.5, 100.2), False),  # +0.5 ms: inside the quartile spread
+    ((106.0, 107.0, 105.5, 106.5, 108.0, 105.8), True),  # +6 ms: above it
+])
+def test_the_offload_probe_charges_nothing_within_the_steps_own_noise(offload_ms, charged,
+                                                                      monkeypatch):
+    """Step times of the probe (plain and offloaded steps taking turns) decide the charge: the
+    lower quartiles are compared, and a difference inside the plain steps' quartile spread is
+    noise, not a cost."""
+    from cpu_offload.tools import step_profile as sp
+
+    plain_ms = iter([100.0, 101.0, 99.5, 100.5, 102.0, 99.8])
+    offloaded = iter((offload_ms[0],) + offload_ms)  # the warm-up step first
+
+    def fake_run(self, kind, driver=None, recompute=()):
+        ms = next(plain_ms) if kind == "plain" else next(offloaded)
+        self.runs.setdefault(kind, []).append(([0.0] * self.n, [0.0] * self.n, ms))
+
+    monkeypatch.setattr(sp._Timing, "run", fake_run)
+    monkeypatch.setattr(sp, "_Wrapped", lambda *a, **k: None)
+    profiles = [LayerProfile(2**30, 2**20, 10.0, 20.0)] * 4
+    notes: list = []
+    per_gb = sp._offload_overhead(lambda: None, [None] * 4, None, None, profiles, 1e4, 1e4, 1,
+                                  3, notes)
+    quartile = lambda v: sorted(v)[1]  # noqa: E731 - the lower quartile of 6 steps
+    extra = quartile(offload_ms) - quartile([100.0, 101.0, 99.5, 100.5, 102.0, 99.8])
+    k = int(notes[0].split()[1])
+    if charged:
+        assert per_gb == pytest.approx(extra / (k * 2**30 / 1e9))
+    else:
+        assert per_gb == 0.0 and "within the step's own noise" in notes[0]
 
 
 class TanhLayer(nn.Module):
