@@ -21,8 +21,8 @@ layer signature) with the layers instrumented by ``apply.instrument``:
 - selective recomputation: timed steps with every layer selective (a V2 context that offloads
   nothing), taking turns with the same plain steps: per layer the bytes it stores as recipes
   instead, and the forward and backward time it adds;
-- what offloading costs beyond the link: timed steps offloading the most layers the link hides
-  (by the planner's model), taking turns with plain steps. What they add above the model's
+- what offloading costs beyond the link: timed steps offloading the most layers whose cost
+  the planner's model predicts within 1% of the step, taking turns with plain steps. What they add above the model's
   prediction, per GB moved, is charged to every plan in proportion to the bytes it moves
   (``offload_ms_per_gb``): copies slowing the kernels they overlap, the hooks' host time in the
   offloaded layers' forward, copies starting later than the model assumes. The two kinds are
@@ -450,7 +450,7 @@ def _offload_overhead(
     d2h: float, h2d: float, min_size: int, repeats: int, notes: list,
 ) -> float:
     """Time per GB moved that offloading adds above the planner's model: steps offloading the
-    most layers the model says the link hides take turns with plain steps (see the module
+    most layers the model predicts within 1% of the step take turns with plain steps (see the module
     docstring). 0.0 when nothing is offloadable or the offloaded steps fail (with a note)."""
     from .planner import simulate
 
