@@ -450,8 +450,8 @@ def _offload_overhead(
     d2h: float, h2d: float, min_size: int, repeats: int, notes: list,
 ) -> float:
     """Time per GB moved that offloading adds above the planner's model: steps offloading the
-    most layers the model predicts within 1% of the step take turns with plain steps (see the module
-    docstring). 0.0 when nothing is offloadable or the offloaded steps fail (with a note)."""
+    most layers the model predicts within 1% of the step take turns with plain steps (see the
+    module docstring). 0.0 when nothing is offloadable or the offloaded steps fail (a note)."""
     from .planner import simulate
 
     n = len(profiles)
