@@ -97,7 +97,7 @@ class Entry:
     __slots__ = (
         "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version", "owner",
         "gpu", "cpu", "reloaded", "ready_event", "reload_event", "waited", "watches", "live",
-        "pops", "generation", "checksum", "verified", "error",
+        "pops", "generation", "checksum", "verified", "error", "recheck",
     )
 
     def __init__(
@@ -135,6 +135,7 @@ class Entry:
         self.checksum: Optional[torch.Tensor] = checksum(self.gpu) if rt.verify else None
         self.verified = -1  # the generation whose reload passed the verify check
         self.error: Optional[str] = None
+        self.recheck = False  # counted as held elsewhere when released; see ``recount``
 
     def matches(self, t: torch.Tensor, nbytes: int) -> bool:
         """Whether saving ``t`` again can reuse this entry: same storage, still on the device,
@@ -201,19 +202,31 @@ class Entry:
         dev.copy(stream, self.cpu, self.gpu)
         self.lstats.copied_out_bytes += self.nbytes
 
-    def release(self) -> None:
+    def release(self, recheck: bool = False) -> None:
         """Drop our references to the device storage (its copy is known done). If nothing else
-        holds it, that frees it; otherwise it lives on and backward uses it without a reload."""
+        holds it, that frees it; otherwise it lives on and backward uses it without a reload.
+        ``recheck``: the holder may be about to let go (released inside a layer's call, whose
+        caller still holds its input): ``recount`` looks again when backward starts."""
         for watch in self.watches or ():
             watch.forget_storage()  # the watches must not be what keeps the memory alive
         self.watches = []
         stats = self.lstats
         if held_elsewhere(self.gpu):
             stats.held_elsewhere_bytes += self.nbytes
+            self.recheck = recheck
         else:
             self.rt.device.will_free(self.gpu)
             stats.freed_bytes += self.nbytes
         self.gpu = None
+
+    def recount(self) -> None:
+        """At backward start: memory counted as held elsewhere at its release, but whose owner
+        let go since, was freed after all (the statistics say so)."""
+        if self.recheck:
+            self.recheck = False
+            if self.still_on_device() is None:
+                self.lstats.held_elsewhere_bytes -= self.nbytes
+                self.lstats.freed_bytes += self.nbytes
 
     def free_reload(self) -> None:
         """Forget the reloaded storage; if its copy was never waited for, make compute wait for
@@ -455,8 +468,9 @@ class LayerState:
         self.offload_event = self.rt.device.record_event(self.rt.stream)
         self.rt.device.trace("offload", self.index)
 
-    def release(self) -> None:
-        """Free the device storages once their copies are done (device-side wait, host free)."""
+    def release(self, recheck: bool = False) -> None:
+        """Free the device storages once their copies are done (device-side wait, host free).
+        ``recheck``: see ``Entry.release``."""
         if self.released:
             return
         on_device = [e for e in self.entries if e.gpu is not None]
@@ -472,7 +486,7 @@ class LayerState:
                 self.stats.record_wait(dev.record_event(compute), self.offload_event)
             dev.wait_event(compute, self.offload_event)
         for entry in on_device:
-            entry.release()
+            entry.release(recheck)
         self.released = True
         dev.trace("release", self.index)
 
@@ -481,6 +495,8 @@ class LayerState:
         """Allocate device storages on the compute stream and queue the copies back."""
         if not self.released or self.reload_started:
             return
+        for entry in self.entries:
+            entry.recount()
         todo = [
             e for e in reversed(self.entries)
             if e.live and e.gpu is None and e.reloaded is None and e.cpu is not None

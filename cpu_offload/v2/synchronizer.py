@@ -107,7 +107,8 @@ class Step:
             if self.schedule is not None:  # layers released when the forward pass ends
                 for i in self.schedule.releases_at_forward_end():
                     if self.layers[i] is not None:
-                        self.layers[i].release()
+                        # Inside the last layer's call: its caller still holds that layer's input.
+                        self.layers[i].release(recheck=True)
 
     def begin_backward(self, index: int) -> None:
         if self.aborted:
