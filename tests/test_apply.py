@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import pickle
 import time
 
@@ -26,7 +27,7 @@ from cpu_offload import (
 from cpu_offload.models import build_model, make_input, tiny_config
 from cpu_offload.tools.apply import hidden_state
 from cpu_offload.tools.planner import LayerProfile, Plan
-from cpu_offload.tools.step_profile import profile_step
+from cpu_offload.tools.step_profile import plan_from_profile, profile_step
 from cpu_offload.v2.selection import SelectionPolicy
 
 Pair = collections.namedtuple("Pair", "hidden aux")
@@ -276,8 +277,11 @@ def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
     for _ in range(2):
         assert_equal(step(layers, x0), ref)
     handle.remove()
-    fast = plan_offloading(lambda: step(layers, x0), layers, 0.4, **{**kw, "link_gbps": 1e4})
-    assert fast.recompute == () and fast.num_layers >= 3  # a fast link: offloading only
+    # A fast link: offloading only. (What offloading measures beyond the link is host time on
+    # the simulated device, noise on a busy machine: this asks about the link alone.)
+    prof = profile_step(lambda: step(layers, x0), layers, **{**kw, "link_gbps": 1e4})
+    fast = plan_from_profile(dataclasses.replace(prof, offload_ms_per_gb=0.0), 0.4)
+    assert fast.recompute == () and fast.num_layers >= 3
 
 
 def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim, monkeypatch):
