@@ -20,9 +20,9 @@ other in this process), every configuration of three methods is measured on one 
 first, again after every ``--none-every`` configurations (default 4) and last. A configuration's
 time ratio is to the ``none`` time interpolated between the two ``none`` measurements around it,
 so that the machine's drift over the run (the H100 host: up to +7% in a minute) does not show
-as a cost of the configurations measured late; the drift between first and last is printed. A configuration is measured once:
-a plan equal to an ``off k`` / ``ckpt k`` configuration (or to another budget's plan) reuses
-that measurement. Each measurement is ``--warmup`` untimed steps, then ``--iters`` timed steps
+as a cost of the configurations measured late; the drift between first and last is printed. A
+configuration is measured once: a plan equal to an ``off k`` / ``ckpt k`` configuration (or to
+another budget's plan) reuses that measurement. Each measurement is ``--warmup`` untimed steps, then ``--iters`` timed steps
 (CUDA events, median); peak = ``max_memory_allocated`` above what the step starts with (max over
 the timed steps; gradient buffers persist and are zeroed in place), exactly as the two workloads'
 own scripts measure. Unless ``--no-exact``, one more step runs with deterministic algorithms

@@ -242,13 +242,14 @@ def _segment_at(pos: int, n: int) -> int:
 def _offload_windows(k: int, n: int) -> tuple:
     """``(first, last, layer)``: the segments in which a plan's schedule keeps each of the
     first ``k`` of ``n`` layers off the device (the search asks for the same ``k`` many times).
-    A layer released when the forward ends is away in the loss segment only."""
+    A layer released when the forward ends is away from the loss segment (``n + 1``) on."""
     schedule = _schedule(k, n)
-    return tuple(
-        (n + 1, n + 2, j) if schedule.released_at_forward_end(j)
-        else (*(_segment_at(pos, n) for pos in schedule.window(j)), j)
-        for j in schedule.sync
-    )
+    windows = []
+    for j in schedule.sync:
+        release, reload = schedule.window(j)
+        first = n + 1 if schedule.released_at_forward_end(j) else _segment_at(release, n)
+        windows.append((first, _segment_at(reload, n), j))
+    return tuple(windows)
 
 
 def _schedule(k: int, n: int) -> Any:
@@ -355,13 +356,10 @@ def plan(
             f"peak_margin is a fraction of the peak without offloading in [0, 1), got "
             f"{peak_margin!r}"
         )
-    base_ms, base_peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps, 1.0, memory_timeline)
-    extra = max(0, measured_baseline_peak - base_peak) if measured_baseline_peak else 0
-    if memory_timeline is not None:
-        extra = 0  # the timeline is the measured step itself
-    extra_ms = max(0.0, measured_baseline_ms - base_ms) if measured_baseline_ms else 0.0
-    base_peak += extra
-    base_ms += extra_ms
+    base_ms, base_peak, extra_ms, extra = _baseline(
+        profiles, d2h_gbps, h2d_gbps, measured_baseline_peak, measured_baseline_ms,
+        memory_timeline,
+    )
     selective = any(p.selective_bytes for p in profiles)
     limit = None if memory_budget_bytes is None else (
         # Measured peaks have landed within 0.7% of the baseline's peak of the prediction (H100,
@@ -408,6 +406,26 @@ def plan(
 
 
 COARSE_LAYERS = 24  # above this many layers the search first steps through layer counts
+
+
+def _baseline(
+    profiles: Sequence[LayerProfile],
+    d2h_gbps: float,
+    h2d_gbps: float,
+    measured_baseline_peak: Optional[int] = None,
+    measured_baseline_ms: Optional[float] = None,
+    memory_timeline: Optional[Sequence[int]] = None,
+) -> tuple:
+    """``(step_ms, peak_bytes, extra_ms, extra_bytes)`` of the step without offloading, as
+    ``plan`` calibrates it: the model's prediction plus what the measured step adds outside the
+    layers (``extra_*``, added to every plan too; no extra bytes with a ``memory_timeline``,
+    which is the measured step itself)."""
+    ms, peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps, 1.0, memory_timeline)
+    extra = max(0, measured_baseline_peak - peak) if measured_baseline_peak else 0
+    if memory_timeline is not None:
+        extra = 0
+    extra_ms = max(0.0, measured_baseline_ms - ms) if measured_baseline_ms else 0.0
+    return ms + extra_ms, peak + extra, extra_ms, extra
 
 
 def _fitting(candidates: dict, limit: Optional[int]) -> list:

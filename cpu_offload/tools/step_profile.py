@@ -22,8 +22,9 @@ layer signature) with the layers instrumented by ``apply.instrument``:
   nothing), taking turns with the same plain steps: per layer the bytes it stores as recipes
   instead, and the forward and backward time it adds;
 - what offloading costs beyond the link: timed steps offloading the most layers whose cost
-  the planner's model predicts within 1% of the step, taking turns with plain steps. What they add above the model's
-  prediction, per GB moved, is charged to every plan in proportion to the bytes it moves
+  the planner's model predicts within 1% of the step, taking turns with plain steps. What they
+  add above the model's prediction, per GB moved, is charged to every plan in proportion to the
+  bytes it moves
   (``offload_ms_per_gb``): copies slowing the kernels they overlap, the hooks' host time in the
   offloaded layers' forward, copies starting later than the model assumes. The two kinds are
   compared at the lower quartile of their step times (a few ms, where noise only adds), and
@@ -54,7 +55,7 @@ from ..v2.recompute import check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .apply import as_layer_list, hidden_state, instrument
 from .audit import _v2_verdict
-from .planner import PEAK_MARGIN, LayerProfile, Plan, plan as search_plan
+from .planner import PEAK_MARGIN, LayerProfile, Plan, _baseline, plan as search_plan
 
 __all__ = ["StepProfile", "plan_offloading", "profile_step"]
 
@@ -465,6 +466,9 @@ def _offload_overhead(
     hidden = [k for k, ms in predicted.items() if ms <= PROBE_COST * base]
     k = max(hidden) if hidden else 1
     moved_gb = sum(p.activation_bytes for p in profiles[:k]) / 1e9
+    if not moved_gb:
+        notes.append(f"the first {k} layers save nothing to offload: no offload probe")
+        return 0.0
     timing = _Timing(step_fn, layers, clock, n)
     try:
         with warnings.catch_warnings():  # the probe's own findings are not the user's concern
@@ -479,8 +483,8 @@ def _offload_overhead(
                      "charges offloading the link time of its model only")
         return 0.0
     extra = timing.added_step("offload") - predicted[k]
-    plain = sorted(r[2] for r in timing.runs["plain"])
-    noise = plain[3 * (len(plain) - 1) // 4] - plain[(len(plain) - 1) // 4]
+    low, high = timing.quartiles("plain")
+    noise = high - low
     if extra <= noise:
         notes.append(
             f"offloading {k} layers ({moved_gb:.2f} GB) measured {extra:+.2f} ms against the "
@@ -490,10 +494,10 @@ def _offload_overhead(
         return 0.0
     notes.append(
         f"offloading {k} layers ({moved_gb:.2f} GB) measured {extra:+.2f} ms against the "
-        f"model's {predicted[k]:.2f} ms: {max(0.0, extra) / moved_gb:.2f} ms per GB moved is "
-        "charged to every plan" if moved_gb else "offload probe moved nothing"
+        f"model's {predicted[k]:.2f} ms: {extra / moved_gb:.2f} ms per GB moved is charged to "
+        "every plan"
     )
-    return max(0.0, extra) / moved_gb if moved_gb else 0.0
+    return extra / moved_gb
 
 
 def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
@@ -545,14 +549,17 @@ class _Timing:
     def step_ms(self) -> float:
         return statistics.median(r[2] for r in self.runs["plain"])
 
+    def quartiles(self, kind: str, last: Optional[int] = None) -> tuple:
+        """``(lower, upper)`` quartile of ``kind``'s step times (its ``last`` steps)."""
+        times = sorted(r[2] for r in self.runs[kind][-(last or len(self.runs[kind])):])
+        return times[(len(times) - 1) // 4], times[3 * (len(times) - 1) // 4]
+
     def added_step(self, kind: str) -> float:
         """What ``kind`` adds to the whole step: the difference of the lower quartiles of its
         step times and the plain ones (its last ``len(plain)`` steps). Interference only ever
         adds time, and a few slow steps would decide a median of differences of a few ms."""
-        plain = sorted(r[2] for r in self.runs["plain"])
-        other = sorted(r[2] for r in self.runs[kind][-len(plain):])
-        q = (len(plain) - 1) // 4
-        return other[q] - plain[q]
+        plain = self.quartiles("plain")[0]
+        return self.quartiles(kind, last=len(self.runs["plain"]))[0] - plain
 
     def added(self, kind: str, part: str) -> list:
         """Per layer, what ``kind`` adds to its forward (``"fwd"``) or backward time: the median
@@ -674,12 +681,10 @@ def plan_from_profile(
     if len(profiles) < 2:
         raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
     timeline = prof.memory_timeline
-    base = search_plan(
-        profiles, prof.d2h_gbps, prof.h2d_gbps, None, prof.peak_bytes, prof.step_ms, partial,
-        timeline, PEAK_MARGIN, prof.offload_ms_per_gb,
-    )
     if isinstance(memory_budget, float):
-        budget = int(memory_budget * base.baseline_peak_bytes)
+        base_peak = _baseline(profiles, prof.d2h_gbps, prof.h2d_gbps, prof.peak_bytes,
+                              prof.step_ms, timeline)[1]
+        budget = int(memory_budget * base_peak)
     else:
         budget = int(memory_budget)
     chosen = search_plan(

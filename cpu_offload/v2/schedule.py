@@ -44,7 +44,7 @@ def plan_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, S
     if k < n:
         return default_synchronization_dict(k, n)
     sync = default_synchronization_dict(n - 1, n)
-    sync[n - 1] = (True, n + 1, False, 1)
+    sync[n - 1] = (True, forward_end(n), False, 1)
     return sync
 
 
@@ -153,7 +153,9 @@ class Schedule:
     def window(self, layer: int) -> tuple[int, int]:
         """``(release, reload)`` positions of an offloaded layer: its memory is off the device
         from the first (inclusive) to the second (exclusive). A layer released when the forward
-        ends (``released_at_forward_end``) is away between positions: its window is empty."""
+        ends (``released_at_forward_end``) is also away before the first: between the last
+        forward start and the first backward start (``forward_end`` is the first backward
+        start's position)."""
         off_fwd, off_num, rel_fwd, rel_num = self.sync[layer]
         n = self.model_layers
         return position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
