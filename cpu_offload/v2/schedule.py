@@ -39,7 +39,19 @@ def default_synchronization_dict(num_layers: int, model_layers: int) -> dict[int
 def plan_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, SyncEntry]:
     """The schedule of a plan: the default one, except that ``num_layers == model_layers``
     (every layer, the last one checkpointed, so that only its input moves) offloads the last
-    layer too, released when the forward pass ends and reloaded when its backward starts."""
+    layer too, released when the forward pass ends and reloaded when its backward starts.
+
+    Args:
+        num_layers: how many of the first layers are offloaded (``model_layers`` at most).
+        model_layers: the layers of one forward pass.
+
+    Example::
+
+        >>> plan_synchronization_dict(1, 3) == default_synchronization_dict(1, 3)
+        True
+        >>> plan_synchronization_dict(3, 3)[2]   # released at the forward's end (3 + 1)
+        (True, 4, False, 1)
+    """
     n, k = model_layers, num_layers
     if k < n:
         return default_synchronization_dict(k, n)
@@ -49,7 +61,16 @@ def plan_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, S
 
 
 def forward_end(model_layers: int) -> int:
-    """``offload_num`` (with ``offload_fwd=True``) of "released when the forward pass ends"."""
+    """``offload_num`` (with ``offload_fwd=True``) of "released when the forward pass ends".
+
+    Args:
+        model_layers: the layers of one forward pass.
+
+    Example::
+
+        >>> forward_end(16)
+        17
+    """
     return model_layers + 1
 
 
