@@ -30,7 +30,7 @@ from ..compat import compiler_disable, in_backward, is_compiled_module
 from ..errors import OffloadConfigError, OffloadUsageError
 from ..facade import use_v1
 from ..v2.recompute import check_selective_scope
-from ..v2.schedule import plan_synchronization_dict
+from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
 
 __all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
 
@@ -310,7 +310,8 @@ class OffloadingHandle:
 
     Attributes:
         layers: the layers offloading is installed on, in order.
-        num_layers: how many of the first layers offload their activations.
+        num_layers: how many layers offload their activations.
+        offloaded: which ones (the first ``num_layers``, unless the plan spread them).
         recompute: indices of the layers recomputed in backward (``torch.utils.checkpoint``).
         selective: indices of the layers whose cheap saved tensors (norm, activation and
             elementwise outputs) are recomputed in backward instead of stored.
@@ -334,10 +335,12 @@ class OffloadingHandle:
     """
 
     def __init__(
-        self, layers: list, num_layers: int, recompute: tuple, plan: Any, selective: tuple = ()
+        self, layers: list, num_layers: int, recompute: tuple, plan: Any, selective: tuple = (),
+        offloaded: tuple = (),
     ) -> None:
         self.layers = tuple(layers)
         self.num_layers = num_layers
+        self.offloaded = tuple(offloaded) or tuple(range(num_layers))
         self.recompute = recompute
         self.selective = selective
         self.plan = plan
@@ -387,8 +390,11 @@ class OffloadingHandle:
         state = "removed" if self.removed else "installed"
         rec = list(self.recompute)
         sel = f", selective {list(self.selective)}" if self.selective else ""
+        what = f"the first {self.num_layers}"
+        if self.offloaded != tuple(range(self.num_layers)):
+            what = f"layers {list(self.offloaded)}"
         return (
-            f"OffloadingHandle({state}: offload the first {self.num_layers} of "
+            f"OffloadingHandle({state}: offload {what} of "
             f"{len(self.layers)} layers, recompute {rec}{sel})"
         )
 
@@ -422,8 +428,10 @@ def apply_offloading(
             ``model.model.layers`` of a Hugging Face decoder; ``model_layers`` is ``len(layers)``.
         num_layers: offload the activations of the first ``num_layers`` layers (the default
             schedule: at most ``len(layers) - num_layers`` layers' activations on the GPU).
-        plan: a ``Plan`` from ``plan_offloading``: its ``num_layers`` are offloaded and its
-            ``recompute`` layers are checkpointed (non-reentrant ``torch.utils.checkpoint``).
+        plan: a ``Plan`` from ``plan_offloading``: its offloaded layers (the first
+            ``num_layers``, or the spread ``offloaded`` ones, with their own schedule) are
+            offloaded and its ``recompute`` layers are checkpointed (non-reentrant
+            ``torch.utils.checkpoint``).
             Its ``min_tensor_size_to_offload`` is used unless given here, and its ``selective``
             layers are selective.
         selective: layers (indices, or ``True`` for all) whose cheap saved tensors are
@@ -488,6 +496,7 @@ def apply_offloading(
             "it, and use get_cpu_offload_context directly for manual synchronization"
         )
     recompute: tuple = ()
+    offloaded: tuple = ()
     if plan is not None:
         if num_layers is not None and num_layers != plan.num_layers:
             raise OffloadConfigError(
@@ -505,7 +514,17 @@ def apply_offloading(
         min_size = getattr(plan, "min_tensor_size_to_offload", None)
         if min_size is not None:
             context_kwargs.setdefault("min_tensor_size_to_offload", min_size)
-        if num_layers == n:  # every layer: the last one's input leaves when the forward ends
+        offloaded = tuple(getattr(plan, "offloaded", ()) or ())
+        if offloaded and offloaded != tuple(range(num_layers)):
+            if "synchronization_dict" in context_kwargs or use_v1():
+                raise OffloadConfigError(
+                    f"the plan offloads layers {list(offloaded)} (spread: not the first "
+                    f"{num_layers}), which needs the V2 backend and the plan's own schedule; "
+                    "unset NVTE_CPU_OFFLOAD_V1 and pass no synchronization_dict, or plan with "
+                    "spread=False"
+                )
+            context_kwargs["synchronization_dict"] = spread_synchronization_dict(offloaded, n)
+        elif num_layers == n:  # every layer: the last one's input leaves when the forward ends
             if "synchronization_dict" in context_kwargs or n - 1 not in recompute:
                 raise OffloadConfigError(
                     f"the plan offloads all {n} layers, which needs layer {n - 1} recomputed "
@@ -523,7 +542,7 @@ def apply_offloading(
         selective_scope = getattr(plan, "selective_scope", "modules")
     check_selective_scope(selective_scope)
     sel = _selective_layers(selective, layers, recompute)
-    moved_checkpoints = sorted(set(recompute) & set(range(num_layers or 0)))
+    moved_checkpoints = sorted(set(recompute) & set(offloaded or range(num_layers or 0)))
     if moved_checkpoints and use_v1():
         raise OffloadConfigError(
             f"the plan checkpoints layers {moved_checkpoints} and offloads their inputs, which "
@@ -536,7 +555,7 @@ def apply_offloading(
             "unset NVTE_CPU_OFFLOAD_V1, or drop selective="
         )
     check_not_instrumented(layers)
-    handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel)
+    handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel, offloaded)
     offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
     if offloads or sel:
         from ..facade import get_cpu_offload_context
@@ -598,13 +617,14 @@ def _selective_layers(selective: Any, layers: list, recompute: tuple) -> tuple:
 def _limit_last_layer(handle: OffloadingHandle, plan: Any) -> None:
     """A plan that offloads its last offloaded layer in part: set that layer's byte limit."""
     sync = handle.synchronizer
+    last = handle.offloaded[-1]
     if not hasattr(sync, "limit_layer_bytes"):
         raise OffloadConfigError(
-            f"the plan offloads layer {plan.num_layers - 1} in part, which only the V2 backend "
+            f"the plan offloads layer {last} in part, which only the V2 backend "
             "can do; unset NVTE_CPU_OFFLOAD_V1, or plan with "
             "cpu_offload.tools.planner.plan(..., partial=False)"
         )
-    sync.limit_layer_bytes(plan.num_layers - 1, plan.partial_bytes)
+    sync.limit_layer_bytes(last, plan.partial_bytes)
 
 
 class _PassDriver:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from ..errors import OffloadConfigError
 
@@ -34,6 +34,35 @@ def default_synchronization_dict(num_layers: int, model_layers: int) -> dict[int
     before the forward of layer ``n-k+i`` and reloaded after the backward of layer ``n-k+i``."""
     n, k = model_layers, num_layers
     return {i: (True, n - k + i + 1, False, k - i + 1) for i in range(k)}
+
+
+def spread_synchronization_dict(layers: Sequence[int], model_layers: int) -> dict[int, SyncEntry]:
+    """The default schedule's timing for any set of offloaded layers, not only the first ``k``:
+    the ``j``-th of the ``k`` offloaded layers is released before the forward of layer
+    ``n-k+j`` and reloaded after that layer's backward. A plan spreads its offloaded layers
+    (``1, 3, 5`` instead of ``0, 1, 2``) where offloading one costs the host more than the GPU
+    spends on the layer: plain layers in between let the host get ahead again.
+
+    Args:
+        layers: the offloaded layers, in increasing order; the ``j``-th must be at most
+            ``n-k+j-1`` (its release comes after its own forward).
+        model_layers: the layers of one forward pass.
+
+    Example::
+
+        >>> spread_synchronization_dict([0, 1], 4) == default_synchronization_dict(2, 4)
+        True
+        >>> spread_synchronization_dict([1, 3], 6)
+        {1: (True, 5, False, 3), 3: (True, 6, False, 2)}
+    """
+    n, k = model_layers, len(layers)
+    if list(layers) != sorted(set(layers)):
+        raise OffloadConfigError(
+            f"offloaded layers must be distinct and in increasing order, got {list(layers)}"
+        )
+    return validate_synchronization_dict(
+        {layer: (True, n - k + j + 1, False, k - j + 1) for j, layer in enumerate(layers)}, n
+    )
 
 
 def plan_synchronization_dict(num_layers: int, model_layers: int) -> dict[int, SyncEntry]:
