@@ -388,14 +388,15 @@ def test_the_offload_probe_charges_nothing_within_the_steps_own_noise(offload_ms
 
     def fake_run(self, kind, driver=None, recompute=()):
         ms = next(plain_ms) if kind == "plain" else next(offloaded)
-        self.runs.setdefault(kind, []).append(([0.0] * self.n, [0.0] * self.n, ms))
+        self.runs.setdefault(kind, []).append(([0.0] * self.n, [0.0] * self.n, ms, [0.0] * self.n))
 
     monkeypatch.setattr(sp._Timing, "run", fake_run)
     monkeypatch.setattr(sp, "_Wrapped", lambda *a, **k: None)
     profiles = [LayerProfile(2**30, 2**20, 10.0, 20.0)] * 4
     notes: list = []
-    per_gb = sp._offload_overhead(lambda: None, [None] * 4, None, None, profiles, 1e4, 1e4, 1,
-                                  3, notes)
+    per_gb, host = sp._offload_overhead(lambda: None, [None] * 4, None, None, profiles,
+                                        1e4, 1e4, 1, 3, notes)
+    assert host.is_free  # no host times in the profiles: no host model
     quartile = lambda v: sorted(v)[1]  # noqa: E731 - the lower quartile of 6 steps
     extra = quartile(offload_ms) - quartile([100.0, 101.0, 99.5, 100.5, 102.0, 99.8])
     k = int(notes[0].split()[1])

@@ -396,3 +396,28 @@ def test_gpu_llama_every_input_offloaded_matches_hf_offload_peak(gpu_llama):
     finally:
         hf_checkpointing_off(model)
     assert ours <= theirs, f"ours {ours / 2**20:.1f} MiB, HF offload {theirs / 2**20:.1f} MiB"
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_gpu_llama_spread_offload_bit_identical_and_frees_those_layers(gpu_llama):
+    """Offloading layers 1, 3 and 5 (a spread plan, with its own schedule): bit-identical
+    gradients, and exactly those layers copied and freed their activations."""
+    from cpu_offload.tools.planner import Plan
+
+    model, ids = gpu_llama
+    layers = model.model.layers
+    ref = gpu_snapshot(model, gpu_step(model, ids))
+    base = peak_of(lambda: gpu_step(model, ids))
+    plan = Plan(3, (), offloaded=(1, 3, 5), model_layers=len(layers))
+    handle = apply_offloading(layers, plan=plan)
+    try:
+        for _ in range(2):
+            assert_exact(gpu_snapshot(model, gpu_step(model, ids)), ref)
+        peak = peak_of(lambda: gpu_step(model, ids))
+        stats = handle.stats().to_dict()["layers"]
+    finally:
+        handle.remove()
+    freed = {i: s["freed_bytes"] for i, s in stats.items() if s["freed_bytes"]}
+    assert sorted(freed) == [1, 3, 5]
+    assert peak < base - sum(freed.values()) // 2, (peak, base, freed)

@@ -207,7 +207,8 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
         windows += [(j + 2, 2 * n + 1 - j, profiles[j].selective_bytes) for j in sel]
         expected = max(seg - sum(b for a, z, b in windows if a <= i < z)
                        for i, seg in enumerate(timeline))
-        got = planner._peak_from_timeline(timeline, profiles, k, set(rec), moved, set(sel))
+        got = planner._peak_from_timeline(
+            timeline, profiles, tuple(range(k)), set(rec), moved, set(sel))
         assert got == expected, (k, frac, rec, sel)
         checked += 1
     assert checked > 500  # every layout of 6 layers

@@ -25,6 +25,14 @@ Whole layers are coarse: when the link can move 3.4 layers' bytes during the for
 part (the first quarter, half or three quarters of the bytes it saves, in the order it saves
 them; the rest stays on the device), which lets a plan use the link up to its capacity.
 
+Where the host issues a layer's forward in less time than the GPU runs it (a Hugging Face
+decoder layer: about half), the host gets ahead, and offloading's extra host work (the hooks, the
+copies' launches) is free until that lead is used up; then the GPU waits. At the start of a step
+there is no lead, so offloading the first layers stalls the GPU, and the same layers spread out
+(``1, 3, 5``: a plain layer in between lets the host get ahead again) do not. With host times in
+the profiles and a measured ``HostCost``, ``simulate`` models that wait and ``plan`` also tries
+each layout with its offloaded layers spread (``spread_layers``).
+
 The model is deliberately simple (one copy queue per direction, a layer's reload must finish
 before its backward starts, recompute runs inside the backward): it is a planning tool,
 validated against the benchmark, not a promise.
@@ -50,6 +58,27 @@ PEAK_MARGIN = 0.01  # of the peak without offloading: a plan's predicted peak st
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """What offloading costs the host that issues the forward (measured by ``profile_step``).
+
+    Where the host issues a layer in less time than the GPU runs it, the host gets ahead, and
+    extra host work is free until that lead is used up; then the GPU waits (``host_stall_ms``).
+    """
+
+    ms_per_gb: float = 0.0  # added to an offloaded layer's forward call, per GB it moves
+    # Added to every other layer's forward call once copies are under way (the copies and the
+    # schedule's bookkeeping slow the host down; measured on the layers the probe kept).
+    slowdown_ms: float = 0.0
+
+    @property
+    def is_free(self) -> bool:
+        return self.ms_per_gb <= 0 and self.slowdown_ms <= 0
+
+
+FREE_HOST = HostCost()
+
+
+@dataclass(frozen=True)
 class LayerProfile:
     """Measured costs of one layer."""
 
@@ -66,6 +95,10 @@ class LayerProfile:
     # The backward time checkpointing the layer adds (measured); None: its forward time. Less
     # than the forward where that is host-bound: recomputed kernels queue behind backward ones.
     recompute_ms: Optional[float] = None
+    # The host's time to run the layer's forward call (launches and Python), without
+    # offloading; None: not measured. Where it is close to ``fwd_ms`` the GPU waits for the host
+    # as soon as offloading adds host work (see ``host_stall_ms``).
+    host_fwd_ms: Optional[float] = None
 
     @property
     def checkpoint_ms(self) -> float:
@@ -82,8 +115,8 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class Plan:
-    """Offload the first ``num_layers`` layers; checkpoint the layers in ``recompute``;
-    recompute the cheap saved tensors of the layers in ``selective``."""
+    """Offload ``num_layers`` layers (the first ones, or the ``offloaded`` ones); checkpoint the
+    layers in ``recompute``; recompute the cheap saved tensors of the layers in ``selective``."""
 
     num_layers: int
     recompute: tuple = ()
@@ -104,6 +137,14 @@ class Plan:
     selective: tuple = ()  # layers whose cheap saved tensors are recomputed (never stored)
     selective_scope: str = "modules"  # where their ops were recorded when profiled
     model_layers: int = 0  # the number of layers planned for
+    # Which layers are offloaded when not the first ``num_layers`` (``spread_layers``); the last
+    # of them is the one offloaded in part. Empty: the first ``num_layers``.
+    offloaded: tuple = ()
+
+    @property
+    def offloaded_layers(self) -> tuple:
+        """The layers this plan offloads (the first ``num_layers`` unless spread)."""
+        return tuple(self.offloaded) or tuple(range(self.num_layers))
 
     @property
     def time_ratio(self) -> float:
@@ -116,16 +157,21 @@ class Plan:
     def describe(self) -> str:
         rec = ", ".join(map(str, self.recompute)) or "none"
         part = ""
+        offl = self.offloaded_layers
         if self.partial_bytes is not None:
             part = (
-                f", of layer {self.num_layers - 1} only its first "
+                f", of layer {offl[-1]} only its first "
                 f"{self.partial_fraction:.0%} of saved bytes ({self.partial_bytes / 2**20:.0f} MiB)"
             )
         sel = ", ".join(map(str, self.selective)) or "none"
-        moved = [r for r in self.recompute if r < self.num_layers]
+        moved = [r for r in self.recompute if r in offl]
         if moved:
             rec += f" (of which {', '.join(map(str, moved))} offload their checkpointed inputs)"
-        if self.num_layers and self.num_layers == self.model_layers:
+        if offl != tuple(range(self.num_layers)):
+            what = (f"offload layers {', '.join(map(str, offl))} (spread, so that the host "
+                    "issues each offloaded layer while the GPU still runs earlier ones: "
+                    "cpu_offload.v2.schedule.spread_synchronization_dict)")
+        elif self.num_layers and self.num_layers == self.model_layers:
             what = (f"offload all {self.num_layers} layers (the last one's input when the forward "
                     "pass ends: cpu_offload.v2.schedule.plan_synchronization_dict)")
         else:
@@ -149,15 +195,20 @@ def simulate(
     memory_timeline: Optional[Sequence[int]] = None,
     selective: Sequence[int] = (),
     offload_ms_per_gb: float = 0.0,
+    offloaded: Optional[Sequence[int]] = None,
+    host_cost: HostCost = FREE_HOST,
 ) -> tuple[float, int]:
-    """Predicted ``(step_ms, peak_bytes)`` of one forward+backward, where layer
-    ``num_layers - 1`` offloads ``partial_fraction`` of its bytes and keeps the rest, and the
-    ``selective`` layers store ``selective_bytes`` less (offloaded ones move that much less)
-    and take ``selective_fwd_ms`` longer in forward and ``selective_ms`` longer in backward.
+    """Predicted ``(step_ms, peak_bytes)`` of one forward+backward, where the ``offloaded``
+    layers (default: the first ``num_layers``) are offloaded, the last of them only
+    ``partial_fraction`` of its bytes, and the ``selective`` layers store ``selective_bytes``
+    less (offloaded ones move that much less) and take ``selective_fwd_ms`` longer in forward
+    and ``selective_ms`` longer in backward.
     A ``recompute`` layer among the offloaded ones stores only its input, which it offloads.
     ``num_layers == len(profiles)`` (every layer; the last one must be checkpointed) releases the
     last layer's input when the forward pass ends (``plan_synchronization_dict``).
     ``offload_ms_per_gb`` (measured by ``profile_step``) is added per GB the plan moves out.
+    ``host_cost`` (measured too) is the host time offloading adds to the forward: with the
+    layers' ``host_fwd_ms`` it tells where the GPU waits for the host (``host_stall_ms``).
 
     Without ``memory_timeline`` the peak counts layer activations only (plus the largest
     transient). With it (the measured peak of each segment of a step without offloading, as
@@ -171,6 +222,7 @@ def simulate(
             f"num_layers must be in [0, {n}) (or {n} with layer {n - 1} recomputed) and "
             f"recomputed layers in [0, {n}), got num_layers={k}, recompute={sorted(rec)}"
         )
+    offl = _offloaded(k, n, offloaded)
     if not 0.0 < partial_fraction <= 1.0:
         raise OffloadConfigError(f"partial_fraction must be in (0, 1], got {partial_fraction}")
     sel = set(selective)
@@ -180,26 +232,33 @@ def simulate(
             f"selective={sorted(sel)}, recompute={sorted(rec)}"
         )
     stored = [p.stored_bytes(j in rec, j in sel) for j, p in enumerate(profiles)]
-    moved = list(stored)  # bytes each layer sends over the link
+    moved = [stored[j] if j in offl else 0 for j in range(n)]  # bytes each layer sends out
     if k:
-        moved[k - 1] = int(moved[k - 1] * partial_fraction)
+        moved[offl[-1]] = int(moved[offl[-1]] * partial_fraction)
     d2h = [b / (d2h_gbps * 1e6) for b in moved]  # ms
     h2d = [b / (h2d_gbps * 1e6) for b in moved]
-    # Forward: copies queue in layer order; layer m waits for layer m-(n-kd)'s copy (its
-    # release). With every layer offloaded the last one is released at the forward's end.
-    kd = min(k, n - 1)  # layers on the default schedule
+    # Forward: copies queue in layer order; layer m waits for the copy of the offloaded layer
+    # it releases (the j-th is released as layer n-kd+j starts). With every layer offloaded the
+    # last one is released at the forward's end. The GPU cannot run ahead of the host.
+    kd = min(k, n - 1)  # layers on the default schedule's timing
+    host_ms = _host_ms(profiles, offl, moved, host_cost)
+    offl_set = set(offl)
     fwd_start, fwd_end, copy_end = [0.0] * n, [0.0] * n, [0.0] * n
-    t = queue = 0.0
+    t = queue = issued = 0.0
     for m in range(n):
         i = m - (n - kd)
-        start = max(t, copy_end[i]) if 0 <= i < kd else t
+        start = max(t, copy_end[offl[i]]) if 0 <= i < kd else t
         fwd_ms = profiles[m].fwd_ms + (profiles[m].selective_fwd_ms if m in sel else 0.0)
+        if host_ms is not None:
+            issued += host_ms[m]
+            fwd_ms = max(fwd_ms, issued - start)  # launched no sooner than the host issues it
         fwd_start[m], fwd_end[m] = start, start + fwd_ms
         t = fwd_end[m]
-        if m < k:
+        if m in offl_set:
             queue = max(queue, start) + d2h[m]
             copy_end[m] = queue
-    # Backward: layer i's reload starts when layer n-k+i's backward ends, after earlier reloads.
+    # Backward: the j-th offloaded layer's reload starts when layer n-kd+j's backward ends,
+    # after earlier reloads.
     bwd_end, reload_end = [0.0] * n, [0.0] * n
     t = fwd_end[-1]
     queue = t
@@ -207,19 +266,131 @@ def simulate(
         t = queue = max(t, copy_end[n - 1])
         queue = reload_end[n - 1] = queue + h2d[n - 1]
     for m in range(n - 1, -1, -1):
-        start = max(t, reload_end[m]) if m < k else t
+        start = max(t, reload_end[m]) if m in offl_set else t
         cost = profiles[m].bwd_ms + (profiles[m].checkpoint_ms if m in rec else 0.0)
         if m in sel:
             cost += profiles[m].selective_ms
         bwd_end[m] = t = start + cost
-        i = m - (n - kd)  # layer whose reload this backward unlocks
+        i = m - (n - kd)  # the offloaded layer whose reload this backward unlocks
         if 0 <= i < kd:
-            queue = max(queue, t) + h2d[i]
-            reload_end[i] = queue
-    step_ms = bwd_end[0] + offload_ms_per_gb * sum(moved[:k]) / 1e9
+            queue = max(queue, t) + h2d[offl[i]]
+            reload_end[offl[i]] = queue
+    step_ms = bwd_end[0] + offload_ms_per_gb * sum(moved) / 1e9
     if memory_timeline is not None:
-        return step_ms, _peak_from_timeline(memory_timeline, profiles, k, rec, moved, sel)
-    return step_ms, _peak_bytes(profiles, k, moved, stored)
+        return step_ms, _peak_from_timeline(
+            memory_timeline, profiles, offl, rec, moved, sel)
+    return step_ms, _peak_bytes(profiles, offl, moved, stored)
+
+
+def _offloaded(k: int, n: int, offloaded: Optional[Sequence[int]]) -> tuple:
+    """The offloaded layers of a plan offloading ``k`` of ``n``: ``offloaded`` (checked), or
+    (``None`` or empty, as in ``Plan.offloaded``) the first ``k``."""
+    if not offloaded:
+        return tuple(range(k))
+    offl = tuple(offloaded)
+    late = k < n and any(not 0 <= layer <= n - k + j - 1 for j, layer in enumerate(offl))
+    if len(offl) != k or list(offl) != sorted(set(offl)) or late:
+        raise OffloadConfigError(
+            f"offloaded must be {k} distinct layers in increasing order, the j-th at most "
+            f"n-k+j-1 (released after its own forward), got {list(offl)} for n={n}"
+        )
+    if k == n and offl != tuple(range(n)):
+        raise OffloadConfigError(f"offloading all {n} layers means layers 0..{n - 1}, got {offl}")
+    return offl
+
+
+def _host_ms(
+    profiles: Sequence[LayerProfile], offloaded: Sequence[int], moved: Sequence[int],
+    host_cost: HostCost,
+) -> Optional[list]:
+    """Per layer, the host's time to issue its forward with the plan's offloading, or None
+    when the profiles do not say (the host model is then off: the GPU sets the pace)."""
+    if any(p.host_fwd_ms is None for p in profiles):
+        return None
+    first = min(offloaded) if offloaded else len(profiles)
+    offl = set(offloaded)
+    return [
+        p.host_fwd_ms + (host_cost.ms_per_gb * b / 1e9 if j in offl else
+                         host_cost.slowdown_ms if j > first else 0.0)
+        for j, (p, b) in enumerate(zip(profiles, moved))
+    ]
+
+
+def host_stall_ms(
+    profiles: Sequence[LayerProfile], offloaded: Sequence[int], moved: Sequence[int],
+    host_cost: HostCost,
+) -> float:
+    """How long the GPU waits for the host during the forward when the ``offloaded`` layers
+    move ``moved`` bytes each (a sequence indexed like ``profiles``), beyond the wait without
+    offloading.
+
+    The host issues layer after layer while the GPU runs them; the host's lead over the GPU
+    grows by ``fwd_ms - host_fwd_ms`` per layer and cannot go below zero (then the GPU waits).
+    Offloading a layer adds ``host_cost.ms_per_gb`` per GB it moves to that layer's host time,
+    and ``host_cost.slowdown_ms`` to each later layer's. Hugging Face decoder layers issue in
+    about half their GPU time, but offloading one adds about as much again: offloading the
+    first layers, before the host got ahead, stalls the GPU; offloading every other layer
+    does not.
+
+    Example::
+
+        >>> p = [LayerProfile(10**9, 0, fwd_ms=2.0, bwd_ms=4.0, host_fwd_ms=1.0)] * 4
+        >>> cost = HostCost(ms_per_gb=1.5)
+        >>> host_stall_ms(p, [0, 1], [10**9, 10**9, 0, 0], cost)
+        1.0
+        >>> host_stall_ms(p, [1, 3], [0, 10**9, 0, 10**9], cost)
+        0.0
+    """
+    with_offload = _stall(profiles, _host_ms(profiles, offloaded, moved, host_cost))
+    return with_offload - _stall(profiles, _host_ms(profiles, (), [0] * len(profiles), FREE_HOST))
+
+
+def _stall(profiles: Sequence[LayerProfile], host: Optional[list]) -> float:
+    if host is None:
+        return 0.0
+    lead = stall = 0.0
+    for p, h in zip(profiles, host):
+        lead += p.fwd_ms - h
+        if lead < 0:
+            stall -= lead
+            lead = 0.0
+    return stall
+
+
+def spread_layers(
+    profiles: Sequence[LayerProfile], k: int, nbytes: Sequence[int], host_cost: HostCost,
+) -> tuple:
+    """Where to put ``k`` offloaded layers so that the GPU does not wait for the host: the
+    earliest layers whose extra host time (``host_cost.ms_per_gb`` per GB of ``nbytes[layer]``,
+    what it would move) the host's lead covers, skipping layers in between to let the lead grow
+    back (by their ``fwd_ms - host_fwd_ms``, less ``host_cost.slowdown_ms`` once copies run).
+    A layer is taken anyway when later ones would no longer fit the schedule (the ``j``-th at
+    most ``n-k+j-1``), or when skipping it would not let the host gain. Without host times in
+    the profiles, the first ``k`` layers.
+
+    Example::
+
+        >>> p = [LayerProfile(10**9, 0, fwd_ms=2.0, bwd_ms=4.0, host_fwd_ms=1.0)] * 8
+        >>> spread_layers(p, 3, [10**9] * 8, HostCost(ms_per_gb=1.8))
+        (1, 3, 5)
+    """
+    n = len(profiles)
+    if k >= n or any(p.host_fwd_ms is None for p in profiles) or host_cost.is_free:
+        return tuple(range(k))
+    placed: list[int] = []
+    lead = 0.0
+    for m, p in enumerate(profiles):
+        if len(placed) == k:
+            break
+        slack = p.fwd_ms - p.host_fwd_ms - (host_cost.slowdown_ms if placed else 0.0)
+        extra = host_cost.ms_per_gb * nbytes[m] / 1e9
+        last_chance = m == n - k + len(placed) - 1
+        # Skipping a layer pays only where the host gains on the GPU during it.
+        if last_chance or slack <= 0 or lead + slack - extra >= 0:
+            placed.append(m)
+            slack -= extra
+        lead = max(0.0, lead + slack)
+    return tuple(placed)
 
 
 def memory_segments(model_layers: int) -> list[str]:
@@ -239,11 +410,12 @@ def _segment_at(pos: int, n: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _offload_windows(k: int, n: int) -> tuple:
+def _offload_windows(offloaded: tuple, n: int) -> tuple:
     """``(first, last, layer)``: the segments in which a plan's schedule keeps each of the
-    first ``k`` of ``n`` layers off the device (the search asks for the same ``k`` many times).
-    A layer released when the forward ends is away from the loss segment (``n + 1``) on."""
-    schedule = _schedule(k, n)
+    ``offloaded`` of ``n`` layers off the device (the search asks for the same layers many
+    times). A layer released when the forward ends is away from the loss segment (``n + 1``)
+    on."""
+    schedule = _schedule(offloaded, n)
     windows = []
     for j in schedule.sync:
         release, reload = schedule.window(j)
@@ -252,16 +424,28 @@ def _offload_windows(k: int, n: int) -> tuple:
     return tuple(windows)
 
 
-def _schedule(k: int, n: int) -> Any:
-    """The V2 schedule ``apply_offloading`` installs for a plan offloading ``k`` of ``n``."""
-    from ..v2.schedule import Schedule, plan_synchronization_dict
+def _schedule(offloaded: tuple, n: int) -> Any:
+    """The V2 schedule ``apply_offloading`` installs for a plan offloading these of ``n``."""
+    from ..v2.schedule import Schedule
 
-    return Schedule(n, plan_synchronization_dict(k, n))
+    return Schedule(n, plan_sync_dict(offloaded, n))
+
+
+def plan_sync_dict(offloaded: Sequence[int], n: int) -> dict:
+    """The synchronization dict of a plan offloading the ``offloaded`` of ``n`` layers: the
+    first ``k`` (``plan_synchronization_dict``, which also covers all ``n``) or a spread set
+    (``spread_synchronization_dict``)."""
+    from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
+
+    k = len(offloaded)
+    if tuple(offloaded) == tuple(range(k)):
+        return plan_synchronization_dict(k, n)
+    return spread_synchronization_dict(offloaded, n)
 
 
 def _peak_from_timeline(
-    timeline: Sequence[int], profiles: Sequence[LayerProfile], k: int, rec: set, moved: list,
-    sel: set = frozenset(),
+    timeline: Sequence[int], profiles: Sequence[LayerProfile], offloaded: tuple, rec: set,
+    moved: list, sel: set = frozenset(),
 ) -> int:
     """The measured step's peak, segment by segment, minus the bytes the plan keeps away."""
     n = len(profiles)
@@ -270,7 +454,7 @@ def _peak_from_timeline(
             f"memory_timeline has {len(timeline)} segments; {n} layers need {2 * n + 2}"
         )
     windows = [  # [first, last) segment indices in which the plan keeps ``bytes`` off the device
-        (first, last, moved[j]) for first, last, j in _offload_windows(k, n)
+        (first, last, moved[j]) for first, last, j in _offload_windows(offloaded, n)
     ]
     windows += [  # a checkpointed layer holds only its input between its forward and backward
         (j + 2, 2 * n + 1 - j,
@@ -291,12 +475,14 @@ def _peak_from_timeline(
     return peak
 
 
-def _peak_bytes(profiles: Sequence[LayerProfile], k: int, moved: list, stored: list) -> int:
+def _peak_bytes(
+    profiles: Sequence[LayerProfile], offloaded: tuple, moved: list, stored: list
+) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
     from ..v2.schedule import position
 
     n = len(profiles)
-    schedule = _schedule(k, n)
+    schedule = _schedule(offloaded, n)
     peak = 0
     for pos in range(1, 2 * n + 1):
         total = 0
@@ -323,6 +509,8 @@ def plan(
     memory_timeline: Optional[Sequence[int]] = None,
     peak_margin: float = PEAK_MARGIN,
     offload_ms_per_gb: float = 0.0,
+    host_cost: HostCost = FREE_HOST,
+    spread: bool = True,
 ) -> Plan:
     """Fastest ``(num_layers, recompute, selective)`` whose predicted peak fits the budget.
 
@@ -341,7 +529,10 @@ def plan(
     calibration with the measured step's own peaks, segment by segment. ``peak_margin`` (a
     fraction of the peak without offloading, default ``PEAK_MARGIN``) is kept between a plan's
     predicted peak and the budget, for the model's error; 0 trusts the prediction.
-    ``offload_ms_per_gb``: see ``simulate``.
+    ``offload_ms_per_gb``, ``host_cost``: see ``simulate``. With ``spread`` and a host model
+    (``host_fwd_ms`` in the profiles, a ``host_cost`` that is not free), each layout that
+    offloads whole layers is also tried with its offloaded layers spread (``spread_layers``)
+    and its checkpointed and selective layers after them.
 
     Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
     steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
@@ -370,23 +561,35 @@ def plan(
     def evaluate(params: tuple) -> None:
         if params in candidates:
             return
-        k, frac, rec, sel = _layout(params)
+        layout = _layout(params)
+        add(params, *layout, offloaded=None)
+        if spread and not host_cost.is_free:
+            spread_layout = _spread_layout(profiles, *layout, host_cost)
+            if spread_layout is not None:
+                offl, rec, sel = spread_layout
+                add(params + ("spread",), layout[0], layout[1], rec, sel, offloaded=offl)
+
+    def add(params: tuple, k: int, frac: float, rec: tuple, sel: tuple,
+            offloaded: Optional[tuple]) -> None:
         ms, peak = simulate(
-            profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel, offload_ms_per_gb
+            profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel, offload_ms_per_gb,
+            offloaded, host_cost,
         )
         cap = None
         if frac < 1.0:
-            cap = int(profiles[k - 1].stored_bytes(k - 1 in rec, k - 1 in sel) * frac)
+            last = offloaded[-1] if offloaded else k - 1
+            cap = int(profiles[last].stored_bytes(last in rec, last in sel) * frac)
         candidates[params] = Plan(
             k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
             partial_fraction=frac, partial_bytes=cap, selective=sel, model_layers=n,
+            offloaded=tuple(offloaded or ()),
         )
 
     stride = -(-n // COARSE_LAYERS)  # 1 up to COARSE_LAYERS layers: every layout
     for params in _layout_params(n, partial, selective, stride):
         evaluate(params)
     if stride > 1:  # then every layout within one stride of the best coarse one
-        centre = _pick(candidates, limit, lowest_if_none=True)
+        centre = _pick(candidates, limit, lowest_if_none=True)[:6]
         for params in _neighbours(centre, n, partial, selective, stride):
             evaluate(params)
     best_params = _pick(candidates, limit)
@@ -517,6 +720,33 @@ def _layout(params: tuple) -> tuple:
     rec = tuple(range(first_rec, k + r))
     sel = tuple(range(full) if sel_off else ()) + tuple(range(k + r, k + r + s))
     return k, frac, rec, sel
+
+
+def _spread_layout(
+    profiles: Sequence[LayerProfile], k: int, frac: float, rec: tuple, sel: tuple,
+    host_cost: HostCost,
+) -> Optional[tuple]:
+    """``(offloaded, recompute, selective)``: the layout of the "offload" family with its ``k``
+    offloaded layers spread by ``spread_layers``; the layers skipped in between stay plain, and
+    the checkpointed and selective layers follow the last offloaded one, in the same order.
+    None when that is the first ``k`` layers anyway, when the layout checkpoints offloaded
+    layers (those offload only their inputs: nothing to spread), or when the roles no longer fit.
+    """
+    n = len(profiles)
+    if not 0 < k < n or any(r < k for r in rec):
+        return None
+    sel_off = all(j in sel for j in range(k))
+    nbytes = [p.stored_bytes(False, sel_off) for p in profiles]
+    offl = spread_layers(profiles, k, nbytes, host_cost)
+    if offl == tuple(range(k)):
+        return None
+    roles = ["rec" if j in rec else "sel" if j in sel else "" for j in range(k, n)]
+    after = [j for j in range(offl[-1] + 1, n)]
+    if any(roles[len(after):]):
+        return None  # the checkpointed and selective layers no longer fit after them
+    new_rec = tuple(j for j, role in zip(after, roles) if role == "rec")
+    new_sel = (offl if sel_off else ()) + tuple(j for j, role in zip(after, roles) if role == "sel")
+    return offl, new_rec, tuple(sorted(new_sel))
 
 
 def _layouts(profiles: Sequence[LayerProfile], partial: bool, selective: bool):

@@ -55,7 +55,15 @@ from ..v2.recompute import check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .apply import as_layer_list, hidden_state, instrument
 from .audit import _v2_verdict
-from .planner import PEAK_MARGIN, LayerProfile, Plan, _baseline, plan as search_plan
+from .planner import (
+    FREE_HOST,
+    PEAK_MARGIN,
+    HostCost,
+    LayerProfile,
+    Plan,
+    _baseline,
+    plan as search_plan,
+)
 
 __all__ = ["StepProfile", "plan_offloading", "profile_step"]
 
@@ -79,6 +87,9 @@ class StepProfile:
     selective_scope: str = "modules"  # where selective layers were recorded (``set_selective``)
     # Measured time per GB offloaded above the planner's model (see the module docstring).
     offload_ms_per_gb: float = 0.0
+    # Host time offloading adds to the forward calls (CUDA; the planner's host model:
+    # ``planner.host_stall_ms``).
+    offload_host_cost: HostCost = FREE_HOST
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -135,6 +146,7 @@ class _StepRecorder:
         self.memory = memory
         self.passes = 0
         self.fwd = [[None, None] for _ in range(n)]
+        self.host = [[0.0, 0.0] for _ in range(n)]  # host clock around each forward call
         self.bwd_start: list = [None] * n
         self.bwd_end: Any = None
         self.bwd_queued = False
@@ -162,9 +174,11 @@ class _StepRecorder:
             self.hooks = saved_tensors_hooks(self._pack, _identity)
             self.hooks.__enter__()
         self.fwd[index][0] = self.clock.mark()
+        self.host[index][0] = time.perf_counter()
         return index
 
     def after(self, index: int, out: Any) -> Any:
+        self.host[index][1] = time.perf_counter()
         self.fwd[index][1] = self.clock.mark()
         self._close_hooks()
         if self.memory:
@@ -228,11 +242,12 @@ class _StepRecorder:
         return [max(0, peak - before) for peak in self.segments]
 
     def times(self) -> tuple:
-        """Per-layer ``(fwd_ms, bwd_ms)`` lists (call after the clock synchronized)."""
+        """Per-layer ``(fwd_ms, bwd_ms, host_fwd_ms)`` lists (call after the clock
+        synchronized); the last is the host's time in each forward call."""
         fwd = [self.clock.ms(s, e) for s, e in self.fwd]
         ends = [self.bwd_end] + self.bwd_start[:-1]  # layer i's backward ends as i-1's begins
         bwd = [self.clock.ms(s, e) for s, e in zip(self.bwd_start, ends)]
-        return fwd, bwd
+        return fwd, bwd, [(e - s) * 1e3 for s, e in self.host]
 
 
 class _BackwardMark:
@@ -404,7 +419,7 @@ def profile_step(
             checkpointed = timing.try_run("checkpoint", notes, recompute=range(n))
         if selective_driver is not None:
             timing.run("selective", selective_driver)
-    fwd_ms, bwd_ms = timing.medians("plain")
+    fwd_ms, bwd_ms, host_ms = timing.medians("plain")
     recompute_ms = timing.added("checkpoint", "bwd") if checkpointed else [None] * n
     sel_bytes, sel_fwd_ms, sel_ms = [0] * n, [0.0] * n, [0.0] * n
     if selective_driver is not None:
@@ -421,6 +436,9 @@ def profile_step(
             selective_ms=sel_ms[i],
             selective_fwd_ms=sel_fwd_ms[i],
             recompute_ms=recompute_ms[i],
+            # Only where the host and the device are two machines: on the simulated device the
+            # host runs the "device" work itself, so there is no lead to keep.
+            host_fwd_ms=host_ms[i] if cuda else None,
         )
         for i in range(n)
     ]
@@ -429,7 +447,7 @@ def profile_step(
             f"no saved tensor has >= {min_tensor_size_to_offload} elements: lower "
             "min_tensor_size_to_offload, or nothing can be offloaded"
         )
-    offload_ms_per_gb = _offload_overhead(
+    offload_ms_per_gb, host_cost = _offload_overhead(
         step_fn, layers, device, clock, profiles, d2h, h2d, min_tensor_size_to_offload, repeats,
         notes,
     )
@@ -439,7 +457,7 @@ def profile_step(
                      "calibrates its memory model with the step's peak instead")
     return StepProfile(
         profiles, timing.step_ms(), peak, d2h, h2d, min_tensor_size_to_offload, notes,
-        timeline, scope or "modules", offload_ms_per_gb,
+        timeline, scope or "modules", offload_ms_per_gb, host_cost,
     )
 
 
@@ -449,15 +467,18 @@ PROBE_COST = 0.01  # the probe offloads the most layers whose predicted cost is 
 def _offload_overhead(
     step_fn: Callable[[], Any], layers: list, device: Any, clock: "_Clock", profiles: list,
     d2h: float, h2d: float, min_size: int, repeats: int, notes: list,
-) -> float:
-    """Time per GB moved that offloading adds above the planner's model: steps offloading the
-    most layers the model predicts within 1% of the step take turns with plain steps (see the
-    module docstring). 0.0 when nothing is offloadable or the offloaded steps fail (a note)."""
+) -> tuple:
+    """``(offload_ms_per_gb, host_cost)``: steps offloading the most layers the model
+    predicts within 1% of the step take turns with plain steps (see the module docstring). The
+    host time those layers' forward calls gain, per GB they move, and the median host time the
+    other layers' calls gain, are the host model's ``HostCost`` (CUDA only); what the step
+    gains beyond the model's prediction with it, per GB, is charged to every plan. Nothing is
+    charged when nothing is offloadable or the offloaded steps fail (a note)."""
     from .planner import simulate
 
     n = len(profiles)
     if n < 2 or not any(p.activation_bytes for p in profiles):
-        return 0.0
+        return 0.0, FREE_HOST
     base = simulate(profiles, 0, (), d2h, h2d)[0]
     # At most n - 2 layers: one resident layer more keeps copies overlapped with compute.
     predicted = {k: simulate(profiles, k, (), d2h, h2d)[0] - base for k in range(1, max(2, n - 1))}
@@ -468,7 +489,7 @@ def _offload_overhead(
     moved_gb = sum(p.activation_bytes for p in profiles[:k]) / 1e9
     if not moved_gb:
         notes.append(f"the first {k} layers save nothing to offload: no offload probe")
-        return 0.0
+        return 0.0, FREE_HOST
     timing = _Timing(step_fn, layers, clock, n)
     try:
         with warnings.catch_warnings():  # the probe's own findings are not the user's concern
@@ -481,7 +502,19 @@ def _offload_overhead(
     except Exception as exc:  # noqa: BLE001 - profiling goes on without this measurement
         notes.append(f"offloaded steps failed ({type(exc).__name__}: {exc}); the planner "
                      "charges offloading the link time of its model only")
-        return 0.0
+        return 0.0, FREE_HOST
+    host_cost = FREE_HOST
+    if profiles[0].host_fwd_ms is not None:
+        added = timing.added("offload", "host")
+        host_cost = HostCost(sum(added[:k]) / moved_gb, statistics.median(added[k:]))
+        predicted[k] = simulate(profiles, k, (), d2h, h2d, host_cost=host_cost)[0] - base
+        notes.append(
+            f"offloading {k} layers added {sum(added[:k]):.2f} ms of host time to their "
+            f"forward calls ({host_cost.ms_per_gb:.2f} ms per GB moved) and "
+            f"{host_cost.slowdown_ms:.2f} ms to each other layer's: the GPU waits for the host "
+            f"where that exceeds the host's lead (the model predicts {predicted[k]:.2f} ms for "
+            f"these {k} layers)"
+        )
     extra = timing.added_step("offload") - predicted[k]
     low, high = timing.quartiles("plain")
     noise = high - low
@@ -491,13 +524,13 @@ def _offload_overhead(
             f"model's {predicted[k]:.2f} ms, within the step's own noise ({noise:.2f} ms "
             "between the quartiles of plain steps): nothing is charged beyond the model"
         )
-        return 0.0
+        return 0.0, host_cost
     notes.append(
         f"offloading {k} layers ({moved_gb:.2f} GB) measured {extra:+.2f} ms against the "
         f"model's {predicted[k]:.2f} ms: {extra / moved_gb:.2f} ms per GB moved is charged to "
         "every plan"
     )
-    return extra / moved_gb
+    return extra / moved_gb, host_cost
 
 
 def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
@@ -526,7 +559,8 @@ class _Timing:
         ms = _run(self.step_fn, self.layers, recorder, driver, recompute)
         if kind == "selective":
             self.recipe_bytes = [max(a, b) for a, b in zip(self.recipe_bytes, driver.recipe_bytes())]
-        self.runs.setdefault(kind, []).append((*recorder.times(), ms))
+        fwd, bwd, host = recorder.times()
+        self.runs.setdefault(kind, []).append((fwd, bwd, ms, host))
 
     def try_run(self, kind: str, notes: list, recompute: Sequence[int]) -> bool:
         """``run``, or, if ``step_fn`` fails with the layers checkpointed, a note and False:
@@ -542,9 +576,10 @@ class _Timing:
         return True
 
     def medians(self, kind: str) -> tuple:
+        """Per layer, the median ``(fwd_ms, bwd_ms, host_fwd_ms)`` of ``kind``'s steps."""
         runs = self.runs[kind]
         return tuple([statistics.median(r[part][i] for r in runs) for i in range(self.n)]
-                     for part in (0, 1))
+                     for part in (0, 1, 3))
 
     def step_ms(self) -> float:
         return statistics.median(r[2] for r in self.runs["plain"])
@@ -562,10 +597,11 @@ class _Timing:
         return self.quartiles(kind, last=len(self.runs["plain"]))[0] - plain
 
     def added(self, kind: str, part: str) -> list:
-        """Per layer, what ``kind`` adds to its forward (``"fwd"``) or backward time: the median
-        of the differences to the plain step before it (its last ``len(plain)`` steps are
-        paired with the plain ones; earlier ones were warm-up), never below zero."""
-        j = 0 if part == "fwd" else 1
+        """Per layer, what ``kind`` adds to its forward (``"fwd"``), backward (``"bwd"``) or
+        host forward (``"host"``) time: the median of the differences to the plain step before
+        it (its last ``len(plain)`` steps are paired with the plain ones; earlier ones were
+        warm-up), never below zero."""
+        j = {"fwd": 0, "bwd": 1, "host": 3}[part]
         plain, other = self.runs["plain"], self.runs[kind][-len(self.runs["plain"]):]
         return [max(0.0, statistics.median(o[j][i] - p[j][i] for p, o in zip(plain, other)))
                 for i in range(self.n)]
@@ -584,6 +620,7 @@ def plan_offloading(
     partial: bool = True,
     selective: Union[bool, str] = True,
     peak_margin: float = PEAK_MARGIN,
+    spread: bool = True,
 ) -> Plan:
     """Choose what to offload and what to recompute from one real training step.
 
@@ -621,6 +658,10 @@ def plan_offloading(
         peak_margin: kept between a plan's predicted peak and the budget, as a fraction of the
             peak without offloading (default 1%: measured peaks landed within 0.7% of the
             predictions); 0 trusts the prediction, for comparisons at an exact peak.
+        spread: on CUDA, let a plan offload spread layers (``1, 3, 5`` instead of ``0, 1,
+            2``) where the measured host times say that offloading the first layers would make
+            the GPU wait for the host (``planner.spread_layers``). Only the V2 backend applies
+            such a plan; pass ``False`` for V1.
 
     Returns:
         A ``Plan``: ``num_layers``, ``recompute``, ``selective``, predicted
@@ -668,15 +709,15 @@ def plan_offloading(
         step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
         link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
     )
-    return plan_from_profile(prof, memory_budget, partial, peak_margin)
+    return plan_from_profile(prof, memory_budget, partial, peak_margin, spread)
 
 
 def plan_from_profile(
     prof: StepProfile, memory_budget: Union[int, float], partial: bool = True,
-    peak_margin: float = PEAK_MARGIN,
+    peak_margin: float = PEAK_MARGIN, spread: bool = True,
 ) -> Plan:
     """The planner's search on a measured step (``memory_budget``, ``partial``,
-    ``peak_margin`` as in ``plan_offloading``)."""
+    ``peak_margin``, ``spread`` as in ``plan_offloading``)."""
     profiles = prof.layers
     if len(profiles) < 2:
         raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
@@ -689,7 +730,7 @@ def plan_from_profile(
         budget = int(memory_budget)
     chosen = search_plan(
         profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms, partial,
-        timeline, peak_margin, prof.offload_ms_per_gb,
+        timeline, peak_margin, prof.offload_ms_per_gb, prof.offload_host_cost, spread,
     )
     return replace(
         chosen,
