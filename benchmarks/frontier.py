@@ -92,6 +92,7 @@ class Point(hf_bench.Row):
     partial_fraction: float = 1.0
     partial_bytes: Optional[int] = None
     selective: tuple = ()  # layers whose cheap saved tensors are recomputed
+    offloaded: tuple = ()  # which layers, when a plan spread them (else the first num_layers)
     names: dict = field(default_factory=dict)  # method -> its name for this configuration
     budgets: list = field(default_factory=list)  # the budgets whose plan is this configuration
     predicted_time_ratio: Optional[float] = None  # the planner's model (plans only)
@@ -107,7 +108,7 @@ class Point(hf_bench.Row):
     def key(self) -> tuple:
         """What makes two configurations the same (then measured once)."""
         return (self.num_layers, tuple(sorted(self.recompute)), self.partial_bytes,
-                tuple(sorted(self.selective)))
+                tuple(sorted(self.selective)), self.offloaded)
 
     @property
     def measured(self) -> bool:
@@ -132,7 +133,8 @@ def method_points(n: int, methods: list[str]) -> list[Point]:
 def plan_label(plan: Plan) -> str:
     part = f" part={plan.partial_fraction:g}" if plan.partial_bytes is not None else ""
     sel = f" sel={list(plan.selective)}" if plan.selective else ""
-    return f"plan k={plan.num_layers}{part} rec={list(plan.recompute)}{sel}"
+    where = f" at {list(plan.offloaded)}" if plan.offloaded else ""
+    return f"plan k={plan.num_layers}{where}{part} rec={list(plan.recompute)}{sel}"
 
 
 def add_plans(
@@ -151,7 +153,7 @@ def add_plans(
             continue
         new = Point(plan_label(plan), num_layers=plan.num_layers, recompute=tuple(plan.recompute),
                     partial_fraction=plan.partial_fraction, partial_bytes=plan.partial_bytes,
-                    selective=tuple(plan.selective))
+                    selective=tuple(plan.selective), offloaded=tuple(plan.offloaded))
         point = by_key.setdefault(new.key, new)
         if point is new:
             points.append(point)
@@ -172,11 +174,12 @@ def install(point: Point, layers: Any, device: BenchDevice, min_size: int) -> Op
         kw["device"] = device.offload_device()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=NO_OVERLAP_WARNING)
-        if not point.recompute and point.partial_bytes is None:
+        if not point.recompute and point.partial_bytes is None and not point.offloaded:
             return cpu_offload.apply_offloading(layers, num_layers=point.num_layers,
                                                 selective=point.selective, **kw)
         plan = Plan(point.num_layers, point.recompute, partial_fraction=point.partial_fraction,
-                    partial_bytes=point.partial_bytes, selective=point.selective)
+                    partial_bytes=point.partial_bytes, selective=point.selective,
+                    offloaded=point.offloaded, model_layers=len(layers))
         return cpu_offload.apply_offloading(layers, plan=plan, **kw)
 
 

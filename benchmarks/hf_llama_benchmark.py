@@ -340,8 +340,11 @@ def main(argv: Optional[list] = None) -> list:
             plan = kw.get("plan")
             part = ""
             if plan is not None and plan.partial_bytes is not None:
-                part = f" (layer {plan.num_layers - 1}: {plan.partial_fraction:.0%})"
-            note = f"offload {handle.num_layers}{part}, recompute {list(handle.recompute)}"
+                part = f" (layer {handle.offloaded[-1]}: {plan.partial_fraction:.0%})"
+            what = f"{handle.num_layers}"
+            if handle.offloaded != tuple(range(handle.num_layers)):
+                what = f"{list(handle.offloaded)}"
+            note = f"offload {what}{part}, recompute {list(handle.recompute)}"
             if plan is not None:
                 note += f"; predicted {plan.time_ratio:.3f}x / {plan.peak_ratio:.3f}"
             return note, handle.remove
