@@ -189,3 +189,39 @@ def test_the_probe_measures_host_time_and_charges_only_what_the_stall_leaves(mon
     stall = simulate(p, k, (), 1e4, 1e4, host_cost=host)[0] - base
     assert stall > 0
     assert per_gb == pytest.approx((110.0 - 99.8 - stall) / moved_gb)
+
+
+def test_a_plan_with_a_whole_layer_among_checkpointed_offloaded_ones_is_exact(x0, sim):
+    """Any layer of a checkpointed, offloaded run may be offloaded whole instead (not only the
+    first ones): exact, and it alone copies more than its input."""
+    layers = make_layers(n=6)
+    ref = step(layers, x0)
+    plan = Plan(6, (0, 2, 3, 4, 5), model_layers=6)  # all offloaded, layer 1 whole
+    handle = apply_offloading(layers, plan=plan, device=sim, min_tensor_size_to_offload=64)
+    for _ in range(2):
+        assert_equal(step(layers, x0), ref)
+    out = {i: s["copied_out_bytes"] for i, s in handle.stats().to_dict()["layers"].items()}
+    assert out[1] > x0.nbytes  # a whole layer: its input and what its ops saved
+    assert all(out[i] == x0.nbytes for i in (0, 2, 3, 4, 5))  # checkpointed: the input only
+    handle.remove()
+
+
+def test_checkpointed_layers_may_fill_the_gaps_between_spread_offloaded_ones():
+    """Offloading one layer whole and checkpointing all the others: the spread layout puts the
+    offloaded layer where the host leads (layer 1) and checkpoints the rest, layer 0 included.
+    Where the step peaks in the loss (a language model's timeline) that holds no more than
+    checkpointing every layer, and spares one recomputation."""
+    p = hf_like(n=16)
+    act, loss = p[1].activation_bytes, 3 * GB
+    timeline = ([0] + [(j + 1) * act for j in range(16)] + [16 * act + loss]
+                + [(j + 1) * act for j in reversed(range(16))])
+    cost = HostCost(ms_per_gb=2.2 / 0.77)
+    every = tuple(range(16))
+    layouts = planner._spread_layouts(p, 1, 1.0, every[1:], (), cost)
+    assert layouts == [((1,), (0,) + every[2:], ())]  # the roles only fit in between
+    offl, rec, _ = layouts[0]
+    kw = dict(memory_timeline=timeline, host_cost=cost)
+    ckpt_ms, ckpt_peak = simulate(p, 0, every, 55.0, 55.0, **kw)
+    ms, peak = simulate(p, 1, rec, 55.0, 55.0, offloaded=offl, **kw)
+    first_ms, _ = simulate(p, 1, every[1:], 55.0, 55.0, **kw)  # layer 0 offloaded: stalls
+    assert peak <= ckpt_peak and ms < first_ms < ckpt_ms

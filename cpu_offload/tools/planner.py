@@ -531,8 +531,8 @@ def plan(
     predicted peak and the budget, for the model's error; 0 trusts the prediction.
     ``offload_ms_per_gb``, ``host_cost``: see ``simulate``. With ``spread`` and a host model
     (``host_fwd_ms`` in the profiles, a ``host_cost`` that is not free), each layout that
-    offloads whole layers is also tried with its offloaded layers spread (``spread_layers``)
-    and its checkpointed and selective layers after them.
+    offloads whole layers is also tried with its offloaded layers spread (``spread_layers``),
+    its checkpointed and selective layers after them or in between (``_spread_layouts``).
 
     Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
     steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
@@ -564,10 +564,8 @@ def plan(
         layout = _layout(params)
         add(params, *layout, offloaded=None)
         if spread and not host_cost.is_free:
-            spread_layout = _spread_layout(profiles, *layout, host_cost)
-            if spread_layout is not None:
-                offl, rec, sel = spread_layout
-                add(params + ("spread",), layout[0], layout[1], rec, sel, offloaded=offl)
+            for i, (offl, rec, sel) in enumerate(_spread_layouts(profiles, *layout, host_cost)):
+                add(params + ("spread", i), layout[0], layout[1], rec, sel, offloaded=offl)
 
     def add(params: tuple, k: int, frac: float, rec: tuple, sel: tuple,
             offloaded: Optional[tuple]) -> None:
@@ -722,31 +720,38 @@ def _layout(params: tuple) -> tuple:
     return k, frac, rec, sel
 
 
-def _spread_layout(
+def _spread_layouts(
     profiles: Sequence[LayerProfile], k: int, frac: float, rec: tuple, sel: tuple,
     host_cost: HostCost,
-) -> Optional[tuple]:
-    """``(offloaded, recompute, selective)``: the layout of the "offload" family with its ``k``
-    offloaded layers spread by ``spread_layers``; the layers skipped in between stay plain, and
-    the checkpointed and selective layers follow the last offloaded one, in the same order.
-    None when that is the first ``k`` layers anyway, when the layout checkpoints offloaded
-    layers (those offload only their inputs: nothing to spread), or when the roles no longer fit.
-    """
+) -> list:
+    """``(offloaded, recompute, selective)`` layouts of the "offload" family with its ``k``
+    offloaded layers spread by ``spread_layers``, the other layers keeping their roles
+    (checkpointed, selective, plain) in the same order, in two ways: the layers skipped in
+    between stay plain (the roles follow the last offloaded layer), or the roles fill them
+    first (checkpointing every layer but one spread, offloaded one). None of them when the
+    spread layers are the first ``k`` anyway, or when the layout checkpoints offloaded layers
+    (those offload only their inputs: nothing to spread); the first way only where the roles
+    fit after the last offloaded layer."""
     n = len(profiles)
     if not 0 < k < n or any(r < k for r in rec):
-        return None
+        return []
     sel_off = all(j in sel for j in range(k))
     nbytes = [p.stored_bytes(False, sel_off) for p in profiles]
     offl = spread_layers(profiles, k, nbytes, host_cost)
     if offl == tuple(range(k)):
-        return None
+        return []
     roles = ["rec" if j in rec else "sel" if j in sel else "" for j in range(k, n)]
-    after = [j for j in range(offl[-1] + 1, n)]
-    if any(roles[len(after):]):
-        return None  # the checkpointed and selective layers no longer fit after them
-    new_rec = tuple(j for j, role in zip(after, roles) if role == "rec")
-    new_sel = (offl if sel_off else ()) + tuple(j for j, role in zip(after, roles) if role == "sel")
-    return offl, new_rec, tuple(sorted(new_sel))
+    layouts = []
+    for others in ([j for j in range(offl[-1] + 1, n)],  # after the last offloaded layer
+                   [j for j in range(n) if j not in offl]):  # every layer not offloaded
+        if any(roles[len(others):]):
+            continue  # the checkpointed and selective layers do not fit there
+        new_rec = tuple(j for j, role in zip(others, roles) if role == "rec")
+        new_sel = tuple(j for j, role in zip(others, roles) if role == "sel")
+        layout = (offl, new_rec, tuple(sorted((offl if sel_off else ()) + new_sel)))
+        if layout not in layouts:
+            layouts.append(layout)
+    return layouts
 
 
 def _layouts(profiles: Sequence[LayerProfile], partial: bool, selective: bool):
