@@ -332,6 +332,12 @@ def host_stall_ms(
     first layers, before the host got ahead, stalls the GPU; offloading every other layer
     does not.
 
+    Args:
+        profiles: per layer, ``fwd_ms`` and ``host_fwd_ms`` (without it: 0.0, no host model).
+        offloaded: the offloaded layers.
+        moved: per layer, the bytes it sends to the host (0 for the others).
+        host_cost: what offloading costs the host, as ``profile_step`` measures it.
+
     Example::
 
         >>> p = [LayerProfile(10**9, 0, fwd_ms=2.0, bwd_ms=4.0, host_fwd_ms=1.0)] * 4
@@ -367,6 +373,12 @@ def spread_layers(
     A layer is taken anyway when later ones would no longer fit the schedule (the ``j``-th at
     most ``n-k+j-1``), or when skipping it would not let the host gain. Without host times in
     the profiles, the first ``k`` layers.
+
+    Args:
+        profiles: per layer, ``fwd_ms`` and ``host_fwd_ms``.
+        k: how many layers to offload.
+        nbytes: per layer, the bytes it would move if offloaded.
+        host_cost: what offloading costs the host, as ``profile_step`` measures it.
 
     Example::
 

@@ -626,8 +626,9 @@ def plan_offloading(
 
     Runs ``step_fn()`` (one ordinary forward + backward of your model) with the layers
     instrumented, measures per layer the bytes V2 would offload, forward and backward time and
-    transient memory, plus the step's peak memory and the host link, and searches the fastest
-    "offload the first k layers + recompute these layers" whose predicted peak fits
+    transient memory, plus the step's peak memory, the host link and (on CUDA) the host's
+    time per layer, and searches the fastest "offload these layers (the first k, or spread
+    where the host has time for them) + recompute these layers" whose predicted peak fits
     ``memory_budget`` (``cpu_offload.tools.planner``). Plan before ``apply_offloading`` and
     before enabling gradient checkpointing (a checkpointed layer hides what it saves).
 
@@ -664,9 +665,9 @@ def plan_offloading(
             such a plan; pass ``False`` for V1.
 
     Returns:
-        A ``Plan``: ``num_layers``, ``recompute``, ``selective``, predicted
-        ``step_ms``/``peak_bytes`` and ratios, ``describe()``; apply it with
-        ``apply_offloading(layers, plan=plan)``.
+        A ``Plan``: ``num_layers`` (and ``offloaded``, if spread), ``recompute``,
+        ``selective``, predicted ``step_ms``/``peak_bytes`` and ratios, ``describe()``; apply
+        it with ``apply_offloading(layers, plan=plan)``.
 
     Raises:
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
