@@ -225,3 +225,14 @@ def test_checkpointed_layers_may_fill_the_gaps_between_spread_offloaded_ones():
     ms, peak = simulate(p, 1, rec, 55.0, 55.0, offloaded=offl, **kw)
     first_ms, _ = simulate(p, 1, every[1:], 55.0, 55.0, **kw)  # layer 0 offloaded: stalls
     assert peak <= ckpt_peak and ms < first_ms < ckpt_ms
+
+
+def test_the_simulated_device_has_no_host_model(x0, sim):
+    """On the simulated device the host runs the "device" work itself: the profile records no
+    host times and no host cost, so plans offload the first layers, as before."""
+    layers = make_layers(n=4)
+    prof = sp.profile_step(lambda: step(layers, x0), layers, device=sim,
+                           min_tensor_size_to_offload=64, link_gbps=1e4, repeats=1)
+    assert all(p.host_fwd_ms is None for p in prof.layers)
+    assert prof.offload_host_cost.is_free
+    assert sp.plan_from_profile(prof, 0.6).offloaded == ()
