@@ -4,7 +4,7 @@ Run on a host with 2 GPUs (one process per GPU, NCCL)::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/distributed_benchmark.py --out bench_out
 
-Workload (defaults): 8 plain-torch GPT blocks (``cpu_offload.models``), hidden
+Workload (defaults): 8 plain-torch GPT blocks (``cpu_offload.examples.gpt``), hidden
 2048, 16 heads, sequence 4096, batch 1 per rank, bf16, deterministic kernels; offloading the first
 k of the 8 layers (``--ks``, default 2 and 4) with the default V2 schedule. Wrappers: ``single``
 (no wrapper: each rank trains its own copy, both at once, the control that shares the host and
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cpu_offload import SimulatedDevice, compat, get_cpu_offload_context  # noqa: E402
-from cpu_offload.models import GPTConfig, build_model, make_input  # noqa: E402
+from cpu_offload.examples.gpt import GPTConfig, build_model, make_input  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

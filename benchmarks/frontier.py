@@ -68,9 +68,9 @@ import offload_benchmark as gpt_bench  # noqa: E402
 import torch  # noqa: E402
 
 import cpu_offload  # noqa: E402
-from cpu_offload.facade import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
-from cpu_offload.tools.planner import Plan  # noqa: E402
-from cpu_offload.tools.step_profile import StepProfile, plan_from_profile, profile_step  # noqa: E402
+from cpu_offload.api import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
+from cpu_offload.plan.model import Plan  # noqa: E402
+from cpu_offload.plan.profile import StepProfile, plan_from_profile, profile_step  # noqa: E402
 
 GIB = 1024**3
 WORKLOADS = ("gpt", "hf")

@@ -59,8 +59,8 @@ from bench_common import (
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 
 import cpu_offload  # noqa: E402
-from cpu_offload.tools.planner import PEAK_MARGIN  # noqa: E402
-from cpu_offload.tools.step_profile import plan_from_profile, profile_step  # noqa: E402
+from cpu_offload.plan.model import PEAK_MARGIN  # noqa: E402
+from cpu_offload.plan.profile import plan_from_profile, profile_step  # noqa: E402
 
 GIB = 1024**3
 ISSUE_CONFIG = dict(

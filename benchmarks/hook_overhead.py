@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cpu_offload  # noqa: E402
-from cpu_offload import markers  # noqa: E402
+from cpu_offload.core import markers  # noqa: E402
 
 METHODS = ("none", "v2", "v2_hooks_only", "save_on_cpu", "v1")
 NEVER = 2**62  # a min_tensor_size_to_offload no tensor reaches

@@ -7,7 +7,7 @@ All methods run in one process on one model, so ratios compare like with like:
 - ``save_on_cpu``  ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the whole forward;
 - ``v2`` / ``v1``  this library, ``get_cpu_offload_context(enabled=True, num_layers=k,
   model_layers=n)`` for each k of ``--ks``; V1 via ``NVTE_CPU_OFFLOAD_V1=1``, with the blocks'
-  ``tag_activations`` switched on because V1 offloads only tagged tensors (see ``cpu_offload.models``);
+  ``tag_activations`` switched on because V1 offloads only tagged tensors (see ``cpu_offload.examples.gpt``);
 - ``v2 verify``    V2 at k=2 (else the smallest k of ``--ks``) with ``verify=True`` (a device checksum of every
   offloaded storage, checked after its reload; the check blocks the host): the cost of verify mode.
 
@@ -66,9 +66,9 @@ import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import cpu_offload  # noqa: E402
-from cpu_offload.facade import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
-from cpu_offload.models import GPTConfig, build_model, make_input, reference_config, tiny_config  # noqa: E402
-from cpu_offload.tools.planner import Plan, plan as make_plan, profile_layers  # noqa: E402
+from cpu_offload.api import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
+from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, reference_config, tiny_config  # noqa: E402
+from cpu_offload.plan.model import Plan, plan as make_plan, profile_layers  # noqa: E402
 from cpu_offload.v2.selection import SelectionPolicy  # noqa: E402
 
 GIB = 1024**3
@@ -78,7 +78,7 @@ BASELINES = ("none", "checkpoint", "save_on_cpu")
 LIBRARY = ("v2", "v1")
 VERIFY = "verify"  # --methods name of the "v2 verify" row
 VERIFY_TAG = " verify"
-PLANNED = "plan"  # cpu_offload.tools.planner: offload + recompute chosen for a memory budget
+PLANNED = "plan"  # cpu_offload.plan: offload + recompute chosen for a memory budget
 PLANS: dict[str, Plan] = {}  # method label -> the plan it runs
 SIM_MIN_TENSOR_SIZE = 1024  # tiny model: offload what a real model would (skip LN stats, lse)
 
@@ -178,7 +178,7 @@ def offload_bytes_table(wl: Workload, device: BenchDevice, min_size: int) -> dic
         "v1": v1,
         "save_on_cpu": saved_bytes_per_layer(wl, is_dev, dedup=False),
         "all_activations": saved_bytes_per_layer(
-            wl, lambda t: is_dev(t) and not cpu_offload.markers.is_weight(t), dedup=True
+            wl, lambda t: is_dev(t) and not cpu_offload.core.markers.is_weight(t), dedup=True
         ),
     }
 
@@ -544,7 +544,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ks", default="1,2,4,6", help="offloaded layers k for v2/v1")
     p.add_argument("--plan-budgets", default="0.88,0.64",
                    help="comma list of peak-memory budgets (fractions of none) for the "
-                        "'plan' method: cpu_offload.tools.planner picks offload + recompute for each")
+                        "'plan' method: cpu_offload.plan picks offload + recompute for each")
     for name in ("hidden", "heads", "seq", "batch", "layers"):
         p.add_argument(f"--{name}", type=int, help=f"override the workload's {name}")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))

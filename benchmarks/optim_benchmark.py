@@ -1,6 +1,6 @@
 """Optimizer-state offloading benchmark: HybridDeviceOptimizer vs plain GPU AdamW.
 
-Workload: a GPT-style stack of ``cpu_offload.models`` blocks, about 1.5B parameters (hidden 2048,
+Workload: a GPT-style stack of ``cpu_offload.examples.gpt`` blocks, about 1.5B parameters (hidden 2048,
 30 layers, 16 heads, sequence 2048, batch 2), bf16 weights, fp32 optimizer state (AdamW with fp32
 master weights). Rows, each on a freshly built model in the same process:
 
@@ -52,7 +52,7 @@ from bench_common import BenchDevice, environment_info, format_table, gc_paused,
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 
 import cpu_offload  # noqa: E402
-from cpu_offload.models import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
+from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
 from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
 from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
 from cpu_offload.optim.cpu_update import CpuBucket  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_offload.models import build_model, make_input, reference_config
+from cpu_offload.examples.gpt import build_model, make_input, reference_config
 from cpu_offload.tools.timeline import plot_timeline, record_step
 
 

@@ -14,28 +14,28 @@ Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=
 """
 from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
 from .tools.audit import AuditReport, audit_offload_selection
-from .tools.step_profile import plan_offloading
+from .plan.profile import plan_offloading
 from .config import (
     ActivationOffloadConfig,
     OptimizerOffloadConfig,
     build_hybrid_optimizer,
     build_offload_context,
 )
-from .device import CudaDevice, OffloadDevice
-from .errors import OffloadConfigError, OffloadUsageError, OffloadVerifyError
-from .facade import (
+from .core.device import CudaDevice, OffloadDevice
+from .core.errors import OffloadConfigError, OffloadUsageError, OffloadVerifyError
+from .api import (
     get_cpu_offload_context,
     is_cpu_offload_enabled,
     mark_activation_offload,
     start_offload,
 )
-from .markers import mark_not_offload, mark_weight, offload_opt_out, offload_policy
-from .module_control import (
+from .core.markers import mark_not_offload, mark_weight, offload_opt_out, offload_policy
+from .control import (
     get_activation_offloading,
     maybe_mark_activation_offload,
     set_activation_offloading,
 )
-from .simulated import SimulatedDevice
+from .core.simulated import SimulatedDevice
 
 __all__ = [
     "ActivationOffloadConfig",

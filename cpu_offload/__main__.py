@@ -1,4 +1,4 @@
 """``python -m cpu_offload`` runs the demo."""
-from .demo import main
+from .examples.demo import main
 
 main()

@@ -28,8 +28,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from .errors import OffloadConfigError
-from .facade import get_cpu_offload_context
+from .core.errors import OffloadConfigError
+from .api import get_cpu_offload_context
 
 _CONFIG_DERIVED = (
     "enabled", "num_layers", "model_layers", "offload_activations", "offload_weights",
@@ -288,7 +288,7 @@ class OptimizerOffloadConfig:
         ...     optimizer_cpu_offload=True, optimizer_offload_fraction=1.5).validate()
         Traceback (most recent call last):
         ...
-        cpu_offload.errors.OffloadConfigError: invalid optimizer offload config: optimizer_offload_fraction=1.5 must be in [0.0, 1.0] (the share of parameter bytes whose optimizer state lives on the CPU)
+        cpu_offload.OffloadConfigError: invalid optimizer offload config: optimizer_offload_fraction=1.5 must be in [0.0, 1.0] (the share of parameter bytes whose optimizer state lives on the CPU)
     """
 
     optimizer_cpu_offload: bool = False

@@ -36,7 +36,7 @@ from torch import nn
 
 from cpu_offload import SimulatedDevice, apply_offloading, get_cpu_offload_context
 from cpu_offload import compat
-from cpu_offload.models import GPTConfig, build_model, make_input, run_layers
+from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_layers
 
 CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim")
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import cpu_offload
 from cpu_offload.compat import cuda_allocated_bytes, make_wrapper_subclass, tree_map
-from cpu_offload.simulated import SimulatedDevice
+from cpu_offload.core.simulated import SimulatedDevice
 
 # Warnings some test modules cause on purpose (``pytestmark = EXPECTED_WARNINGS``): they keep
 # saved tensors alive (to compare them, or to check what is kept), so offloading frees nothing

@@ -24,10 +24,10 @@ from cpu_offload import (
     offloading_handle,
     plan_offloading,
 )
-from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.tools.apply import hidden_state
-from cpu_offload.tools.planner import LayerProfile, Plan
-from cpu_offload.tools.step_profile import plan_from_profile, profile_step
+from cpu_offload.plan.model import LayerProfile, Plan
+from cpu_offload.plan.profile import plan_from_profile, profile_step
 from cpu_offload.v2.selection import SelectionPolicy
 
 Pair = collections.namedtuple("Pair", "hidden aux")
@@ -343,7 +343,7 @@ def test_the_profile_charges_what_offloading_costs_beyond_the_link(x0, sim, monk
     """What offloaded steps take beyond the planner's link model (here: every batch of
     device-to-host copies costs 10 ms of host time, with a link fast enough to hide any copy)
     is measured per GB moved and charged to every plan in proportion to what it moves."""
-    from cpu_offload.tools import planner
+    from cpu_offload.plan import model as planner
 
     layers = make_layers(n=5)
     batches = []
@@ -381,7 +381,7 @@ def test_the_offload_probe_charges_nothing_within_the_steps_own_noise(offload_ms
     """Step times of the probe (plain and offloaded steps taking turns) decide the charge: the
     lower quartiles are compared, and a difference inside the plain steps' quartile spread is
     noise, not a cost."""
-    from cpu_offload.tools import step_profile as sp
+    from cpu_offload.plan import profile as sp
 
     plain_ms = iter([100.0, 101.0, 99.5, 100.5, 102.0, 99.8])
     offloaded = iter((offload_ms[0],) + offload_ms)  # the warm-up step first
@@ -515,8 +515,8 @@ def test_audit_real_step_matches_the_chain_audit(x0):
 
 def test_the_step_profile_records_one_memory_segment_per_phase(x0, monkeypatch):
     """The memory timeline's segments, in order (the allocator is faked: CUDA-only on a GPU)."""
-    from cpu_offload.tools import step_profile
-    from cpu_offload.tools.planner import memory_segments
+    from cpu_offload.plan import profile as step_profile
+    from cpu_offload.plan.model import memory_segments
 
     layers = make_layers(n=3)
     closed = []

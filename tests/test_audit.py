@@ -17,8 +17,8 @@ from cpu_offload import (
     markers,
 )
 from cpu_offload.tools.audit import AuditReport, audit_offload_selection, format_bytes
-from cpu_offload.models import GPTBlock, build_model, make_input, tiny_config
-from cpu_offload.module_control import set_activation_offloading
+from cpu_offload.examples.gpt import GPTBlock, build_model, make_input, tiny_config
+from cpu_offload.control import set_activation_offloading
 from cpu_offload.v2.selection import SelectionPolicy
 
 

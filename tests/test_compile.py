@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from cpu_offload import SimulatedDevice, get_cpu_offload_context
 from cpu_offload.compat import TORCH_VERSION, compile_supported, reset_compiled
-from cpu_offload.models import GPTBlock, GPTStack, run_layers
+from cpu_offload.examples.gpt import GPTBlock, GPTStack, run_layers
 
 pytestmark = [
     pytest.mark.skipif(

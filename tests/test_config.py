@@ -10,7 +10,7 @@ import torch
 
 from cpu_offload import OffloadConfigError, SimulatedDevice
 from cpu_offload.config import ActivationOffloadConfig, build_offload_context
-from cpu_offload.models import build_model, make_input, run_layers, tiny_config
+from cpu_offload.examples.gpt import build_model, make_input, run_layers, tiny_config
 
 
 def enabled(**fields) -> ActivationOffloadConfig:

@@ -1,4 +1,4 @@
-"""The embedded GPT workload (``cpu_offload.models``): shapes, determinism, the usage pattern, and
+"""The embedded GPT workload (``cpu_offload.examples.gpt``): shapes, determinism, the usage pattern, and
 the saved-tensor layouts the benchmarks and GPU tests rely on. CPU only."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from cpu_offload.models import (
+from cpu_offload.examples.gpt import (
     GPTBlock,
     GPTStack,
     build_model,

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_offload import SimulatedDevice, get_cpu_offload_context, markers
+from cpu_offload import SimulatedDevice, get_cpu_offload_context
+from cpu_offload.core import markers
 from cpu_offload.tools.audit import audit_offload_selection
-from cpu_offload.models import run_layers
-from cpu_offload.module_control import (
+from cpu_offload.examples.gpt import run_layers
+from cpu_offload.control import (
     get_activation_offloading,
     maybe_mark_activation_offload,
     set_activation_offloading,
@@ -369,7 +370,7 @@ def _v1_forward_copy_bytes(layers: nn.ModuleList, x0: torch.Tensor) -> int:
 
 
 def test_v1_honours_the_switch(monkeypatch):
-    from cpu_offload.models import build_model, make_input, tiny_config
+    from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 
     monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
     cfg = tiny_config()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from cpu_offload import OffloadConfigError, OffloadUsageError, SimulatedDevice
-from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, grad_arrival_order, to_wrapped_format
 from cpu_offload.optim import cpu_update, transfer
 from cpu_offload.optim.cpu_update import CpuBucket

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from cpu_offload import (
     OffloadConfigError, OptimizerOffloadConfig, SimulatedDevice, build_hybrid_optimizer,
 )
-from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.optim import HybridDeviceOptimizer
 
 

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from cpu_offload.device import CudaDevice
-from cpu_offload.models import GPTConfig, build_model, make_input
+from cpu_offload.core.device import CudaDevice
+from cpu_offload.examples.gpt import GPTConfig, build_model, make_input
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer
 from cpu_offload.optim.reference import MasterWeightOptimizer
 

@@ -4,9 +4,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cpu_offload.errors import OffloadConfigError
-from cpu_offload.models import build_model, make_input, tiny_config
-from cpu_offload.tools.planner import LayerProfile, memory_segments, plan, profile_layers, simulate
+from cpu_offload.core.errors import OffloadConfigError
+from cpu_offload.examples.gpt import build_model, make_input, tiny_config
+from cpu_offload.plan.model import LayerProfile, memory_segments, plan, profile_layers, simulate
 
 MIB = 1 << 20
 # The reference workload (README "Performance") as measured on an H100: 512 MiB per layer,
@@ -182,7 +182,7 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
     plain definition: per segment, the measured peak minus every window covering it."""
     import random
 
-    from cpu_offload.tools import planner
+    from cpu_offload.plan import model as planner
     from cpu_offload.v2.schedule import Schedule, plan_synchronization_dict
 
     rng = random.Random(0)
@@ -220,7 +220,7 @@ def test_many_layers_are_searched_coarsely_then_refined_near_the_best(monkeypatc
     2% of the exhaustive search's (predicted) time, within the same budget."""
     import random
 
-    from cpu_offload.tools import planner
+    from cpu_offload.plan import model as planner
 
     rng = random.Random(1)
     n = 26

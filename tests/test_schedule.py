@@ -1,7 +1,7 @@
 """Pure schedule logic (no tensors): the default schedule and synchronization_dict rules."""
 import pytest
 
-from cpu_offload.errors import OffloadConfigError
+from cpu_offload.core.errors import OffloadConfigError
 from cpu_offload.v2.schedule import (
     Schedule,
     check_default_arguments,

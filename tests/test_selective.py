@@ -14,7 +14,7 @@ from torch import nn
 import cpu_offload
 from cpu_offload import OffloadConfigError, apply_offloading
 from cpu_offload.compat import current_dispatch_mode, top_saved_tensors_hooks
-from cpu_offload.models import build_model, make_input, tiny_config
+from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.v2 import recompute
 
 from parity_models import EXPECTED_WARNINGS, TrackingSimDevice
@@ -456,7 +456,7 @@ def test_bad_selective_arguments_name_the_fix(sim, monkeypatch):
         apply_offloading(layers, num_layers=1, selective=[3], device=sim)
     with pytest.raises(OffloadConfigError, match="True .every layer. or layer indices"):
         apply_offloading(layers, num_layers=1, selective=3, device=sim)
-    plan = cpu_offload.tools.planner.Plan(0, (1,))
+    plan = cpu_offload.plan.model.Plan(0, (1,))
     with pytest.raises(OffloadConfigError, match="both checkpointed .recompute. and selective"):
         apply_offloading(layers, plan=plan, selective=[1], device=sim)
     monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
@@ -478,7 +478,7 @@ def test_compiled_layers_are_refused(sim):
 
 
 def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_exactly(sim):
-    from cpu_offload.tools.step_profile import plan_from_profile, profile_step
+    from cpu_offload.plan.profile import plan_from_profile, profile_step
 
     cfg = tiny_config()
     model = build_model(cfg)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cpu_offload import OffloadConfigError, apply_offloading
-from cpu_offload.tools import planner
-from cpu_offload.tools import step_profile as sp
-from cpu_offload.tools.planner import (
+from cpu_offload.plan import model as planner
+from cpu_offload.plan import profile as sp
+from cpu_offload.plan.model import (
     HostCost,
     LayerProfile,
     Plan,

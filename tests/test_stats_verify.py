@@ -14,7 +14,7 @@ from cpu_offload import (
     SimulatedDevice,
     get_cpu_offload_context,
 )
-from cpu_offload.errors import OffloadVerifyError
+from cpu_offload.core.errors import OffloadVerifyError
 
 D, ROWS = 8, 4
 NBYTES = D * ROWS * 4  # every saved storage below: (4, 8) float32

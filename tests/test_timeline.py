@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cpu_offload.models import GPTConfig, build_model, make_input
+from cpu_offload.examples.gpt import GPTConfig, build_model, make_input
 from cpu_offload.tools.timeline import plot_timeline, record_step
 
 

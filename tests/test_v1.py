@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import cpu_offload
-from cpu_offload import markers
-from cpu_offload.errors import OffloadConfigError
+from cpu_offload.core import markers
+from cpu_offload.core.errors import OffloadConfigError
 from cpu_offload.compat import top_saved_tensors_hooks
-from cpu_offload.simulated import SimulatedHazard
+from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.v1 import (
     AsyncDoubleBufferGroupOffloadHandler,
     CpuOffloadHookWithOffloadHandler,

@@ -19,7 +19,7 @@ from cpu_offload import (
     start_offload,
 )
 from cpu_offload.compat import OutOfMemoryError, top_saved_tensors_hooks
-from cpu_offload.models import GPTBlock, run_layers
+from cpu_offload.examples.gpt import GPTBlock, run_layers
 from cpu_offload.v2.schedule import Schedule
 from parity_models import EXPECTED_WARNINGS
 

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from ..device import Event, OffloadDevice, default_device
-from ..errors import OffloadConfigError, OffloadUsageError
+from ..core.device import Event, OffloadDevice, default_device
+from ..core.errors import OffloadConfigError, OffloadUsageError
 from . import state as state_format
 from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
 from .partition import (

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..errors import OffloadConfigError
+from ..core.errors import OffloadConfigError
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20  # model-dtype bytes per CPU update unit (one layer-ish)
 

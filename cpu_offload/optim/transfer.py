@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..device import Event, OffloadDevice
+from ..core.device import Event, OffloadDevice
 
 ALIGN = 64
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ..compat import compiler_disable, in_backward, is_compiled_module
-from ..errors import OffloadConfigError, OffloadUsageError
-from ..facade import use_v1
+from ..core.errors import OffloadConfigError, OffloadUsageError
+from ..api import use_v1
 from ..v2.recompute import check_selective_scope
 from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
 
@@ -558,7 +558,7 @@ def apply_offloading(
     handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel, offloaded)
     offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
     if offloads or sel:
-        from ..facade import get_cpu_offload_context
+        from ..api import get_cpu_offload_context
 
         with warnings.catch_warnings():
             if plan is not None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .. import markers
+from ..core import markers
 from ..compat import is_traceable_wrapper_subclass, register_forward_hook_always, saved_tensors_hooks
 from ..v2.selection import SelectionPolicy
 

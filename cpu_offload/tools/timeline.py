@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..device import CudaDevice, Event, OffloadDevice, Stream
+from ..core.device import CudaDevice, Event, OffloadDevice, Stream
 
 
 def _timed_event(stream: Stream) -> Event:
@@ -115,7 +115,7 @@ def plot_timeline(data: dict, path: Path, title: str = "") -> Optional[Path]:
 def record_step(model: Any, x: torch.Tensor, num_layers: int, **context_kwargs: Any) -> dict:
     """Run one warm-up and one recorded training step of ``model`` (a ``GPTStack``-like module
     taking ``(x, ctx, sync)``) with ``num_layers`` offloaded; return the timeline."""
-    from .. import get_cpu_offload_context
+    from ..api import get_cpu_offload_context
 
     device = TimelineDevice()
     ctx, sync = get_cpu_offload_context(

@@ -7,8 +7,8 @@ from typing import Callable, ContextManager, Optional, Tuple
 
 import torch
 
-from ..device import OffloadDevice
-from ..errors import OffloadConfigError, stacklevel_outside_package
+from ..core.device import OffloadDevice
+from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from .async_handler import AsyncDoubleBufferGroupOffloadHandler
 from .commit import group_prefetch_offload_commit
 from .hooks import CpuOffloadHookWithOffloadHandler

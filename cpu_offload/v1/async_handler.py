@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..device import OffloadDevice
+from ..core.device import OffloadDevice
 from .handlers import Checker, SynchronizedGroupOffloadHandler
 from .saved import ReloadBufferSet, StorageRecord
 from .window import layer_window_map

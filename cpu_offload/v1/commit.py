@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..compat import in_backward
-from ..errors import check_sync_argument
+from ..core.errors import check_sync_argument
 
 
 class GroupCommitFunction(torch.autograd.Function):

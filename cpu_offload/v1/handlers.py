@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .. import markers
+from ..core import markers
 from ..compat import queue_backward_callback, untyped_storage
-from ..device import OffloadDevice, default_device
-from ..errors import OffloadUsageError, stacklevel_outside_package
-from ..storage import storage_key
+from ..core.device import OffloadDevice, default_device
+from ..core.errors import OffloadUsageError, stacklevel_outside_package
+from ..core.storage import storage_key
 from .saved import PackedTensor, StorageRecord, pack_tensor
 
 Checker = Callable[[torch.Tensor], bool]

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .. import markers
+from ..core import markers
 
 FORCE_CLEAR_ATTR = "needs_force_clear"
 

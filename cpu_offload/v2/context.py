@@ -15,10 +15,10 @@ from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
-from .. import markers
+from ..core import markers
 from ..compat import compiler_disable, saved_tensors_hooks
-from ..device import OffloadDevice, default_device
-from ..errors import OffloadConfigError, stacklevel_outside_package
+from ..core.device import OffloadDevice, default_device
+from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
 from .selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .stats import StepStats

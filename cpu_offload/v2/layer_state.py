@@ -19,12 +19,12 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..device import Event, OffloadDevice
-from ..errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
-from ..markers import READY_EVENT_ATTR
-from ..pinned_pool import PinnedPool
+from ..core.device import Event, OffloadDevice
+from ..core.errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
+from ..core.markers import READY_EVENT_ATTR
+from ..core.pinned_pool import PinnedPool
 from ..compat import tensor_unflatten
-from ..storage import (
+from ..core.storage import (
     KeptRef,
     VersionWatch,
     ViewMeta,

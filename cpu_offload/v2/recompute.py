@@ -48,8 +48,8 @@ from ..compat import (
     global_module_hooks,
     is_parameter,
 )
-from ..errors import OffloadConfigError
-from ..storage import KeptRef, VersionWatch, ViewMeta, restore_view, storage_bytes
+from ..core.errors import OffloadConfigError
+from ..core.storage import KeptRef, VersionWatch, ViewMeta, restore_view, storage_bytes
 from .layer_state import SavedRef
 from .stats import LayerStats
 

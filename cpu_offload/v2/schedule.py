@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..errors import OffloadConfigError
+from ..core.errors import OffloadConfigError
 
 SyncEntry = tuple  # (offload_fwd: bool, offload_num: int, reload_fwd: bool, reload_num: int)
 

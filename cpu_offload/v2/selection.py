@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import markers
+from ..core import markers
 from ..compat import is_parameter
 
 # Saved tensors with fewer elements stay on the device: the reference implementation's fixed

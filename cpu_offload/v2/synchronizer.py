@@ -22,12 +22,12 @@ from ..compat import (
     queue_backward_callback,
     tensor_flatten,
 )
-from ..device import OffloadDevice
-from ..errors import OffloadUsageError, check_sync_argument
+from ..core.device import OffloadDevice
+from ..core.errors import OffloadUsageError, check_sync_argument
 from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
 from .recompute import SelectiveLayer, check_selective_scope
-from ..storage import KeptRef
-from ..pinned_pool import PinnedPool
+from ..core.storage import KeptRef
+from ..core.pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy
 from .stats import StepStats

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .compat import storage_use_count
+from ..compat import storage_use_count
 from .device import OffloadDevice
 
 POISON = 0xA5

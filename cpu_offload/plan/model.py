@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import OffloadConfigError
+from ..core.errors import OffloadConfigError
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 
@@ -780,7 +780,7 @@ def profile_layers(
     repeats: int = 3,
 ) -> list[LayerProfile]:
     """Measure each layer's offloadable bytes (via the audit) and forward/backward times."""
-    from .audit import audit_offload_selection
+    from ..tools.audit import audit_offload_selection
     from ..v2.selection import SelectionPolicy
 
     policy = SelectionPolicy(

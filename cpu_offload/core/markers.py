@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .compat import is_parameter, is_traceable_wrapper_subclass
+from ..compat import is_parameter, is_traceable_wrapper_subclass
 
 SKIP_ATTR = "_cpu_offload_skip"
 WEIGHT_ATTR = "_cpu_offload_weight"

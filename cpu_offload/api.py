@@ -11,9 +11,9 @@ from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
-from . import markers
-from .device import OffloadDevice
-from .errors import OffloadConfigError
+from .core import markers
+from .core.device import OffloadDevice
+from .core.errors import OffloadConfigError
 from .v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 V1_ENV = "NVTE_CPU_OFFLOAD_V1"

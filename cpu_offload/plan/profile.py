@@ -49,13 +49,13 @@ import torch
 from torch import nn
 
 from ..compat import queue_backward_callback, saved_tensors_hooks
-from ..device import OffloadDevice, default_device
-from ..errors import OffloadConfigError
+from ..core.device import OffloadDevice, default_device
+from ..core.errors import OffloadConfigError
 from ..v2.recompute import check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
-from .apply import as_layer_list, hidden_state, instrument
-from .audit import _v2_verdict
-from .planner import (
+from ..tools.apply import as_layer_list, hidden_state, instrument
+from ..tools.audit import _v2_verdict
+from .model import (
     FREE_HOST,
     PEAK_MARGIN,
     HostCost,
@@ -278,7 +278,7 @@ class _Wrapped:
         self, layers: list, device: Any, min_size: int, scope: Optional[str], num_layers: int = 0
     ) -> None:
         from ..v2.context import get_cpu_offload_context
-        from .apply import _OffloadDriver
+        from ..tools.apply import _OffloadDriver
 
         context, sync = get_cpu_offload_context(
             enabled=True, num_layers=num_layers, model_layers=len(layers), device=device,
@@ -474,7 +474,7 @@ def _offload_overhead(
     other layers' calls gain, are the host model's ``HostCost`` (CUDA only); what the step
     gains beyond the model's prediction with it, per GB, is charged to every plan. Nothing is
     charged when nothing is offloadable or the offloaded steps fail (a note)."""
-    from .planner import simulate
+    from .model import simulate
 
     n = len(profiles)
     if n < 2 or not any(p.activation_bytes for p in profiles):

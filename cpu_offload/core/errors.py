@@ -95,3 +95,10 @@ def stacklevel_outside_package() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("cpu_offload"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+# Tracebacks and reprs name the exceptions where users import them from (``cpu_offload``), not
+# the module that happens to define them.
+for _cls in (OffloadConfigError, OffloadUsageError, OffloadVerifyError):
+    _cls.__module__ = "cpu_offload"
+del _cls

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .compat import (
+from ..compat import (
     bytes_on_storage,
     copy_view_bits,
     drop_storage_keep_version,

@@ -22,9 +22,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import markers
+from .core import markers
 from .compat import register_forward_hook_always
-from .facade import mark_activation_offload
+from .api import mark_activation_offload
 
 _SWITCH_ATTR = "_cpu_offload_switch"
 

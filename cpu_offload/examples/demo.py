@@ -1,4 +1,4 @@
-"""``python -m cpu_offload.demo``: offloading on an embedded GPT stack, in one minute.
+"""``python -m cpu_offload``: offloading on an embedded GPT stack, in one minute.
 
 On a CUDA machine it trains a few steps without offloading and with ``k`` offloaded layers and
 prints step time, peak memory above the pre-step baseline, and whether gradients are bit-identical.
@@ -15,8 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import SimulatedDevice, get_cpu_offload_context
-from .models import GPTConfig, build_model, make_input, reference_config, tiny_config
+from ..api import get_cpu_offload_context
+from ..core.simulated import SimulatedDevice
+from .gpt import GPTConfig, build_model, make_input, reference_config, tiny_config
 
 CUDA_DEMO = reference_config()  # README "Performance": 8 GPT blocks, hidden 4096, seq 4096, bf16
 
