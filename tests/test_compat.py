@@ -60,7 +60,7 @@ _PRIVATE = re.compile(r"\btorch(\.[A-Za-z0-9_]+)*\._[A-Za-z]")
 def test_tests_use_torch_internals_only_through_compat():
     here = pathlib.Path(__file__).parent
     offenders = []
-    for path in sorted(here.glob("*.py")):
+    for path in sorted(here.rglob("*.py")):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if _PRIVATE.search(code) and path.name != "test_compat.py":

@@ -13,7 +13,7 @@ import torch
 from cpu_offload import get_cpu_offload_context
 from cpu_offload.compat import top_saved_tensors_hooks
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input
-from parity_models import allocated_bytes, cyclic_garbage
+from _support.parity_models import allocated_bytes, cyclic_garbage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 

@@ -21,9 +21,9 @@ from cpu_offload.core.simulated import SimulatedDevice
 
 # Warnings some test modules cause on purpose (``pytestmark = EXPECTED_WARNINGS``): they keep
 # saved tensors alive (to compare them, or to check what is kept), so offloading frees nothing
-# and says so (tests/test_stats_verify.py checks that warning); and their small stacks offload
-# all layers but one, so the library warns that copies cannot overlap compute (tests/test_misuse.py
-# checks that warning).
+# and says so (tests/v2/test_stats_verify.py checks that warning); and their small stacks offload
+# all layers but one, so the library warns that copies cannot overlap compute
+# (tests/integration/test_misuse.py checks that warning).
 EXPECTED_WARNINGS = [
     pytest.mark.filterwarnings("ignore:.*freed no GPU memory:UserWarning"),
     pytest.mark.filterwarnings("ignore:num_layers=model_layers-1:UserWarning"),

@@ -21,7 +21,7 @@ from cpu_offload import (
 from cpu_offload.compat import OutOfMemoryError, top_saved_tensors_hooks
 from cpu_offload.examples.gpt import GPTBlock, run_layers
 from cpu_offload.v2.schedule import Schedule
-from parity_models import EXPECTED_WARNINGS
+from _support.parity_models import EXPECTED_WARNINGS
 
 pytestmark = EXPECTED_WARNINGS  # see parity_models
 
@@ -561,7 +561,7 @@ def test_entering_twice_without_sync_and_nesting_are_refused(sim):
 
 def test_wrapper_subclass_offloads_its_inner_tensors_and_rebuilds(sim):
     """Low-precision formats (``__tensor_flatten__``): inner data moves, the wrapper comes back."""
-    from parity_models import Scaled
+    from _support.parity_models import Scaled
 
     seen = {}
 

@@ -193,7 +193,7 @@ def _benchmark_module(name: str):
     import sys
     from pathlib import Path
 
-    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    bench_dir = str(Path(__file__).resolve().parents[2] / "benchmarks")
     if bench_dir not in sys.path:
         sys.path.insert(0, bench_dir)
     return importlib.import_module(name)

@@ -22,7 +22,7 @@ from cpu_offload import (
     mark_activation_offload,
     start_offload,
 )
-from parity_models import EXPECTED_WARNINGS
+from _support.parity_models import EXPECTED_WARNINGS
 
 pytestmark = EXPECTED_WARNINGS  # see parity_models
 

@@ -17,7 +17,7 @@ from cpu_offload.compat import current_dispatch_mode, top_saved_tensors_hooks
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.v2 import recompute
 
-from parity_models import EXPECTED_WARNINGS, TrackingSimDevice
+from _support.parity_models import EXPECTED_WARNINGS, TrackingSimDevice
 
 pytestmark = EXPECTED_WARNINGS
 

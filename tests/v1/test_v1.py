@@ -32,7 +32,7 @@ from cpu_offload.v1 import (
     mark_activation_offload,
 )
 
-from parity_models import (
+from _support.parity_models import (
     Scaled,
     ActivationWatch,
     TrackingSimDevice,

@@ -22,7 +22,7 @@ from cpu_offload import (
     mark_weight,
 )
 from cpu_offload.compat import OutOfMemoryError, neg_view, top_saved_tensors_hooks
-from parity_models import EXPECTED_WARNINGS
+from _support.parity_models import EXPECTED_WARNINGS
 
 pytestmark = EXPECTED_WARNINGS  # see parity_models
 

@@ -19,7 +19,7 @@ from cpu_offload.control import (
     set_activation_offloading,
 )
 from cpu_offload.v2.selection import SelectionPolicy
-from parity_models import EXPECTED_WARNINGS
+from _support.parity_models import EXPECTED_WARNINGS
 
 CPU_POLICY = SelectionPolicy(min_tensor_size_to_offload=0)
 pytestmark = EXPECTED_WARNINGS  # see parity_models

@@ -19,7 +19,7 @@ import torch
 import cpu_offload
 from cpu_offload.compat import top_saved_tensors_hooks
 
-from parity_models import (
+from _support.parity_models import (
     ActivationWatch,
     Block,
     TrackingSimDevice,

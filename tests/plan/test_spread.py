@@ -22,7 +22,7 @@ from cpu_offload.v2.schedule import (
     spread_synchronization_dict,
 )
 
-from test_apply import assert_equal, make_layers, step
+from _support.kwarg_layers import assert_equal, make_layers, step
 
 GB = 10**9
 

@@ -1,9 +1,10 @@
 """Offloading composed with torch.distributed, one case per run, executed on every rank.
 
-Launched by ``tests/test_distributed.py`` (CPU: gloo + SimulatedDevice, in CI) and
-``tests/test_multigpu.py`` (2 GPUs: NCCL + real streams), or by hand::
+Launched by ``tests/integration/test_distributed.py`` (CPU: gloo + SimulatedDevice, in CI; and,
+marked ``multigpu``, 2 GPUs: NCCL + real streams), or by hand::
 
-    torchrun --standalone --nproc-per-node 2 tests/distributed_cases.py --case ddp --device cuda
+    torchrun --standalone --nproc-per-node 2 tests/_support/distributed_cases.py \
+        --case ddp --device cuda
 
 Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
 ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and

@@ -373,7 +373,7 @@ def test_gpu_llama_every_input_offloaded_matches_hf_offload_peak(gpu_llama):
 
     from cpu_offload.plan.model import Plan
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from hf_llama_benchmark import hf_checkpointing, hf_checkpointing_off
 
     model, ids = gpu_llama
