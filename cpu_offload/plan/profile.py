@@ -53,7 +53,8 @@ from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError
 from ..v2.recompute import check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
-from ..tools.apply import as_layer_list, hidden_state, instrument
+from ..tools.apply import OffloadDriver
+from ..tools.layers import as_layer_list, hidden_state, instrument
 from ..tools.audit import _v2_verdict
 from .model import (
     FREE_HOST,
@@ -278,7 +279,6 @@ class _Wrapped:
         self, layers: list, device: Any, min_size: int, scope: Optional[str], num_layers: int = 0
     ) -> None:
         from ..v2.context import get_cpu_offload_context
-        from ..tools.apply import _OffloadDriver
 
         context, sync = get_cpu_offload_context(
             enabled=True, num_layers=num_layers, model_layers=len(layers), device=device,
@@ -288,7 +288,7 @@ class _Wrapped:
             context.synchronizer.set_selective(range(len(layers)), scope)
         self.recorder: Optional[_StepRecorder] = None
         self.context = context
-        self.inner = _OffloadDriver(SimpleNamespace(layers=layers), context, sync)
+        self.inner = OffloadDriver(SimpleNamespace(layers=layers), context, sync)
 
     def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
         token = self.recorder.before(index, layer, args, kwargs)

@@ -5,264 +5,32 @@ apply_activation_checkpointing`` and FSDP2's ``fully_shard``: the layers stay wh
 nothing is wrapped in a new parent module, so ``state_dict()`` keys and ``named_parameters()``
 names do not change, and a handle undoes it.
 
-How: like ``fully_shard``, each layer's class is swapped for a subclass created once per class
-(``Offloaded<Name>``) whose ``__call__`` runs the original call inside the offload context and
-passes the layer's hidden-state output through the sync function. ``__call__`` runs outside
-``nn.Module._call_impl``, so it also works when the layer was compiled in place
-(``layer.compile()``: only ``_call_impl`` is compiled) and is not affected by torch.compile
-skipping guards on module hooks. The per-layer logic lives in small functions excluded from
-tracing, so a layer compiled *after* applying (``torch.compile(layer)``) compiles its body and runs
-the offload bookkeeping eagerly between graphs.
-
-The same machinery (``instrument``) runs the real-step profiler of ``plan_offloading`` and the
-real-step mode of the audit: anything that needs to see each layer's call of a real training step.
+How: the layer seam (``tools.layers.instrument``) routes each layer's call through an
+``OffloadDriver``, which runs it inside the offload context and passes the layer's hidden-state
+output through the sync function.
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch
 from torch import nn
 
-from ..compat import compiler_disable, in_backward, is_compiled_module
+from ..api import get_cpu_offload_context, use_v1
+from ..compat import is_compiled_module
 from ..core.errors import OffloadConfigError, OffloadUsageError
-from ..api import use_v1
 from ..v2.recompute import check_selective_scope
 from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
+from .layers import as_layer_list, check_not_instrumented, driver_of, hidden_state, instrument
 
-__all__ = ["OffloadingHandle", "apply_offloading", "offloading_handle"]
-
-_STATE_ATTR = "_cpu_offload_layer"
-_classes: dict[type, type] = {}  # original class -> its Offloaded<Name> subclass
-_bases: dict[type, type] = {}  # the reverse
+__all__ = ["OffloadDriver", "OffloadingHandle", "apply_offloading", "offloading_handle"]
 
 
-class _LayerState:
-    """What an instrumented layer needs at call time (kept in the layer's ``__dict__``)."""
+class OffloadDriver:
+    """The ``instrument`` driver of ``apply_offloading`` (and of the profiler's offloaded steps):
+    enters the offload context around each layer and syncs its hidden-state output.
 
-    __slots__ = ("driver", "index", "base", "recompute")
-
-    def __init__(self, driver: Any, index: int, base: type, recompute: bool) -> None:
-        self.driver = driver
-        self.index = index
-        self.base = base
-        self.recompute = recompute
-
-
-@compiler_disable
-def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """``(state, token)``; ``token is None``: run the layer untouched."""
-    state = self.__dict__.get(_STATE_ATTR)
-    if state is None or not torch.is_grad_enabled() or in_backward():
-        return state, None
-    return state, state.driver.before(state.index, self, args, kwargs)
-
-
-@compiler_disable
-def _end(state: _LayerState, token: Any, out: Any) -> Any:
-    return state.driver.after(token, out)
-
-
-@compiler_disable
-def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
-    state.driver.abort(token, exc)
-
-
-def _base_call(self: nn.Module, state: Optional[_LayerState], *args: Any, **kwargs: Any) -> Any:
-    base = state.base if state is not None else _bases.get(type(self), type(self))
-    if (
-        state is not None
-        and state.recompute
-        and torch.is_grad_enabled()
-        and not (getattr(self, "gradient_checkpointing", False) and self.training)  # HF: done
-    ):
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(base.__call__, self, *args, use_reentrant=False, **kwargs)
-    return base.__call__(self, *args, **kwargs)
-
-
-def _layer_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``__call__`` of an instrumented layer: the original call between ``before``/``after``."""
-    state, token = _begin(self, args, kwargs)
-    if token is None:  # grad disabled, or a recomputation in backward: run it as it is
-        return _base_call(self, None, *args, **kwargs)
-    try:
-        out = _base_call(self, state, *args, **kwargs)
-    except BaseException as exc:
-        _fail(state, token, exc)
-        raise
-    return _end(state, token, out)
-
-
-def _layer_reduce_ex(self: nn.Module, protocol: int) -> Any:
-    """Copies and pickles of an instrumented layer are plain layers of the original class."""
-    state = dict(self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__)
-    state.pop(_STATE_ATTR, None)
-    return _plain_layer, (_bases[type(self)], state)
-
-
-def _plain_layer(base: type, state: dict) -> nn.Module:
-    layer = base.__new__(base)
-    if hasattr(layer, "__setstate__"):
-        layer.__setstate__(state)
-    else:
-        layer.__dict__.update(state)
-    return layer
-
-
-def _instrumented_class(cls: type) -> type:
-    sub = _classes.get(cls)
-    if sub is None:
-        sub = type(
-            f"Offloaded{cls.__name__}",
-            (cls,),
-            {
-                "__call__": _layer_call,
-                "__reduce_ex__": _layer_reduce_ex,
-                "__module__": cls.__module__,
-                "__doc__": cls.__doc__,
-            },
-        )
-        _classes[cls] = sub
-        _bases[sub] = cls
-    return sub
-
-
-def as_layer_list(layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers") -> list:
-    """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is."""
-    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        out = list(layers)
-    elif isinstance(layers, nn.Module):
-        raise TypeError(
-            f"{what} must be the model's layers (an nn.ModuleList, nn.Sequential or a list of "
-            f"modules, e.g. model.model.layers), got one {type(layers).__name__}; pass [module] "
-            "for a single layer"
-        )
-    else:
-        out = list(layers)
-    bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
-    if bad:
-        raise TypeError(f"{what} must contain nn.Modules, got {', '.join(bad)}")
-    if not out:
-        raise OffloadConfigError(f"{what} is empty: pass the model's layers (e.g. model.model.layers)")
-    seen: dict[int, int] = {}
-    for i, m in enumerate(out):
-        if id(m) in seen:
-            raise OffloadConfigError(
-                f"{what}[{i}] is the same module as {what}[{seen[id(m)]}]: each layer must run "
-                "once per forward pass; shared (weight-tied) layers are not supported"
-            )
-        seen[id(m)] = i
-    return out
-
-
-def check_not_instrumented(layers: list) -> None:
-    """Raise if offloading (or a running profiler) is already installed on one of ``layers``."""
-    for i, layer in enumerate(layers):
-        existing = layer.__dict__.get(_STATE_ATTR)
-        if existing is not None:
-            owner = getattr(existing.driver, "owner", None)
-            fix = (
-                "call .remove() on the handle apply_offloading returned (also available as "
-                "cpu_offload.offloading_handle(layer))"
-                if isinstance(owner, OffloadingHandle)
-                else "let the running planner/audit finish first"
-            )
-            raise OffloadUsageError(
-                f"layer {i} ({type(layer).__name__}) already has offloading or profiling "
-                f"installed; {fix} before applying again"
-            )
-
-
-def instrument(layers: list, driver: Any, recompute: Sequence[int] = ()) -> Callable[[], None]:
-    """Route every call of ``layers[i]`` through ``driver`` (``before(i, layer, args, kwargs) ->
-    token``, ``after(token, out) -> out``, ``abort(token, exc)``); return the function that undoes
-    it.
-
-    ``before`` is not called (the layer runs untouched) with grad disabled or during a backward
-    pass (recomputation); a ``None`` token from ``before`` also leaves the call untouched.
-    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint``.
-    """
-    check_not_instrumented(layers)
-    rec = set(recompute)
-    originals = []
-    for i, layer in enumerate(layers):
-        base = type(layer)
-        layer.__dict__[_STATE_ATTR] = _LayerState(driver, i, base, i in rec)
-        layer.__class__ = _instrumented_class(base)
-        originals.append((layer, base))
-
-    def undo() -> None:
-        changed = [
-            (i, type(layer).__name__) for i, (layer, base) in enumerate(originals)
-            if type(layer) is not _classes[base]
-        ]
-        if changed:
-            i, name = changed[0]
-            raise OffloadUsageError(
-                f"layer {i}'s class was changed after offloading was applied (now {name}, e.g. by "
-                "fully_shard); remove offloading before such wrapping, or apply it after"
-            )
-        for layer, base in originals:
-            layer.__class__ = base
-            layer.__dict__.pop(_STATE_ATTR, None)
-
-    return undo
-
-
-# --- the layer boundary: the hidden-state output -------------------------------------------------
-
-_HIDDEN_KEYS = ("last_hidden_state", "hidden_states")
-
-
-def hidden_state(out: Any) -> tuple:
-    """``(tensor, put)``: the hidden-state tensor of a layer's output, and ``put(t)`` that returns
-    the output with it replaced. The hidden state is the output itself (a tensor), the first tensor
-    of a tuple/list/namedtuple, or ``last_hidden_state``/``hidden_states`` (else the first tensor)
-    of a dict or a Hugging Face ``ModelOutput``."""
-    if isinstance(out, torch.Tensor):
-        return out, lambda t: t
-    if isinstance(out, Mapping):
-        keys = [k for k in _HIDDEN_KEYS if isinstance(out.get(k), torch.Tensor)]
-        keys = keys or [k for k, v in out.items() if isinstance(v, torch.Tensor)]
-        if keys:
-            key = keys[0]
-
-            def put_item(t: torch.Tensor) -> Any:
-                if isinstance(out, MutableMapping):
-                    out[key] = t  # ModelOutput keeps its attribute in step
-                    return out
-                return {**out, key: t}
-
-            return out[key], put_item
-    elif isinstance(out, (tuple, list)):
-        for i, v in enumerate(out):
-            if isinstance(v, torch.Tensor):
-
-                def put_index(t: torch.Tensor, i: int = i) -> Any:
-                    if isinstance(out, list):
-                        return out[:i] + [t] + out[i + 1:]
-                    if hasattr(out, "_replace"):  # namedtuple
-                        return out._replace(**{out._fields[i]: t})
-                    items = out[:i] + (t,) + out[i + 1:]
-                    return items if type(out) is tuple else type(out)(items)
-
-                return v, put_index
-    raise TypeError(
-        f"the layer returned {type(out).__name__}, which holds no tensor: apply_offloading needs "
-        "the hidden state as the output itself, the first tensor of a tuple/list, or "
-        "'last_hidden_state'/'hidden_states' of a dict or ModelOutput"
-    )
-
-
-# --- apply_offloading -----------------------------------------------------------------------------
-
-
-class _OffloadDriver:
-    """Enters the offload context around each layer and syncs its hidden-state output."""
+    ``owner`` is the ``OffloadingHandle`` (or any object with the ``layers`` it drives)."""
 
     def __init__(self, owner: "OffloadingHandle", context: Any, sync: Callable) -> None:
         self.owner = owner
@@ -558,8 +326,6 @@ def apply_offloading(
     handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel, offloaded)
     offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
     if offloads or sel:
-        from ..api import get_cpu_offload_context
-
         with warnings.catch_warnings():
             if plan is not None:
                 # The plan weighed overlap against memory with measured costs: offloading all
@@ -572,7 +338,7 @@ def apply_offloading(
             _limit_last_layer(handle, plan)
         if sel:
             handle.synchronizer.set_selective(sel, selective_scope)
-        driver: Any = _OffloadDriver(handle, handle.context, handle.sync)
+        driver: Any = OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)
     handle._undo = instrument(layers, driver, recompute)
@@ -666,6 +432,5 @@ def offloading_handle(module: nn.Module) -> Optional[OffloadingHandle]:
         >>> print(cpu_offload.offloading_handle(layers[3]))
         None
     """
-    state = module.__dict__.get(_STATE_ATTR)
-    owner = getattr(getattr(state, "driver", None), "owner", None)
+    owner = getattr(driver_of(module), "owner", None)
     return owner if isinstance(owner, OffloadingHandle) else None

@@ -27,6 +27,7 @@ from torch import nn
 from ..core import markers
 from ..compat import is_traceable_wrapper_subclass, register_forward_hook_always, saved_tensors_hooks
 from ..v2.selection import SelectionPolicy
+from .layers import instrument
 
 BYTES_NOTE = (
     "bytes = whole-storage bytes, each storage counted once per layer and backend (views and "
@@ -458,7 +459,7 @@ def _audit_chain(
 
 
 class _StepAuditDriver:
-    """``apply.instrument`` driver: a ``_LayerRecorder`` around each layer of the first pass."""
+    """``layers.instrument`` driver: a ``_LayerRecorder`` around each layer of the first pass."""
 
     owner = None
 
@@ -499,8 +500,6 @@ class _StepAuditDriver:
 
 
 def _audit_step(step_fn: Callable[[], Any], layers: list, audits: list, policy: SelectionPolicy) -> None:
-    from .apply import instrument
-
     driver = _StepAuditDriver(audits, policy)
     undo = instrument(layers, driver)
     try:

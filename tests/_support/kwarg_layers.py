@@ -7,7 +7,7 @@ import collections
 import torch
 from torch import nn
 
-from cpu_offload.tools.apply import hidden_state
+from cpu_offload.tools.layers import hidden_state
 
 Pair = collections.namedtuple("Pair", "hidden aux")
 

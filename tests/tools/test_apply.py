@@ -24,7 +24,7 @@ from cpu_offload import (
     plan_offloading,
 )
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config
-from cpu_offload.tools.apply import hidden_state
+from cpu_offload.tools.layers import hidden_state
 from cpu_offload.plan.model import LayerProfile, Plan
 from cpu_offload.plan.profile import plan_from_profile, profile_step
 from cpu_offload.v2.selection import SelectionPolicy
