@@ -11,7 +11,7 @@ other in this process), every configuration of three methods is measured on one 
 - ``sel k``   ``apply_offloading(layers, num_layers=k, selective=True)``, k = 0..n-1: every
   layer recomputes its cheap saved tensors (norm, activation, elementwise outputs), the first
   k layers offload the rest;
-- ``plan @b`` one ``profile_step`` of the real step, then ``plan_from_profile(prof, b)`` for each
+- ``plan @b`` one ``profile_step`` of the real step, then ``cpu_offload.plan.plan(prof, b)`` for each
   budget b of ``--budgets`` (fractions of the peak without offloading), applied with
   ``apply_offloading(layers, plan=plan)``; the plan's predicted time and peak ratios (the
   planner's model) are kept next to the measured ones.
@@ -68,9 +68,8 @@ import offload_benchmark as gpt_bench  # noqa: E402
 import torch  # noqa: E402
 
 import cpu_offload  # noqa: E402
-from cpu_offload.api import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
-from cpu_offload.plan.model import Plan  # noqa: E402
-from cpu_offload.plan.profile import StepProfile, plan_from_profile, profile_step  # noqa: E402
+from cpu_offload.plan import Plan, StepProfile, profile_step, search  # noqa: E402
+from cpu_offload.v2.selection import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
 
 GIB = 1024**3
 WORKLOADS = ("gpt", "hf")
@@ -146,7 +145,7 @@ def add_plans(
     chosen: dict[float, Optional[Point]] = {}
     for b in budgets:
         try:
-            plan = plan_from_profile(prof, b)
+            plan = search.plan(prof, b)
         except cpu_offload.OffloadConfigError as exc:
             notes.append(f"plan @{b:g}: no plan fits ({exc})")
             chosen[b] = None

@@ -59,8 +59,8 @@ from bench_common import (
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 
 import cpu_offload  # noqa: E402
-from cpu_offload.plan.model import PEAK_MARGIN  # noqa: E402
-from cpu_offload.plan.profile import plan_from_profile, profile_step  # noqa: E402
+from cpu_offload.plan import profile_step, search  # noqa: E402
+from cpu_offload.plan.search import PEAK_MARGIN  # noqa: E402
 
 GIB = 1024**3
 ISSUE_CONFIG = dict(
@@ -372,14 +372,14 @@ def main(argv: Optional[list] = None) -> list:
             # may use all of it (no margin), and its own measured peak decides the verdict.
             margin = 0.0 if name.startswith("plan @=") else PEAK_MARGIN
             try:
-                plan = plan_from_profile(prof, budget, peak_margin=margin)
+                plan = search.plan(prof, budget, peak_margin=margin)
             except cpu_offload.OffloadConfigError as exc:
                 notes.append(f"{name}: {exc}")
                 lowest = getattr(exc, "lowest_peak_bytes", None)
                 if not name.startswith("plan @=") or lowest is None:
                     continue
                 # Still measure the lowest plan: its measured peak, not the model's, decides.
-                plan = plan_from_profile(prof, lowest, peak_margin=0.0)
+                plan = search.plan(prof, lowest, peak_margin=0.0)
                 notes.append(f"{name}: planned at the lowest predicted peak instead, "
                              f"{(lowest - budget) / 2**20:+.1f} MiB over the budget")
             notes.append(f"{name}: {plan.describe()}")

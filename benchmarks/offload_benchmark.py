@@ -66,10 +66,9 @@ import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import cpu_offload  # noqa: E402
-from cpu_offload.api import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, reference_config, tiny_config  # noqa: E402
-from cpu_offload.plan.model import Plan, plan as make_plan, profile_layers  # noqa: E402
-from cpu_offload.v2.selection import SelectionPolicy  # noqa: E402
+from cpu_offload.plan import Plan, StepProfile, plan as make_plan, profile_layers  # noqa: E402
+from cpu_offload.v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy  # noqa: E402
 
 GIB = 1024**3
 # Performance targets: k -> (max step-time ratio, max peak-memory ratio), 8-layer stack.
@@ -611,9 +610,10 @@ def planned_methods(
         notes.append("plan: no link measurement (--no-link), assumed 50 GB/s each way")
     methods = []
     measured = getattr(args, "measured_none_peak", None)
+    prof = StepProfile(profiles, peak_bytes=measured, d2h_gbps=d2h, h2d_gbps=h2d)
     for budget in (float(b) for b in args.plan_budgets.split(",") if b.strip()):
-        base_peak = make_plan(profiles, d2h, h2d, None, measured).baseline_peak_bytes
-        chosen = make_plan(profiles, d2h, h2d, int(budget * base_peak), measured)
+        base_peak = make_plan(prof).baseline_peak_bytes
+        chosen = make_plan(prof, int(budget * base_peak))
         part = f" part={chosen.partial_fraction:g}" if chosen.partial_bytes is not None else ""
         method = Method(
             PLANNED, chosen.num_layers, f"@{budget}{part} rec={list(chosen.recompute)}"

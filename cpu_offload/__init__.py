@@ -14,7 +14,7 @@ Backends: V2 (default, ``cpu_offload.v2``) and legacy V1 (``NVTE_CPU_OFFLOAD_V1=
 """
 from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
 from .tools.audit import AuditReport, audit_offload_selection
-from .plan.profile import plan_offloading
+from .plan.search import plan_offloading
 from .config import (
     ActivationOffloadConfig,
     OptimizerOffloadConfig,

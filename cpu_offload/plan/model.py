@@ -1,37 +1,32 @@
-"""Choose what to offload (and what to recompute) from measured layer costs.
+"""The step model: predicted step time and peak memory of one offloading layout.
 
 Offloading hides only as many bytes as the link moves while compute runs; beyond that the
 schedule stalls (the default schedule keeps at most ``n-k`` layers resident). Recomputation
 (``torch.utils.checkpoint``) costs one extra forward per layer but no link time. Given per-layer
-activation bytes, forward/backward times and the link's bandwidth, ``simulate`` predicts step
-time and peak activation memory of "offload the first ``k`` layers with the default schedule,
-recompute layers ``R``"; ``plan`` searches all ``(k, R)`` for the fastest plan within a memory
-budget. ``profile_layers`` measures the inputs on the real device.
+activation bytes, forward/backward times and the link's bandwidth (``LayerProfile``), ``simulate``
+predicts step time and peak activation memory of "offload these layers with the default
+schedule's timing, recompute layers ``R``"; ``search.plan`` compares layouts with it.
 
 Between storing a layer's activations and recomputing the whole layer lies *selective*
 recomputation (``apply_offloading(..., selective=...)``): the cheap saved tensors of a layer
 (norm, activation and elementwise outputs, ``selective_bytes`` of it) are recomputed in its
 backward (``selective_ms``) and never stored; the rest is kept or offloaded as usual, so an
-offloaded selective layer moves fewer bytes over the link. Per layer a plan thus keeps,
+offloaded selective layer moves fewer bytes over the link. Per layer a layout thus keeps,
 offloads (the last offloaded layer possibly in part), recomputes selectively, does both,
 checkpoints the whole layer, or checkpoints it and offloads its input: the checkpoint then holds
-nothing on the device between the layer's forward and backward, for little link time, which is
-what takes a plan below checkpointing every layer. When every layer is offloaded this way, the
-last one's input is released when the forward pass ends and reloaded when its backward starts
-(``plan_synchronization_dict``): away during the loss only, which is often the step's peak.
+nothing on the device between the layer's forward and backward, for little link time. When every
+layer is offloaded this way, the last one's input is released when the forward pass ends and
+reloaded when its backward starts (``plan_synchronization_dict``): away during the loss only,
+which is often the step's peak.
 
-Whole layers are coarse: when the link can move 3.4 layers' bytes during the forward, offloading
-3 wastes link time and offloading 4 stalls. So the last offloaded layer may be offloaded only in
-part (the first quarter, half or three quarters of the bytes it saves, in the order it saves
-them; the rest stays on the device), which lets a plan use the link up to its capacity.
-
-Where the host issues a layer's forward in less time than the GPU runs it (a Hugging Face
-decoder layer: about half), the host gets ahead, and offloading's extra host work (the hooks, the
-copies' launches) is free until that lead is used up; then the GPU waits. At the start of a step
-there is no lead, so offloading the first layers stalls the GPU, and the same layers spread out
-(``1, 3, 5``: a plain layer in between lets the host get ahead again) do not. With host times in
-the profiles and a measured ``HostCost``, ``simulate`` models that wait and ``plan`` also tries
-each layout with its offloaded layers spread (``spread_layers``).
+Note [the host model]: where the host issues a layer's forward in less time than the GPU runs it
+(a Hugging Face decoder layer: about half), the host gets ahead, and offloading's extra host work
+(the hooks, the copies' launches) is free until that lead is used up; then the GPU waits. At the
+start of a step there is no lead, so offloading the first layers stalls the GPU, and the same
+layers spread out (``1, 3, 5``: a plain layer in between lets the host get ahead again) do not.
+``HostCost`` holds the rule's two parameters and how they are calibrated from a measured probe
+(``HostCost.from_probe``, fed by ``profile.profile_step``); ``host_stall_ms`` and
+``spread_layers`` apply the rule, and ``simulate`` models the wait.
 
 The model is deliberately simple (one copy queue per direction, a layer's reload must finish
 before its backward starts, recompute runs inside the backward): it is a planning tool,
@@ -41,21 +36,16 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
-from itertools import product
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
-
-import torch
-from torch import nn
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from ..core.errors import OffloadConfigError
-from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
-
-
-PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # shares of the last offloaded layer's bytes a plan may move
-PEAK_MARGIN = 0.01  # of the peak without offloading: a plan's predicted peak stays this far under
-
+from ..v2.schedule import (
+    Schedule,
+    plan_synchronization_dict,
+    position,
+    spread_synchronization_dict,
+)
 
 @dataclass(frozen=True)
 class HostCost:
@@ -74,8 +64,24 @@ class HostCost:
     def is_free(self) -> bool:
         return self.ms_per_gb <= 0 and self.slowdown_ms <= 0
 
+    @classmethod
+    def from_probe(cls, added_host_ms: Sequence[float], k: int, moved_bytes: int) -> "HostCost":
+        """Calibrate the rule from a probe step that offloaded the first ``k`` layers, moving
+        ``moved_bytes``: ``added_host_ms`` is, per layer, the host time the probe added to its
+        forward call (against plain steps). The offloaded layers' sum, per GB they moved, is
+        ``ms_per_gb``; the median over the other layers is ``slowdown_ms``.
+
+        Example::
+
+            >>> HostCost.from_probe([1.0, 2.0, 0.25, 0.5, 0.75], k=2, moved_bytes=2 * 10**9)
+            HostCost(ms_per_gb=1.5, slowdown_ms=0.5)
+        """
+        return cls(sum(added_host_ms[:k]) / (moved_bytes / 1e9),
+                   statistics.median(added_host_ms[k:]))
+
 
 FREE_HOST = HostCost()
+
 
 
 @dataclass(frozen=True)
@@ -111,78 +117,6 @@ class LayerProfile:
         if checkpointed:
             return self.input_bytes
         return self.activation_bytes - (self.selective_bytes if selective else 0)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Offload ``num_layers`` layers (the first ones, or the ``offloaded`` ones); checkpoint the
-    layers in ``recompute``; recompute the cheap saved tensors of the layers in ``selective``."""
-
-    num_layers: int
-    recompute: tuple = ()
-    step_ms: float = 0.0
-    peak_bytes: int = 0
-    baseline_ms: float = 0.0
-    baseline_peak_bytes: int = 0
-    alternatives: list = field(default_factory=list, compare=False, repr=False)
-    # Filled by ``plan_offloading`` (a plan from a real step), read by ``apply_offloading``:
-    memory_budget_bytes: Optional[int] = None
-    min_tensor_size_to_offload: Optional[int] = None  # the selection the bytes were counted with
-    d2h_gbps: Optional[float] = None
-    h2d_gbps: Optional[float] = None
-    profiles: tuple = field(default=(), compare=False, repr=False)  # LayerProfile per layer
-    # The last offloaded layer (``num_layers - 1``) may offload only part of what it saves:
-    partial_fraction: float = 1.0  # the share of its bytes the plan assumed
-    partial_bytes: Optional[int] = None  # its byte limit, applied by ``apply_offloading``
-    selective: tuple = ()  # layers whose cheap saved tensors are recomputed (never stored)
-    selective_scope: str = "modules"  # where their ops were recorded when profiled
-    model_layers: int = 0  # the number of layers planned for
-    # Which layers are offloaded when not the first ``num_layers`` (``spread_layers``); the last
-    # of them is the one offloaded in part. Empty: the first ``num_layers``.
-    offloaded: tuple = ()
-
-    @property
-    def offloaded_layers(self) -> tuple:
-        """The layers this plan offloads (the first ``num_layers`` unless spread)."""
-        return tuple(self.offloaded) or tuple(range(self.num_layers))
-
-    @property
-    def time_ratio(self) -> float:
-        return self.step_ms / self.baseline_ms if self.baseline_ms else float("nan")
-
-    @property
-    def peak_ratio(self) -> float:
-        return self.peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else float("nan")
-
-    def describe(self) -> str:
-        rec = ", ".join(map(str, self.recompute)) or "none"
-        part = ""
-        offl = self.offloaded_layers
-        if self.partial_bytes is not None:
-            part = (
-                f", of layer {offl[-1]} only its first "
-                f"{self.partial_fraction:.0%} of saved bytes ({self.partial_bytes / 2**20:.0f} MiB)"
-            )
-        sel = ", ".join(map(str, self.selective)) or "none"
-        moved = [r for r in self.recompute if r in offl]
-        if moved:
-            rec += f" (of which {', '.join(map(str, moved))} offload their checkpointed inputs)"
-        if offl != tuple(range(self.num_layers)):
-            what = (f"offload layers {', '.join(map(str, offl))} (spread, so that the host "
-                    "issues each offloaded layer while the GPU still runs earlier ones: "
-                    "cpu_offload.v2.schedule.spread_synchronization_dict)")
-        elif self.num_layers and self.num_layers == self.model_layers:
-            what = (f"offload all {self.num_layers} layers (the last one's input when the forward "
-                    "pass ends: cpu_offload.v2.schedule.plan_synchronization_dict)")
-        else:
-            what = (f"offload the first {self.num_layers} layers (get_cpu_offload_context("
-                    f"num_layers={self.num_layers}))")
-        return (
-            f"{what}{part}, recompute layers: {rec}, selective layers: {sel}; "
-            f"predicted step {self.step_ms:.1f} ms "
-            f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
-            f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
-        )
 
 
 def simulate(
@@ -436,10 +370,8 @@ def _offload_windows(offloaded: tuple, n: int) -> tuple:
     return tuple(windows)
 
 
-def _schedule(offloaded: tuple, n: int) -> Any:
+def _schedule(offloaded: tuple, n: int) -> Schedule:
     """The V2 schedule ``apply_offloading`` installs for a plan offloading these of ``n``."""
-    from ..v2.schedule import Schedule
-
     return Schedule(n, plan_sync_dict(offloaded, n))
 
 
@@ -447,8 +379,6 @@ def plan_sync_dict(offloaded: Sequence[int], n: int) -> dict:
     """The synchronization dict of a plan offloading the ``offloaded`` of ``n`` layers: the
     first ``k`` (``plan_synchronization_dict``, which also covers all ``n``) or a spread set
     (``spread_synchronization_dict``)."""
-    from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
-
     k = len(offloaded)
     if tuple(offloaded) == tuple(range(k)):
         return plan_synchronization_dict(k, n)
@@ -491,8 +421,6 @@ def _peak_bytes(
     profiles: Sequence[LayerProfile], offloaded: tuple, moved: list, stored: list
 ) -> int:
     """Largest sum of resident activation bytes over the layer starts of one step."""
-    from ..v2.schedule import position
-
     n = len(profiles)
     schedule = _schedule(offloaded, n)
     peak = 0
@@ -508,333 +436,3 @@ def _peak_bytes(
             total += p.activation_bytes if pos in (start, bwd_start) else stored[j]
         peak = max(peak, total)
     return peak + max(p.transient_bytes for p in profiles)
-
-
-def plan(
-    profiles: Sequence[LayerProfile],
-    d2h_gbps: float,
-    h2d_gbps: float,
-    memory_budget_bytes: Optional[int] = None,
-    measured_baseline_peak: Optional[int] = None,
-    measured_baseline_ms: Optional[float] = None,
-    partial: bool = True,
-    memory_timeline: Optional[Sequence[int]] = None,
-    peak_margin: float = PEAK_MARGIN,
-    offload_ms_per_gb: float = 0.0,
-    host_cost: HostCost = FREE_HOST,
-    spread: bool = True,
-) -> Plan:
-    """Fastest ``(num_layers, recompute, selective)`` whose predicted peak fits the budget.
-
-    Recomputation is tried on the earliest non-offloaded layers (resident the longest), and
-    on offloaded layers after the ones offloaded whole (a checkpointed offloaded layer offloads
-    only its input); then selective recomputation on the next ones, and on all offloaded
-    layers or none of them (when the profiles say what it removes, ``selective_bytes``). With
-    ``partial``, the last offloaded layer may also be offloaded in part (``PARTIAL_FRACTIONS``
-    of its bytes; ``Plan.partial_bytes`` is the resulting byte limit). Without
-    a budget, the fastest plan that offloads as much as possible at no predicted time cost.
-    ``measured_baseline_peak`` (peak of one real step without offloading) calibrates the memory
-    model: what it misses (gradients between layers, loss temporaries) is added to every plan.
-    ``measured_baseline_ms`` (time of one real step without offloading) does the same for time:
-    what runs outside the layers (embedding, loss, optimizer hooks) is added to every plan, so
-    ratios are to the whole step. ``memory_timeline`` (see ``simulate``) replaces that memory
-    calibration with the measured step's own peaks, segment by segment. ``peak_margin`` (a
-    fraction of the peak without offloading, default ``PEAK_MARGIN``) is kept between a plan's
-    predicted peak and the budget, for the model's error; 0 trusts the prediction.
-    ``offload_ms_per_gb``, ``host_cost``: see ``simulate``. With ``spread`` and a host model
-    (``host_fwd_ms`` in the profiles, a ``host_cost`` that is not free), each layout that
-    offloads whole layers is also tried with its offloaded layers spread (``spread_layers``),
-    its checkpointed and selective layers after them or in between (``_spread_layouts``).
-
-    Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
-    steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
-    within one stride of the best: about a tenth of the candidates (seconds for 80 layers
-    instead of many minutes), for a plan whose predicted time was within 1% of the exhaustive
-    search's in tests with 26-32 layers.
-    """
-    n = len(profiles)
-    if isinstance(peak_margin, bool) or not isinstance(peak_margin, (int, float)) or not (
-            0.0 <= peak_margin < 1.0):
-        raise OffloadConfigError(
-            f"peak_margin is a fraction of the peak without offloading in [0, 1), got "
-            f"{peak_margin!r}"
-        )
-    base_ms, base_peak, extra_ms, extra = _baseline(
-        profiles, d2h_gbps, h2d_gbps, measured_baseline_peak, measured_baseline_ms,
-        memory_timeline,
-    )
-    selective = any(p.selective_bytes for p in profiles)
-    limit = None if memory_budget_bytes is None else (
-        # Measured peaks have landed within 0.7% of the baseline's peak of the prediction (H100,
-        # both workloads): keep a margin, so that a plan meets its budget.
-        memory_budget_bytes - int(peak_margin * base_peak))
-    candidates: dict = {}
-
-    def evaluate(params: tuple) -> None:
-        if params in candidates:
-            return
-        layout = _layout(params)
-        add(params, *layout, offloaded=None)
-        if spread and not host_cost.is_free:
-            for i, (offl, rec, sel) in enumerate(_spread_layouts(profiles, *layout, host_cost)):
-                add(params + ("spread", i), layout[0], layout[1], rec, sel, offloaded=offl)
-
-    def add(params: tuple, k: int, frac: float, rec: tuple, sel: tuple,
-            offloaded: Optional[tuple]) -> None:
-        ms, peak = simulate(
-            profiles, k, rec, d2h_gbps, h2d_gbps, frac, memory_timeline, sel, offload_ms_per_gb,
-            offloaded, host_cost,
-        )
-        cap = None
-        if frac < 1.0:
-            last = offloaded[-1] if offloaded else k - 1
-            cap = int(profiles[last].stored_bytes(last in rec, last in sel) * frac)
-        candidates[params] = Plan(
-            k, rec, ms + extra_ms, peak + extra, base_ms, base_peak,
-            partial_fraction=frac, partial_bytes=cap, selective=sel, model_layers=n,
-            offloaded=tuple(offloaded or ()),
-        )
-
-    stride = -(-n // COARSE_LAYERS)  # 1 up to COARSE_LAYERS layers: every layout
-    for params in _layout_params(n, partial, selective, stride):
-        evaluate(params)
-    if stride > 1:  # then every layout within one stride of the best coarse one
-        centre = _pick(candidates, limit, lowest_if_none=True)[:6]
-        for params in _neighbours(centre, n, partial, selective, stride):
-            evaluate(params)
-    best_params = _pick(candidates, limit)
-    if best_params is None:
-        lowest = min(c.peak_bytes for c in candidates.values())
-        err = OffloadConfigError(
-            f"no plan fits memory_budget_bytes={memory_budget_bytes}: the lowest predicted "
-            f"peak is {lowest} bytes (plans keep peak_margin={peak_margin:.1%} of the peak "
-            "without offloading as a margin for the model's error); raise the budget, lower "
-            "peak_margin, or reduce the batch"
-        )
-        err.lowest_peak_bytes = lowest  # what a budget needs (with peak_margin=0) to fit a plan
-        raise err
-    fits = [c for _, c in _fitting(candidates, limit)]
-    others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
-    return replace(candidates[best_params], alternatives=others)
-
-
-COARSE_LAYERS = 24  # above this many layers the search first steps through layer counts
-
-
-def _baseline(
-    profiles: Sequence[LayerProfile],
-    d2h_gbps: float,
-    h2d_gbps: float,
-    measured_baseline_peak: Optional[int] = None,
-    measured_baseline_ms: Optional[float] = None,
-    memory_timeline: Optional[Sequence[int]] = None,
-) -> tuple:
-    """``(step_ms, peak_bytes, extra_ms, extra_bytes)`` of the step without offloading, as
-    ``plan`` calibrates it: the model's prediction plus what the measured step adds outside the
-    layers (``extra_*``, added to every plan too; no extra bytes with a ``memory_timeline``,
-    which is the measured step itself)."""
-    ms, peak = simulate(profiles, 0, (), d2h_gbps, h2d_gbps, 1.0, memory_timeline)
-    extra = max(0, measured_baseline_peak - peak) if measured_baseline_peak else 0
-    if memory_timeline is not None:
-        extra = 0
-    extra_ms = max(0.0, measured_baseline_ms - ms) if measured_baseline_ms else 0.0
-    return ms + extra_ms, peak + extra, extra_ms, extra
-
-
-def _fitting(candidates: dict, limit: Optional[int]) -> list:
-    """The ``(params, plan)`` items a pick chooses from: within the peak ``limit``, or (no
-    budget) within 0.1% of the fastest."""
-    if limit is None:
-        fastest = min(c.step_ms for c in candidates.values())
-        return [i for i in candidates.items() if i[1].step_ms <= fastest * 1.001]
-    return [i for i in candidates.items() if i[1].peak_bytes <= limit]
-
-
-def _pick(candidates: dict, limit: Optional[int], lowest_if_none: bool = False) -> Optional[tuple]:
-    """Parameters of the best candidate: fastest, then lowest peak, fewest recomputed and
-    selective layers; ``None`` if none fits (or, with ``lowest_if_none``, the lowest peak)."""
-    def key(item: tuple) -> tuple:
-        c = item[1]
-        return (round(c.step_ms, 3), c.peak_bytes, len(c.recompute), len(c.selective))
-
-    items = _fitting(candidates, limit)
-    if not items:
-        if not lowest_if_none:
-            return None
-        return min(candidates.items(), key=lambda i: i[1].peak_bytes)[0]
-    return min(items, key=key)[0]
-
-
-def _layout_params(n: int, partial: bool, selective: bool, stride: int = 1):
-    """The planner's layouts as parameter tuples (see ``_layout``); with ``stride`` > 1 only
-    every ``stride``-th layer count (and the largest) of each dimension."""
-    def counts(lo: int, hi: int) -> list:  # lo..hi inclusive, every stride-th, and hi
-        return sorted(set(range(lo, hi + 1, stride)) | ({hi} if hi >= lo else set()))
-
-    sel_counts = (lambda used: counts(0, n - used)) if selective else (lambda used: [0])
-    for k in counts(0, n - 1):
-        fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
-        for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
-            for r in counts(0, n - k):
-                for s in sel_counts(k + r):
-                    yield ("offload", k, frac, sel_off, r, s)
-    for a in counts(0, n - 2):
-        for sel_off in (False, True) if selective and a else (False,):
-            for c in counts(1, n - a):  # a + c == n: the last input released at forward end
-                for r in counts(0, n - a - c):
-                    for s in sel_counts(a + c + r):
-                        yield ("checkpoint-offload", a, c, sel_off, r, s)
-
-
-def _neighbours(params: tuple, n: int, partial: bool, selective: bool, stride: int):
-    """Every valid layout of the same family whose layer counts are each within ``stride`` of
-    ``params``' (any partial fraction and selective choice for the offloaded layers)."""
-    family, x, y, _, r, s = params
-    near = lambda v: range(v - stride, v + stride + 1)  # noqa: E731
-    sel_near = near(s) if selective else (0,)
-    if family == "offload":
-        for k, r2, s2 in product(near(x), near(r), sel_near):
-            if not (0 <= k < n and 0 <= r2 <= n - k and 0 <= s2 <= n - k - r2):
-                continue
-            fractions = (1.0,) + (PARTIAL_FRACTIONS if partial and k else ())
-            for frac, sel_off in product(fractions, (False, True) if selective and k else (False,)):
-                yield ("offload", k, frac, sel_off, r2, s2)
-    else:
-        for a, c, r2, s2 in product(near(x), near(y), near(r), sel_near):
-            if not (0 <= a <= n - 2 and 1 <= c <= n - a and 0 <= r2 <= n - a - c
-                    and 0 <= s2 <= n - a - c - r2):
-                continue
-            for sel_off in (False, True) if selective and a else (False,):
-                yield ("checkpoint-offload", a, c, sel_off, r2, s2)
-
-
-def _layout(params: tuple) -> tuple:
-    """``(num_layers, partial_fraction, recompute, selective)`` of one parameter tuple.
-
-    Two families, each with selective recomputation on the ``s`` layers after the
-    checkpointed ones (and on the fully offloaded ones, ``sel_off``, or not):
-
-    - ``("offload", k, frac, sel_off, r, s)``: offload the first ``k`` layers (the last one
-      ``frac`` of its bytes), checkpoint the next ``r``;
-    - ``("checkpoint-offload", a, c, sel_off, r, s)``: offload the first ``a`` layers whole,
-      checkpoint the next ``c`` *and offload their inputs* (so ``num_layers = a + c``: a
-      checkpointed layer then holds nothing on the device between its forward and backward,
-      for a few MB over the link), checkpoint the next ``r``.
-    """
-    if params[0] == "offload":
-        _, k, frac, sel_off, r, s = params
-        full, first_rec = k, k
-    else:
-        _, a, c, sel_off, r, s = params
-        k, frac, full, first_rec = a + c, 1.0, a, a
-    rec = tuple(range(first_rec, k + r))
-    sel = tuple(range(full) if sel_off else ()) + tuple(range(k + r, k + r + s))
-    return k, frac, rec, sel
-
-
-def _spread_layouts(
-    profiles: Sequence[LayerProfile], k: int, frac: float, rec: tuple, sel: tuple,
-    host_cost: HostCost,
-) -> list:
-    """``(offloaded, recompute, selective)`` layouts of the "offload" family with its ``k``
-    offloaded layers spread by ``spread_layers``, the other layers keeping their roles
-    (checkpointed, selective, plain) in the same order, in two ways: the layers skipped in
-    between stay plain (the roles follow the last offloaded layer), or the roles fill them
-    first (checkpointing every layer but one spread, offloaded one). None of them when the
-    spread layers are the first ``k`` anyway, or when the layout checkpoints offloaded layers
-    (those offload only their inputs: nothing to spread); the first way only where the roles
-    fit after the last offloaded layer."""
-    n = len(profiles)
-    if not 0 < k < n or any(r < k for r in rec):
-        return []
-    sel_off = all(j in sel for j in range(k))
-    nbytes = [p.stored_bytes(False, sel_off) for p in profiles]
-    offl = spread_layers(profiles, k, nbytes, host_cost)
-    if offl == tuple(range(k)):
-        return []
-    roles = ["rec" if j in rec else "sel" if j in sel else "" for j in range(k, n)]
-    layouts = []
-    for others in ([j for j in range(offl[-1] + 1, n)],  # after the last offloaded layer
-                   [j for j in range(n) if j not in offl]):  # every layer not offloaded
-        if any(roles[len(others):]):
-            continue  # the checkpointed and selective layers do not fit there
-        new_rec = tuple(j for j, role in zip(others, roles) if role == "rec")
-        new_sel = tuple(j for j, role in zip(others, roles) if role == "sel")
-        layout = (offl, new_rec, tuple(sorted((offl if sel_off else ()) + new_sel)))
-        if layout not in layouts:
-            layouts.append(layout)
-    return layouts
-
-
-def _layouts(profiles: Sequence[LayerProfile], partial: bool, selective: bool):
-    """Every ``(num_layers, partial_fraction, recompute, selective)`` the exhaustive search
-    compares (``_layout`` describes the two families)."""
-    for params in _layout_params(len(profiles), partial, selective):
-        yield _layout(params)
-
-
-def profile_layers(
-    layers: Sequence[nn.Module],
-    x: torch.Tensor,
-    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
-    repeats: int = 3,
-) -> list[LayerProfile]:
-    """Measure each layer's offloadable bytes (via the audit) and forward/backward times."""
-    from ..tools.audit import audit_offload_selection
-    from ..v2.selection import SelectionPolicy
-
-    policy = SelectionPolicy(
-        min_tensor_size_to_offload=min_tensor_size_to_offload,
-        is_device_tensor=(lambda t: t.is_cuda) if x.is_cuda else (lambda t: t.device == x.device),
-    )
-    report = audit_offload_selection(list(layers), x.detach(), policy=policy)
-    timer = _cuda_timer if x.is_cuda else _host_timer
-    out, h = [], x.detach()
-    for layer, audit in zip(layers, report.layers):
-        fwd, bwd = [], []
-        transient = _transient_bytes(layer, h, audit.v2_bytes) if x.is_cuda else 0
-        params = [p for p in layer.parameters() if p.requires_grad]
-        for _ in range(repeats):
-            inp = h.detach().requires_grad_()
-            y, f_ms = timer(lambda: layer(inp))
-            ones = torch.ones_like(y)
-            # autograd.grad computes every gradient a training backward does, without touching .grad
-            _, b_ms = timer(lambda: torch.autograd.grad(y, [inp, *params], ones))
-            fwd.append(f_ms)
-            bwd.append(b_ms)
-        out.append(LayerProfile(
-            audit.v2_bytes, h.nbytes, statistics.median(fwd), statistics.median(bwd), transient
-        ))
-        h = y.detach()
-    return out
-
-
-def _transient_bytes(layer: nn.Module, h: torch.Tensor, saved_bytes: int) -> int:
-    """Peak device memory of one forward+backward of ``layer`` beyond its saved activations."""
-    inp = h.detach().requires_grad_()
-    params = [p for p in layer.parameters() if p.requires_grad]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    y = layer(inp)
-    grads = torch.autograd.grad(y, [inp, *params], torch.ones_like(y))
-    torch.cuda.synchronize()
-    # Weight gradients land in buffers that persist across steps in training: not transient.
-    persistent = sum(g.nbytes for g in grads[1:])
-    return max(0, torch.cuda.max_memory_allocated() - before - saved_bytes - persistent)
-
-
-def _cuda_timer(fn: Callable):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    result = fn()
-    end.record()
-    end.synchronize()
-    return result, start.elapsed_time(end)
-
-
-def _host_timer(fn: Callable):
-    t = time.perf_counter()
-    result = fn()
-    return result, (time.perf_counter() - t) * 1e3

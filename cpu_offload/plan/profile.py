@@ -1,7 +1,7 @@
 """Measure the user's own training step per layer, and plan offloading from it.
 
 ``profile_step(step_fn, layers)`` runs ``step_fn()`` (forward + backward of the real model, any
-layer signature) with the layers instrumented by ``apply.instrument``:
+layer signature) with the layers instrumented by ``tools.layers.instrument``:
 
 - saved bytes: a counting saved-tensor hook around each layer's forward applies V2's selection
   (``SelectionPolicy``, the predicate V2's pack hook uses) and counts each storage once, for the
@@ -33,15 +33,16 @@ layer signature) with the layers instrumented by ``apply.instrument``:
 Added times are medians of step-by-step differences to the plain step next to them, so that a
 machine whose speed drifts while it is profiled does not charge the drift to one of them.
 
-``plan_offloading`` feeds that to the planner's search (``planner.plan``) and returns a ``Plan``
-that ``apply_offloading(layers, plan=plan)`` applies.
+``plan_offloading`` feeds that to the planner's search (``search.plan``) and returns a ``Plan``
+that ``apply_offloading(layers, plan=plan)`` applies. ``profile_layers`` is the older chain form:
+each layer run on its own, from one example input.
 """
 from __future__ import annotations
 
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -51,45 +52,68 @@ from torch import nn
 from ..compat import queue_backward_callback, saved_tensors_hooks
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError
+from ..tools.apply import OffloadDriver
+from ..tools.audit import audit_offload_selection, v2_verdict
+from ..tools.layers import as_layer_list, hidden_state, instrument
+from ..v2.context import get_cpu_offload_context
 from ..v2.recompute import check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
-from ..tools.apply import OffloadDriver
-from ..tools.layers import as_layer_list, hidden_state, instrument
-from ..tools.audit import _v2_verdict
-from .model import (
-    FREE_HOST,
-    PEAK_MARGIN,
-    HostCost,
-    LayerProfile,
-    Plan,
-    _baseline,
-    plan as search_plan,
-)
+from .model import FREE_HOST, HostCost, LayerProfile, simulate
 
-__all__ = ["StepProfile", "plan_offloading", "profile_step"]
+__all__ = ["StepProfile", "measure_link", "profile_layers", "profile_step"]
 
 DEFAULT_SIM_LINK_GBPS = 50.0  # assumed on the simulated device: a PCIe Gen5 x16 link, each way
 
 
 @dataclass
 class StepProfile:
-    """One real step, per layer: what ``plan_offloading`` plans from."""
+    """One real step, per layer: what ``plan_offloading`` plans from.
+
+    ``profile_step`` measures it; ``cpu_offload.plan.plan(profile, memory_budget)`` searches it
+    (as often as needed: one profile, many budgets). Built by hand from ``LayerProfile``s, it
+    needs only ``layers`` and the link speed; what is left out is not calibrated.
+
+    Attributes:
+        layers: one ``LayerProfile`` per layer: bytes V2 offloads, input bytes, forward and
+            backward time, transient memory, what selective recomputation and checkpointing
+            cost, the host's time per forward call (CUDA).
+        step_ms: the whole step's time (median), layers and everything around them; None: not
+            measured.
+        peak_bytes: peak above the memory held before the step (CUDA), else None.
+        d2h_gbps, h2d_gbps: the host link, each way (GB/s).
+        min_tensor_size_to_offload: the selection the bytes were counted with.
+        notes: what the measurement could not do, and what it found (human-readable).
+        memory_timeline: the peak of each segment of the step (``model.memory_segments``) above
+            what it starts with (CUDA), else None.
+        selective_scope: where selective layers were recorded.
+        offload_ms_per_gb: measured time per GB offloaded above the step model's prediction.
+        offload_host_cost: host time offloading adds to the forward calls (CUDA): the
+            ``HostCost`` of the host model.
+
+    Example::
+
+        >>> from cpu_offload.plan import LayerProfile, StepProfile, plan
+        >>> prof = StepProfile([LayerProfile(2**30, 2**24, fwd_ms=50.0, bwd_ms=100.0)] * 4,
+        ...                    d2h_gbps=25.0, h2d_gbps=25.0)
+        >>> plan(prof).num_layers   # no budget: offload what the link hides at no cost
+        2
+    """
 
     layers: list  # list[LayerProfile]
-    step_ms: float  # the whole step (median), layers and everything around them
-    peak_bytes: Optional[int]  # peak above the memory held before the step (CUDA), else None
-    d2h_gbps: float
-    h2d_gbps: float
-    min_tensor_size_to_offload: int
+    step_ms: Optional[float] = None  # the whole step (median), layers and everything around them
+    peak_bytes: Optional[int] = None  # peak above the memory held before the step (CUDA), else None
+    d2h_gbps: float = 50.0
+    h2d_gbps: float = 50.0
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE
     notes: list = field(default_factory=list)
-    # Peak of each segment of the step (``planner.memory_segments``) above what it starts with
+    # Peak of each segment of the step (``model.memory_segments``) above what it starts with
     # (CUDA), else None: where the real step peaks, for the planner's memory model.
     memory_timeline: Optional[list] = None
     selective_scope: str = "modules"  # where selective layers were recorded (``set_selective``)
     # Measured time per GB offloaded above the planner's model (see the module docstring).
     offload_ms_per_gb: float = 0.0
     # Host time offloading adds to the forward calls (CUDA; the planner's host model:
-    # ``planner.host_stall_ms``).
+    # ``model.host_stall_ms``).
     offload_host_cost: HostCost = FREE_HOST
 
 
@@ -206,7 +230,7 @@ class _StepRecorder:
             hooks.__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        reason, storages = _v2_verdict(t, self.policy)
+        reason, storages = v2_verdict(t, self.policy)
         if reason is None:
             for key, nbytes in storages:
                 if key not in self.seen:
@@ -236,7 +260,7 @@ class _StepRecorder:
             self._close_segment()
 
     def memory_timeline(self, before: int) -> Optional[list]:
-        """Segment peaks above ``before`` in ``planner.memory_segments`` order, or None when
+        """Segment peaks above ``before`` in ``model.memory_segments`` order, or None when
         a layer's backward went unseen (its output was not on the loss's path)."""
         if not self.memory or len(self.segments) != 2 * self.n + 2:
             return None
@@ -278,8 +302,6 @@ class _Wrapped:
     def __init__(
         self, layers: list, device: Any, min_size: int, scope: Optional[str], num_layers: int = 0
     ) -> None:
-        from ..v2.context import get_cpu_offload_context
-
         context, sync = get_cpu_offload_context(
             enabled=True, num_layers=num_layers, model_layers=len(layers), device=device,
             min_tensor_size_to_offload=min_size,
@@ -474,8 +496,6 @@ def _offload_overhead(
     other layers' calls gain, are the host model's ``HostCost`` (CUDA only); what the step
     gains beyond the model's prediction with it, per GB, is charged to every plan. Nothing is
     charged when nothing is offloadable or the offloaded steps fail (a note)."""
-    from .model import simulate
-
     n = len(profiles)
     if n < 2 or not any(p.activation_bytes for p in profiles):
         return 0.0, FREE_HOST
@@ -486,7 +506,8 @@ def _offload_overhead(
     # since only what the model does not predict is charged.
     hidden = [k for k, ms in predicted.items() if ms <= PROBE_COST * base]
     k = max(hidden) if hidden else 1
-    moved_gb = sum(p.activation_bytes for p in profiles[:k]) / 1e9
+    moved = sum(p.activation_bytes for p in profiles[:k])
+    moved_gb = moved / 1e9
     if not moved_gb:
         notes.append(f"the first {k} layers save nothing to offload: no offload probe")
         return 0.0, FREE_HOST
@@ -506,7 +527,7 @@ def _offload_overhead(
     host_cost = FREE_HOST
     if profiles[0].host_fwd_ms is not None:
         added = timing.added("offload", "host")
-        host_cost = HostCost(sum(added[:k]) / moved_gb, statistics.median(added[k:]))
+        host_cost = HostCost.from_probe(added, k, moved)
         predicted[k] = simulate(profiles, k, (), d2h, h2d, host_cost=host_cost)[0] - base
         notes.append(
             f"offloading {k} layers added {sum(added[:k]):.2f} ms of host time to their "
@@ -607,138 +628,67 @@ class _Timing:
                 for i in range(self.n)]
 
 
-def plan_offloading(
-    step_fn: Callable[[], Any],
-    layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
-    memory_budget: Union[int, float],
-    *,
-    device: Optional[OffloadDevice] = None,
+def profile_layers(
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
-    link_gbps: Union[None, float, tuple] = None,
-    warmup: int = 1,
     repeats: int = 3,
-    partial: bool = True,
-    selective: Union[bool, str] = True,
-    peak_margin: float = PEAK_MARGIN,
-    spread: bool = True,
-) -> Plan:
-    """Choose what to offload and what to recompute from one real training step.
-
-    Runs ``step_fn()`` (one ordinary forward + backward of your model) with the layers
-    instrumented, measures per layer the bytes V2 would offload, forward and backward time and
-    transient memory, plus the step's peak memory, the host link and (on CUDA) the host's
-    time per layer, and searches the fastest "offload these layers (the first k, or spread
-    where the host has time for them) + recompute these layers" whose predicted peak fits
-    ``memory_budget`` (``cpu_offload.tools.planner``). Plan before ``apply_offloading`` and
-    before enabling gradient checkpointing (a checkpointed layer hides what it saves).
-
-    Args:
-        step_fn: runs one training step (forward and backward; no optimizer step needed). It
-            is called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
-            with ``selective`` (see ``profile_step``); the gradients it accumulates are left as
-            they are (zero them afterwards).
-        layers: the model's layers, as for ``apply_offloading``.
-        memory_budget: peak memory of the step, above what it starts with: bytes (``int``), or
-            a ``float`` in (0, 1], the fraction of the peak of the step without offloading
-            (measured on CUDA, predicted by the planner's model elsewhere).
-        device: the offload device (default CUDA); ``SimulatedDevice()`` plans on a CPU, with
-            host times and ``link_gbps``.
-        min_tensor_size_to_offload: as in ``get_cpu_offload_context``; stored in the plan and
-            used by ``apply_offloading(layers, plan=plan)``.
-        link_gbps: host link speed in GB/s, one number or ``(d2h, h2d)``; default: measured with
-            pinned copies on CUDA, 50 GB/s on the simulated device.
-        warmup, repeats: untimed steps first, then timed steps (medians).
-        partial: let the last offloaded layer offload only part of what it saves (its first
-            quarter, half or three quarters of bytes), to use the link up to its capacity.
-            Only the V2 backend applies such a plan; pass ``False`` for V1.
-        selective: measure and consider selective recomputation (``Plan.selective``: layers
-            whose cheap saved tensors are recomputed instead of stored). ``True`` (or
-            ``"modules"``): ops are recorded inside norm and activation modules only;
-            ``"layer"``: every op of the layer (more recipes, more host time per op). Only the
-            V2 backend applies it; pass ``False`` for V1 (or to save the extra profiled steps).
-        peak_margin: kept between a plan's predicted peak and the budget, as a fraction of the
-            peak without offloading (default 1%: measured peaks landed within 0.7% of the
-            predictions); 0 trusts the prediction, for comparisons at an exact peak.
-        spread: on CUDA, let a plan offload spread layers (``1, 3, 5`` instead of ``0, 1,
-            2``) where the measured host times say that offloading the first layers would make
-            the GPU wait for the host (``planner.spread_layers``). Only the V2 backend applies
-            such a plan; pass ``False`` for V1.
-
-    Returns:
-        A ``Plan``: ``num_layers`` (and ``offloaded``, if spread), ``recompute``,
-        ``selective``, predicted ``step_ms``/``peak_bytes`` and ratios, ``describe()``; apply
-        it with ``apply_offloading(layers, plan=plan)``.
-
-    Raises:
-        OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
-            message names it, and the exception's ``lowest_peak_bytes`` holds it), or a
-            ``step_fn`` that runs none of ``layers``.
-
-    Example::
-
-        >>> import torch, cpu_offload
-        >>> layers = torch.nn.ModuleList(
-        ...     torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
-        >>> x0 = torch.randn(8, 64)
-        >>> def step():
-        ...     x = x0.requires_grad_()
-        ...     for layer in layers:
-        ...         x = layer(x)
-        ...     x.sum().backward()
-        >>> sim = cpu_offload.SimulatedDevice()   # on a GPU: leave out device= and link_gbps=
-        >>> plan = cpu_offload.plan_offloading(
-        ...     step, layers, 0.8, device=sim, min_tensor_size_to_offload=1, link_gbps=1.0)
-        >>> print(plan.describe())   # doctest: +ELLIPSIS
-        offload the first ... layers (...), recompute layers: ...; predicted step ...
-        >>> handle = cpu_offload.apply_offloading(layers, plan=plan, device=sim)
-        >>> step()
-        >>> handle.remove()
-    """
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
-        raise OffloadConfigError(
-            f"memory_budget must be bytes (int) or a fraction in (0, 1] (float), got "
-            f"{memory_budget!r}"
-        )
-    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
-        raise OffloadConfigError(
-            f"memory_budget={memory_budget} as a float is a fraction of the peak without "
-            "offloading and must be in (0, 1]; pass an int for bytes"
-        )
-    if isinstance(memory_budget, int) and memory_budget <= 0:
-        raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
-    prof = profile_step(
-        step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
-        link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
+) -> list[LayerProfile]:
+    """Measure each layer's offloadable bytes (via the audit) and forward/backward times, each
+    layer run on its own from the previous one's output (the chain form; ``profile_step``
+    measures the real step instead)."""
+    policy = SelectionPolicy(
+        min_tensor_size_to_offload=min_tensor_size_to_offload,
+        is_device_tensor=(lambda t: t.is_cuda) if x.is_cuda else (lambda t: t.device == x.device),
     )
-    return plan_from_profile(prof, memory_budget, partial, peak_margin, spread)
+    report = audit_offload_selection(list(layers), x.detach(), policy=policy)
+    timer = _cuda_timer if x.is_cuda else _host_timer
+    out, h = [], x.detach()
+    for layer, audit in zip(layers, report.layers):
+        fwd, bwd = [], []
+        transient = _transient_bytes(layer, h, audit.v2_bytes) if x.is_cuda else 0
+        params = [p for p in layer.parameters() if p.requires_grad]
+        for _ in range(repeats):
+            inp = h.detach().requires_grad_()
+            y, f_ms = timer(lambda: layer(inp))
+            ones = torch.ones_like(y)
+            # autograd.grad computes every gradient a training backward does, without touching .grad
+            _, b_ms = timer(lambda: torch.autograd.grad(y, [inp, *params], ones))
+            fwd.append(f_ms)
+            bwd.append(b_ms)
+        out.append(LayerProfile(
+            audit.v2_bytes, h.nbytes, statistics.median(fwd), statistics.median(bwd), transient
+        ))
+        h = y.detach()
+    return out
 
 
-def plan_from_profile(
-    prof: StepProfile, memory_budget: Union[int, float], partial: bool = True,
-    peak_margin: float = PEAK_MARGIN, spread: bool = True,
-) -> Plan:
-    """The planner's search on a measured step (``memory_budget``, ``partial``,
-    ``peak_margin``, ``spread`` as in ``plan_offloading``)."""
-    profiles = prof.layers
-    if len(profiles) < 2:
-        raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
-    timeline = prof.memory_timeline
-    if isinstance(memory_budget, float):
-        base_peak = _baseline(profiles, prof.d2h_gbps, prof.h2d_gbps, prof.peak_bytes,
-                              prof.step_ms, timeline)[1]
-        budget = int(memory_budget * base_peak)
-    else:
-        budget = int(memory_budget)
-    chosen = search_plan(
-        profiles, prof.d2h_gbps, prof.h2d_gbps, budget, prof.peak_bytes, prof.step_ms, partial,
-        timeline, peak_margin, prof.offload_ms_per_gb, prof.offload_host_cost, spread,
-    )
-    return replace(
-        chosen,
-        memory_budget_bytes=budget,
-        min_tensor_size_to_offload=prof.min_tensor_size_to_offload,
-        selective_scope=prof.selective_scope,
-        d2h_gbps=prof.d2h_gbps,
-        h2d_gbps=prof.h2d_gbps,
-        profiles=tuple(profiles),
-    )
+def _transient_bytes(layer: nn.Module, h: torch.Tensor, saved_bytes: int) -> int:
+    """Peak device memory of one forward+backward of ``layer`` beyond its saved activations."""
+    inp = h.detach().requires_grad_()
+    params = [p for p in layer.parameters() if p.requires_grad]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y = layer(inp)
+    grads = torch.autograd.grad(y, [inp, *params], torch.ones_like(y))
+    torch.cuda.synchronize()
+    # Weight gradients land in buffers that persist across steps in training: not transient.
+    persistent = sum(g.nbytes for g in grads[1:])
+    return max(0, torch.cuda.max_memory_allocated() - before - saved_bytes - persistent)
+
+
+def _cuda_timer(fn: Callable):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    result = fn()
+    end.record()
+    end.synchronize()
+    return result, start.elapsed_time(end)
+
+
+def _host_timer(fn: Callable):
+    t = time.perf_counter()
+    result = fn()
+    return result, (time.perf_counter() - t) * 1e3

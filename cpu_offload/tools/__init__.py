@@ -1,2 +1,4 @@
-"""Tools built on the backends: ``apply_offloading`` (one call, in place), ``plan_offloading``
-(a plan from the user's real step), the tag-vs-detection audit, the planner and the timeline."""
+"""Tools built on the backends, one job per module: ``layers`` (the class-swap seam that routes
+each layer's call through a driver), ``apply`` (``apply_offloading``: one call, in place),
+``audit`` (what V1's tags and V2's detection select) and ``timeline`` (a picture of one real
+step on CUDA)."""

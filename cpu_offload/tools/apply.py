@@ -388,7 +388,7 @@ def _limit_last_layer(handle: OffloadingHandle, plan: Any) -> None:
         raise OffloadConfigError(
             f"the plan offloads layer {last} in part, which only the V2 backend "
             "can do; unset NVTE_CPU_OFFLOAD_V1, or plan with "
-            "cpu_offload.tools.planner.plan(..., partial=False)"
+            "cpu_offload.plan_offloading(..., partial=False)"
         )
     sync.limit_layer_bytes(last, plan.partial_bytes)
 

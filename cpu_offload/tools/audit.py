@@ -216,7 +216,7 @@ def _v1_verdict(t: torch.Tensor, is_device_tensor: Callable[[torch.Tensor], bool
     return _whole_storage(t)
 
 
-def _v2_verdict(t: torch.Tensor, policy: SelectionPolicy) -> tuple:
+def v2_verdict(t: torch.Tensor, policy: SelectionPolicy) -> tuple:
     """``(reason, [(storage_key, nbytes), ...])`` exactly as V2's pack hook decides.
 
     Mirrors ``OffloadSynchronizer.push``: wrapper subclasses are judged as a whole for the
@@ -226,7 +226,7 @@ def _v2_verdict(t: torch.Tensor, policy: SelectionPolicy) -> tuple:
         reason = policy.wrapper_skip_reason(t)
         if reason is not None:
             return reason, []
-        return _inner_verdicts(t, lambda inner: _v2_verdict(inner, policy))
+        return _inner_verdicts(t, lambda inner: v2_verdict(inner, policy))
     reason = policy.skip_reason(t)
     if reason == "weight mark" and isinstance(t._base, nn.Parameter):
         reason = "parameter view"  # e.g. the ``weight.t()`` that ``F.linear`` saves
@@ -294,7 +294,7 @@ class _LayerRecorder:
         storages = [_storage(c) for c in leaves]
         all_ids = tuple(self._id(key) for key, _ in storages)
         v1, v1_found = _v1_verdict(t, self.is_device_tensor)
-        v2, v2_found = _v2_verdict(t, self.policy)
+        v2, v2_found = v2_verdict(t, self.policy)
         v1_ids, v1_new = self._account("v1", v1_found)
         v2_ids, v2_new = self._account("v2", v2_found)
         self.audit.tensors.append(

@@ -149,7 +149,7 @@ def test_llama_plan_from_plan_offloading_applied(sim):
 
 def test_llama_offload_and_recompute_plan(sim):
     """A plan that offloads layers 0-1 and recomputes layers 2-3 of 5."""
-    from cpu_offload.plan.model import Plan
+    from cpu_offload.plan.search import Plan
 
     model, ids = tiny_llama(layers=5), batch()
     ref = train_step(model, ids)
@@ -371,7 +371,7 @@ def test_gpu_llama_every_input_offloaded_matches_hf_offload_peak(gpu_llama):
     import sys
     from pathlib import Path
 
-    from cpu_offload.plan.model import Plan
+    from cpu_offload.plan.search import Plan
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from hf_llama_benchmark import hf_checkpointing, hf_checkpointing_off
@@ -403,7 +403,7 @@ def test_gpu_llama_every_input_offloaded_matches_hf_offload_peak(gpu_llama):
 def test_gpu_llama_spread_offload_bit_identical_and_frees_those_layers(gpu_llama):
     """Offloading layers 1, 3 and 5 (a spread plan, with its own schedule): bit-identical
     gradients, and exactly those layers copied and freed their activations."""
-    from cpu_offload.plan.model import Plan
+    from cpu_offload.plan.search import Plan
 
     model, ids = gpu_llama
     layers = model.model.layers

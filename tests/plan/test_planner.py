@@ -6,12 +6,19 @@ import torch
 
 from cpu_offload.core.errors import OffloadConfigError
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config
-from cpu_offload.plan.model import LayerProfile, memory_segments, plan, profile_layers, simulate
+from cpu_offload.plan.model import LayerProfile, memory_segments, simulate
+from cpu_offload.plan.profile import StepProfile, profile_layers
+from cpu_offload.plan.search import plan
 
 MIB = 1 << 20
 # The reference workload (README "Performance") as measured on an H100: 512 MiB per layer,
 # 2.84 / 6.5 ms per layer.
 REFERENCE = [LayerProfile(512 * MIB, 32 * MIB, 2.84, 6.5)] * 8
+
+
+def measured(profiles, gbps=55, **kw):
+    """A step of these layer costs on a link of ``gbps`` GB/s each way, for ``plan``."""
+    return StepProfile(profiles, d2h_gbps=gbps, h2d_gbps=gbps, **kw)
 
 
 def test_without_offloading_time_is_compute_and_all_layers_peak_together():
@@ -60,7 +67,7 @@ def test_a_checkpointed_offloaded_layer_holds_nothing_and_moves_its_input():
 
 def test_plans_go_below_the_peak_of_checkpointing_every_layer():
     all_ckpt = simulate(REFERENCE, 0, tuple(range(8)), 55, 55)
-    chosen = plan(REFERENCE, 55, 55, int(0.9 * all_ckpt[1]))
+    chosen = plan(measured(REFERENCE), int(0.9 * all_ckpt[1]))
     assert chosen.peak_bytes <= 0.9 * all_ckpt[1]
     assert set(chosen.recompute) & set(range(chosen.num_layers))  # checkpointed and offloaded
     assert chosen.step_ms <= all_ckpt[0] * 1.01
@@ -68,7 +75,7 @@ def test_plans_go_below_the_peak_of_checkpointing_every_layer():
 
 def test_plan_meets_a_tight_budget_by_mixing_offload_and_recompute():
     base_peak = simulate(REFERENCE, 0)[1]
-    chosen = plan(REFERENCE, 55, 55, int(0.64 * base_peak))
+    chosen = plan(measured(REFERENCE), int(0.64 * base_peak))
     assert chosen.peak_bytes <= 0.64 * base_peak
     assert chosen.num_layers >= 1 and chosen.recompute  # both tools used
     assert chosen.time_ratio < simulate(REFERENCE, 6, (), 55, 55)[0] / chosen.baseline_ms
@@ -77,15 +84,15 @@ def test_plan_meets_a_tight_budget_by_mixing_offload_and_recompute():
 
 def test_plan_prefers_offloading_on_a_fast_link_and_recompute_on_a_slow_one():
     base_peak = simulate(REFERENCE, 0)[1]
-    fast = plan(REFERENCE, 5000, 5000, int(0.3 * base_peak))
+    fast = plan(measured(REFERENCE, 5000), int(0.3 * base_peak))
     assert fast.recompute == () and fast.num_layers >= 6
-    slow = plan(REFERENCE, 1, 1, int(0.3 * base_peak))
+    slow = plan(measured(REFERENCE, 1), int(0.3 * base_peak))
     assert slow.num_layers <= 1 and len(slow.recompute) >= 5
 
 
 def test_impossible_budget_and_bad_arguments_are_refused():
     with pytest.raises(OffloadConfigError, match="no plan fits"):
-        plan(REFERENCE, 55, 55, 1)
+        plan(measured(REFERENCE), 1)
     with pytest.raises(OffloadConfigError, match="num_layers must be in"):
         simulate(REFERENCE, 8)
     with pytest.raises(OffloadConfigError, match="recomputed layers in"):
@@ -112,7 +119,7 @@ def test_transient_workspace_is_added_to_every_peak():
 
 def test_measured_baseline_peak_calibrates_every_plan():
     base_peak = simulate(REFERENCE, 0)[1]
-    calibrated = plan(REFERENCE, 55, 55, None, measured_baseline_peak=base_peak + 400 * MIB)
+    calibrated = plan(measured(REFERENCE, peak_bytes=base_peak + 400 * MIB), None)
     assert calibrated.baseline_peak_bytes == base_peak + 400 * MIB
     assert calibrated.peak_bytes == simulate(REFERENCE, calibrated.num_layers)[1] + 400 * MIB
 
@@ -136,8 +143,8 @@ def test_a_partial_last_layer_moves_and_frees_its_share_only():
 def test_partial_plans_use_the_link_up_to_its_capacity():
     base_peak = simulate(LINK_BOUND, 0)[1]
     budget = int(0.81 * base_peak)  # 0.80 after the planner's 1% margin
-    whole = plan(LINK_BOUND, 55, 55, budget, partial=False)
-    part = plan(LINK_BOUND, 55, 55, budget)
+    whole = plan(measured(LINK_BOUND), budget, partial=False)
+    part = plan(measured(LINK_BOUND), budget)
     assert whole.partial_bytes is None and whole.recompute  # whole layers: recompute one
     assert part.peak_bytes <= budget - 0.01 * base_peak and part.step_ms < whole.step_ms
     assert part.time_ratio == pytest.approx(1.0)  # every copy hidden, nothing recomputed
@@ -182,7 +189,7 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
     plain definition: per segment, the measured peak minus every window covering it."""
     import random
 
-    from cpu_offload.plan import model as planner
+    from cpu_offload.plan import model, search
     from cpu_offload.v2.schedule import Schedule, plan_synchronization_dict
 
     rng = random.Random(0)
@@ -191,14 +198,14 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
                              selective_bytes=rng.randint(0, 90) * MIB) for _ in range(n)]
     timeline = [rng.randint(1000, 5000) * MIB for _ in range(2 * n + 2)]
     checked = 0
-    for k, frac, rec, sel in planner._layouts(profiles, True, True):
+    for k, frac, rec, sel in search._layouts(profiles, True, True):
         stored = [p.input_bytes if j in rec else p.activation_bytes -
                   (p.selective_bytes if j in sel else 0) for j, p in enumerate(profiles)]
         moved = list(stored)
         if k:
             moved[k - 1] = int(moved[k - 1] * frac)
         schedule = Schedule(n, plan_synchronization_dict(k, n))
-        windows = [(*(planner._segment_at(pos, n) for pos in schedule.window(j)), moved[j])
+        windows = [(*(model._segment_at(pos, n) for pos in schedule.window(j)), moved[j])
                    for j in schedule.sync if not schedule.released_at_forward_end(j)]
         if k == n:  # the last layer's input is away in the loss segment (n + 1) only
             windows.append((n + 1, n + 2, moved[n - 1]))
@@ -207,7 +214,7 @@ def test_the_timeline_peak_equals_a_segment_by_segment_sum_for_every_layout():
         windows += [(j + 2, 2 * n + 1 - j, profiles[j].selective_bytes) for j in sel]
         expected = max(seg - sum(b for a, z, b in windows if a <= i < z)
                        for i, seg in enumerate(timeline))
-        got = planner._peak_from_timeline(
+        got = model._peak_from_timeline(
             timeline, profiles, tuple(range(k)), set(rec), moved, set(sel))
         assert got == expected, (k, frac, rec, sel)
         checked += 1
@@ -220,7 +227,7 @@ def test_many_layers_are_searched_coarsely_then_refined_near_the_best(monkeypatc
     2% of the exhaustive search's (predicted) time, within the same budget."""
     import random
 
-    from cpu_offload.plan import model as planner
+    from cpu_offload.plan import search as planner
 
     rng = random.Random(1)
     n = 26
@@ -237,10 +244,10 @@ def test_many_layers_are_searched_coarsely_then_refined_near_the_best(monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(planner, "simulate", counting)
-    coarse = plan(profiles, 55, 55, budget, memory_timeline=timeline)
+    coarse = plan(measured(profiles, memory_timeline=timeline), budget)
     coarse_calls, calls["n"] = calls["n"], 0
     monkeypatch.setattr(planner, "COARSE_LAYERS", n)  # every layout
-    full = plan(profiles, 55, 55, budget, memory_timeline=timeline)
+    full = plan(measured(profiles, memory_timeline=timeline), budget)
     assert coarse_calls * 4 < calls["n"]
     assert coarse.peak_bytes <= budget and full.peak_bytes <= budget
     assert full.step_ms <= coarse.step_ms <= full.step_ms * 1.02
@@ -249,28 +256,28 @@ def test_many_layers_are_searched_coarsely_then_refined_near_the_best(monkeypatc
 def test_a_step_that_peaks_before_the_layers_cannot_be_planned_below_it():
     timeline = timeline_of(REFERENCE, 0)
     timeline[0] = 10 * 512 * MIB  # e.g. an embedding workspace larger than every activation
-    base = plan(REFERENCE, 55, 55, None, memory_timeline=timeline)
+    base = plan(measured(REFERENCE, memory_timeline=timeline), None)
     assert base.baseline_peak_bytes == 10 * 512 * MIB
     with pytest.raises(OffloadConfigError, match="no plan fits"):
-        plan(REFERENCE, 55, 55, 9 * 512 * MIB, memory_timeline=timeline)
+        plan(measured(REFERENCE, memory_timeline=timeline), 9 * 512 * MIB)
 
 
 def test_plans_keep_a_margin_under_the_budget():
     base_peak = simulate(REFERENCE, 0)[1]
     exactly_k2 = simulate(REFERENCE, 2, (), 55, 55)[1]  # 6 of 8 layers: 0.75 of the peak
-    chosen = plan(REFERENCE, 55, 55, exactly_k2)
+    chosen = plan(measured(REFERENCE), exactly_k2)
     assert chosen.peak_bytes <= exactly_k2 - 0.01 * base_peak  # k=2 itself would be too tight
     with pytest.raises(OffloadConfigError, match=r"keep peak_margin=1.0% of the peak without") as err:
-        plan(REFERENCE, 55, 55, simulate(REFERENCE, 7, (), 1e9, 1e9)[1])
+        plan(measured(REFERENCE), simulate(REFERENCE, 7, (), 1e9, 1e9)[1])
     lowest = err.value.lowest_peak_bytes  # the budget that fits a plan, with no margin
-    assert plan(REFERENCE, 55, 55, lowest, peak_margin=0.0).peak_bytes == lowest
+    assert plan(measured(REFERENCE), lowest, peak_margin=0.0).peak_bytes == lowest
     with pytest.raises(OffloadConfigError, match="no plan fits"):
-        plan(REFERENCE, 55, 55, lowest - 1, peak_margin=0.0)
+        plan(measured(REFERENCE), lowest - 1, peak_margin=0.0)
     # peak_margin=0 trusts the prediction: k=2 exactly at the budget is a candidate again.
-    exact = plan(REFERENCE, 55, 55, exactly_k2, peak_margin=0.0)
+    exact = plan(measured(REFERENCE), exactly_k2, peak_margin=0.0)
     assert exact.peak_bytes <= exactly_k2 and exact.peak_bytes > chosen.peak_bytes
     with pytest.raises(OffloadConfigError, match=r"peak_margin is a fraction .* in \[0, 1\)"):
-        plan(REFERENCE, 55, 55, exactly_k2, peak_margin=1.5)
+        plan(measured(REFERENCE), exactly_k2, peak_margin=1.5)
 
 
 def test_every_layer_checkpointed_and_offloaded_moves_the_last_input_at_the_forward_end():
@@ -289,7 +296,7 @@ def test_every_layer_checkpointed_and_offloaded_moves_the_last_input_at_the_forw
     assert ms_prev < ms_all <= ms_prev + 2 * link_ms + 1e-9
     with pytest.raises(OffloadConfigError, match=r"or 8 with layer 7 recomputed"):
         simulate(profiles, n, everything[:-1], 55, 55)
-    chosen = plan(profiles, 55, 55, peak_all, memory_timeline=timeline, peak_margin=0.0)
+    chosen = plan(measured(profiles, memory_timeline=timeline), peak_all, peak_margin=0.0)
     assert (chosen.num_layers, chosen.recompute, chosen.peak_bytes) == (n, everything, peak_all)
     assert "offload all 8 layers (the last one's input when the forward pass ends" in chosen.describe()
 
@@ -323,8 +330,8 @@ def test_selective_forward_cost_is_charged_and_can_rule_it_out():
     slow, _ = simulate(host_bound, 0, (), selective=range(8))
     assert slow == pytest.approx(ms + 8 * 4.0)
     budget = int(0.72 * simulate(SELECTIVE, 0)[1])
-    assert plan(SELECTIVE, 55, 55, budget).selective
-    chosen = plan(host_bound, 55, 55, budget)
+    assert plan(measured(SELECTIVE), budget).selective
+    chosen = plan(measured(host_bound), budget)
     assert not chosen.selective and chosen.recompute
 
 
@@ -342,8 +349,8 @@ def test_offloaded_selective_layers_move_only_what_they_store():
 def test_plan_prefers_selective_over_checkpointing_when_it_is_cheaper():
     base_peak = simulate(SELECTIVE, 0)[1]
     budget = int(0.72 * base_peak)
-    without = plan(REFERENCE, 55, 55, budget)
-    chosen = plan(SELECTIVE, 55, 55, budget)
+    without = plan(measured(REFERENCE), budget)
+    chosen = plan(measured(SELECTIVE), budget)
     assert chosen.selective and chosen.step_ms < without.step_ms
     assert chosen.peak_bytes <= budget - 0.01 * base_peak
     ms, peak = simulate(SELECTIVE, chosen.num_layers, chosen.recompute, 55, 55,

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from cpu_offload import OffloadConfigError, apply_offloading
-from cpu_offload.plan import model as planner
 from cpu_offload.plan import profile as sp
+from cpu_offload.plan import search as planner
 from cpu_offload.plan.model import (
     HostCost,
     LayerProfile,
-    Plan,
     host_stall_ms,
     simulate,
     spread_layers,
 )
+from cpu_offload.plan.profile import StepProfile
+from cpu_offload.plan.search import Plan
 from cpu_offload.v2.schedule import (
     Schedule,
     default_synchronization_dict,
@@ -113,13 +114,14 @@ def test_spread_schedule_is_the_default_timing_for_other_layers():
 def test_the_planner_spreads_offloaded_layers_where_the_host_has_no_lead():
     p = hf_like(n=16)
     per_gb = HostCost(ms_per_gb=2.2 / 0.77)
-    kw = dict(d2h_gbps=55.0, h2d_gbps=55.0, memory_budget_bytes=int(0.8 * 16 * 0.77 * GB))
-    spread = planner.plan(p, host_cost=per_gb, **kw)
+    budget = int(0.8 * 16 * 0.77 * GB)
+    prof = StepProfile(p, d2h_gbps=55.0, h2d_gbps=55.0, offload_host_cost=per_gb)
+    spread = planner.plan(prof, budget)
     assert spread.offloaded and spread.offloaded != tuple(range(spread.num_layers))
     assert len(spread.offloaded) == spread.num_layers
     assert "offload layers " + ", ".join(map(str, spread.offloaded)) in spread.describe()
-    assert spread.peak_bytes <= kw["memory_budget_bytes"]
-    first = planner.plan(p, host_cost=per_gb, spread=False, **kw)
+    assert spread.peak_bytes <= budget
+    first = planner.plan(prof, budget, spread=False)
     assert first.offloaded == () and first.step_ms > spread.step_ms
     # The prediction is simulate's, layer for layer.
     ms, peak = simulate(p, spread.num_layers, spread.recompute, 55.0, 55.0,
@@ -127,7 +129,8 @@ def test_the_planner_spreads_offloaded_layers_where_the_host_has_no_lead():
                         per_gb)
     assert (ms, peak) == (pytest.approx(spread.step_ms), spread.peak_bytes)
     # No host cost measured: the planner never spreads.
-    assert planner.plan(p, host_cost=HostCost(), **kw).offloaded == ()
+    free = StepProfile(p, d2h_gbps=55.0, h2d_gbps=55.0, offload_host_cost=HostCost())
+    assert planner.plan(free, budget).offloaded == ()
 
 
 def test_a_spread_plan_is_applied_exactly(x0, sim):
@@ -235,4 +238,4 @@ def test_the_simulated_device_has_no_host_model(x0, sim):
                            min_tensor_size_to_offload=64, link_gbps=1e4, repeats=1)
     assert all(p.host_fwd_ms is None for p in prof.layers)
     assert prof.offload_host_cost.is_free
-    assert sp.plan_from_profile(prof, 0.6).offloaded == ()
+    assert planner.plan(prof, 0.6).offloaded == ()

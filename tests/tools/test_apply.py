@@ -25,8 +25,10 @@ from cpu_offload import (
 )
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.tools.layers import hidden_state
-from cpu_offload.plan.model import LayerProfile, Plan
-from cpu_offload.plan.profile import plan_from_profile, profile_step
+from cpu_offload.plan.model import LayerProfile
+from cpu_offload.plan.profile import profile_step
+from cpu_offload.plan import search
+from cpu_offload.plan.search import Plan
 from cpu_offload.v2.selection import SelectionPolicy
 
 from _support.kwarg_layers import KwargLayer, assert_equal, make_layers, step
@@ -231,7 +233,7 @@ def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
     # A fast link: offloading only. (What offloading measures beyond the link is host time on
     # the simulated device, noise on a busy machine: this asks about the link alone.)
     prof = profile_step(lambda: step(layers, x0), layers, **{**kw, "link_gbps": 1e4})
-    fast = plan_from_profile(dataclasses.replace(prof, offload_ms_per_gb=0.0), 0.4)
+    fast = search.plan(dataclasses.replace(prof, offload_ms_per_gb=0.0), 0.4)
     assert fast.recompute == () and fast.num_layers >= 3
 
 

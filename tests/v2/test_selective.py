@@ -456,7 +456,7 @@ def test_bad_selective_arguments_name_the_fix(sim, monkeypatch):
         apply_offloading(layers, num_layers=1, selective=[3], device=sim)
     with pytest.raises(OffloadConfigError, match="True .every layer. or layer indices"):
         apply_offloading(layers, num_layers=1, selective=3, device=sim)
-    plan = cpu_offload.plan.model.Plan(0, (1,))
+    plan = cpu_offload.plan.Plan(0, (1,))
     with pytest.raises(OffloadConfigError, match="both checkpointed .recompute. and selective"):
         apply_offloading(layers, plan=plan, selective=[1], device=sim)
     monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
@@ -478,7 +478,7 @@ def test_compiled_layers_are_refused(sim):
 
 
 def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_exactly(sim):
-    from cpu_offload.plan.profile import plan_from_profile, profile_step
+    from cpu_offload.plan import profile_step, search
 
     cfg = tiny_config()
     model = build_model(cfg)
@@ -495,7 +495,7 @@ def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_e
                    for p in prof.layers]
     prof.step_ms = 12.0
     prof.offload_ms_per_gb = 0.0  # the offload probe's host time is noise here too
-    plan = plan_from_profile(prof, 0.7)  # the link is too slow to offload: recompute
+    plan = search.plan(prof, 0.7)  # the link is too slow to offload: recompute
     assert plan.selective and plan.peak_ratio <= 0.7
     assert f"selective layers: {', '.join(map(str, plan.selective))}" in plan.describe()
     with apply_offloading(model.layers, plan=plan, device=sim) as handle:
