@@ -5,7 +5,6 @@ backends read as plain code and a new torch release means editing one module.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -181,57 +180,6 @@ def bytes_on_storage(storage: torch.UntypedStorage, like: torch.Tensor) -> torch
     return _empty(torch.uint8, None if type(like) is _Tensor else like.device, like).set_(storage)
 
 
-class _FlattenCtx:
-    """``tensor_flatten``'s context when a subclass listed non-tensor attributes as inner."""
-
-    __slots__ = ("ctx", "opaque")
-
-    def __init__(self, ctx: Any, opaque: dict) -> None:
-        self.ctx = ctx
-        self.opaque = opaque
-
-
-def tensor_flatten(t: torch.Tensor) -> Tuple[list, Any]:
-    """``t.__tensor_flatten__()`` for saving ``t``'s inner tensors elsewhere; pair it with
-    ``tensor_unflatten``.
-
-    - Only names of inner *tensors* are returned. Some subclasses list other objects among their
-      inner attributes (DTensor lists its ``device_mesh`` from torch 2.10 or so, an opaque
-      object for PT2); those travel in the returned context and ``tensor_unflatten`` puts them
-      back.
-    - A tensor whose data is still being written by a collective (``AsyncCollectiveTensor``) is
-      awaited first (``wait_pending_collective``), so copies of its inner tensors ordered after
-      the current stream read final data.
-    """
-    wait_pending_collective(t)
-    names, ctx = t.__tensor_flatten__()
-    tensors, opaque = [], {}
-    for name in names:
-        value = getattr(t, name)
-        if isinstance(value, torch.Tensor):
-            tensors.append(name)
-        else:
-            opaque[name] = value
-    return tensors, (_FlattenCtx(ctx, opaque) if opaque else ctx)
-
-
-_unflatten_arity: dict = {}
-
-
-def tensor_unflatten(cls: type, inner: dict, ctx: Any, size: torch.Size, stride: tuple) -> Any:
-    """``cls.__tensor_unflatten__``: ``(inner, ctx)`` before torch 2.2, plus size/stride after.
-    Accepts ``tensor_flatten``'s context as well as the subclass's own."""
-    if isinstance(ctx, _FlattenCtx):
-        inner = {**inner, **ctx.opaque}
-        ctx = ctx.ctx
-    arity = _unflatten_arity.get(cls)
-    if arity is None:
-        arity = _unflatten_arity[cls] = len(inspect.signature(cls.__tensor_unflatten__).parameters)
-    if arity >= 4:
-        return cls.__tensor_unflatten__(inner, ctx, size, stride)
-    return cls.__tensor_unflatten__(inner, ctx)
-
-
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the backward pass that is executing now has finished.
 
@@ -321,22 +269,6 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, dtype: torch.dtype) -> 
     )
 
 
-def wait_pending_collective(t: torch.Tensor) -> torch.Tensor:
-    """Make the current stream wait for the collective that produces ``t``, if one may still run.
-
-    Tensor parallelism's ``RowwiseParallel`` returns an ``AsyncCollectiveTensor``: its data is
-    final only after the all-reduce, which is awaited at the tensor's first use. Autograd saves an
-    op's inputs *before* running the op, so a saved-tensor hook sees it not yet awaited, and a
-    side-stream copy ordered after the current stream would read it while the collective still
-    writes it. Waiting here orders the collective before anything queued next on this stream.
-    Returns ``t`` (still the same object); anything else is returned untouched.
-    """
-    # ``completed`` exists from torch 2.2 or so; before, waiting again is a no-op (idempotent).
-    if type(t).__name__ == "AsyncCollectiveTensor" and not getattr(t, "completed", False):
-        t.trigger_wait()
-    return t
-
-
 def fully_shard() -> Optional[Callable]:
     """FSDP2's ``fully_shard``: ``torch.distributed.fsdp`` from torch 2.6, under
     ``torch.distributed._composable.fsdp`` in 2.4-2.5, absent before (None)."""
@@ -361,6 +293,17 @@ def pipelining() -> Any:
         import torch.distributed.pipelining as pp
 
         return pp
+    except ImportError:
+        return None
+
+
+def functional_collectives() -> Any:
+    """``torch.distributed._functional_collectives`` (the collectives that return an
+    ``AsyncCollectiveTensor``; a private module in every release), or None."""
+    try:
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol
     except ImportError:
         return None
 

@@ -17,10 +17,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..compat import is_traceable_wrapper_subclass, tensor_flatten, tensor_unflatten
+from ..compat import is_traceable_wrapper_subclass
 from ..core.device import Event, OffloadDevice, Stream
 from ..core.storage import KeptRef as Kept
 from ..core.storage import ViewMeta, check_version, restore_view, storage_bytes
+from ..core.subclass import tensor_flatten, tensor_unflatten
 from .marking import needs_force_clear
 
 try:  # tensors of torch.compile tracing are never offloaded (Transformer Engine does the same)

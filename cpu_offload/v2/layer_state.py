@@ -23,7 +23,7 @@ from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
 from ..core.markers import READY_EVENT_ATTR
 from ..core.pinned_pool import PinnedPool
-from ..compat import tensor_unflatten
+from ..core.subclass import tensor_unflatten
 from ..core.storage import (
     KeptRef,
     VersionWatch,

@@ -20,7 +20,6 @@ from ..compat import (
     is_parameter,
     is_traceable_wrapper_subclass,
     queue_backward_callback,
-    tensor_flatten,
 )
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadUsageError, check_sync_argument
@@ -28,6 +27,7 @@ from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
 from .recompute import SelectiveLayer, check_selective_scope
 from ..core.storage import KeptRef
 from ..core.pinned_pool import PinnedPool
+from ..core.subclass import tensor_flatten
 from .schedule import Schedule
 from .selection import SelectionPolicy
 from .stats import StepStats

@@ -42,9 +42,9 @@ from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_lay
 CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim")
 
 # Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
-# compat.tensor_flatten for them (non-tensor inner attributes such as DTensor's device_mesh on
-# recent torch; the pending all-reduce awaited before copying): a one-line change in
-# v2/synchronizer.py's _push_subclass, `names, ctx = tensor_flatten(t)`.
+# core.subclass.tensor_flatten for them (non-tensor inner attributes such as DTensor's
+# device_mesh on recent torch; the pending all-reduce awaited before copying): a one-line change
+# in v2/synchronizer.py's _push_subclass, `names, ctx = tensor_flatten(t)`.
 class Env:
     """What a case needs to know about where it runs."""
 
