@@ -23,17 +23,17 @@ from .config import (
 )
 from .core.device import CudaDevice, OffloadDevice
 from .core.errors import OffloadConfigError, OffloadUsageError, OffloadVerifyError
-from .api import (
-    get_cpu_offload_context,
-    is_cpu_offload_enabled,
-    mark_activation_offload,
-    start_offload,
-)
-from .core.markers import mark_not_offload, mark_weight, offload_opt_out, offload_policy
+from .api import get_cpu_offload_context, is_cpu_offload_enabled
 from .control import (
     get_activation_offloading,
+    mark_activation_offload,
+    mark_not_offload,
+    mark_weight,
     maybe_mark_activation_offload,
+    offload_opt_out,
+    offload_policy,
     set_activation_offloading,
+    start_offload,
 )
 from .core.simulated import SimulatedDevice
 

@@ -2,7 +2,8 @@
 
 The backend is chosen when the function is called, from ``NVTE_CPU_OFFLOAD_V1``: ``1`` selects
 the legacy tag-based V1 (``cpu_offload.v1``), anything else the default V2
-(``cpu_offload.v2``). The tensor-marking helpers dispatch the same way.
+(``cpu_offload.v2``). ``is_cpu_offload_enabled`` and the marking helpers of ``control``
+(``use_v1``) dispatch the same way. V1 is imported only when it is selected.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
-from .core import markers
 from .core.device import OffloadDevice
 from .core.errors import OffloadConfigError
+from .v2.context import get_cpu_offload_context as v2_context
+from .v2.context import is_cpu_offload_enabled as v2_enabled
 from .v2.selection import DEFAULT_MIN_TENSOR_SIZE
 
 V1_ENV = "NVTE_CPU_OFFLOAD_V1"
@@ -150,6 +152,7 @@ def get_cpu_offload_context(
                 f"{', '.join(used)} exist only in the V2 backend, but {V1_ENV}=1 selects V1; "
                 f"unset {V1_ENV} to use them"
             )
+        # V1 is imported only when selected: a V2 program never loads the legacy backend.
         from .v1 import get_cpu_offload_context as v1_context
 
         return v1_context(
@@ -161,8 +164,6 @@ def get_cpu_offload_context(
             double_buffering=double_buffering,
             device=device,
         )
-    from .v2 import get_cpu_offload_context as v2_context
-
     return v2_context(
         enabled=enabled,
         num_layers=num_layers,
@@ -200,39 +201,6 @@ def resolve_device(device: Any) -> Optional[OffloadDevice]:
     )
 
 
-def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = True) -> None:
-    """Tag tensors as activations to offload (the ``activation_offloading`` attribute).
-
-    The legacy V1 backend (``NVTE_CPU_OFFLOAD_V1=1``) offloads exactly the tensors carrying this
-    tag, so code written for it tags each activation it wants moved. The default V2 backend
-    detects activations automatically and only records the tag, so that
-    ``audit_offload_selection`` can compare both selections when you migrate (README, "Control
-    and migration").
-
-    Args:
-        *tensors: the tensors to tag; ``None`` entries are skipped. For tensor subclasses with
-            ``__tensor_flatten__`` the inner tensors are tagged too.
-        offload: ``False`` sets the tag to ``False`` (V1 then keeps the tensor).
-
-    Raises:
-        TypeError: an argument is neither a tensor nor ``None``.
-
-    Example::
-
-        >>> import torch, cpu_offload
-        >>> t = torch.randn(4)
-        >>> cpu_offload.mark_activation_offload(t)
-        >>> t.activation_offloading
-        True
-    """
-    if use_v1():
-        from .v1 import mark_activation_offload as v1_mark
-
-        v1_mark(*tensors, offload=offload)
-    else:
-        markers.tag_activation_offload(*tensors, offload=offload)
-
-
 def is_cpu_offload_enabled() -> bool:
     """Whether code runs inside an enabled offload context (of the backend
     ``NVTE_CPU_OFFLOAD_V1`` selects; V2 answers per thread).
@@ -256,42 +224,7 @@ def is_cpu_offload_enabled() -> bool:
         False
     """
     if use_v1():
-        from .v1 import is_cpu_offload_enabled as v1_enabled
+        from .v1 import is_cpu_offload_enabled as v1_enabled  # only when selected, as above
 
         return v1_enabled()
-    from .v2 import is_cpu_offload_enabled as v2_enabled
-
     return v2_enabled()
-
-
-def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = False) -> None:
-    """Declare these tensors final now, so their copy to the CPU may start early (V2).
-
-    Normally a tensor's copy to the CPU is queued when autograd saves it, ordered after
-    everything the compute stream has queued by then. Call ``start_offload(t)`` right after the
-    last kernel that writes ``t`` to order the copy after that point instead, so it can overlap
-    the kernels that run until ``t`` is saved (e.g. a fused kernel that saves its input late).
-    Do not modify ``t`` afterwards. Outside an enabled context, and under V1, it does nothing.
-
-    Args:
-        *tensors: tensors that are final at this point; ``None`` entries are skipped.
-        offload_base_tensor: mark the base of a view instead of the view (the whole storage is
-            copied either way).
-
-    Example::
-
-        >>> import torch, cpu_offload
-        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
-        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1,
-        ...     device=cpu_offload.SimulatedDevice())
-        >>> x = torch.randn(8, 8, requires_grad=True)
-        >>> with ctx:
-        ...     h = x * 2
-        ...     cpu_offload.start_offload(h)   # h is final: its copy may start here
-        ...     y = h.sin()                    # saves h for backward
-    """
-    if use_v1():
-        return
-    from .v2 import start_offload as v2_start
-
-    v2_start(*tensors, offload_base_tensor=offload_base_tensor)

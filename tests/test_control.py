@@ -16,6 +16,7 @@ from cpu_offload.examples.gpt import run_layers
 from cpu_offload.control import (
     get_activation_offloading,
     maybe_mark_activation_offload,
+    offload_opt_out,
     set_activation_offloading,
 )
 from cpu_offload.v2.selection import SelectionPolicy
@@ -136,7 +137,7 @@ def test_failing_foreign_pre_hook_does_not_pop_an_outer_policy():
         raise ValueError("pre-hook failed")
 
     m.register_forward_pre_hook(failing_pre_hook, prepend=True)
-    with markers.offload_opt_out():
+    with offload_opt_out():
         with pytest.raises(ValueError, match="pre-hook failed"):
             m(torch.randn(2, 8))
         assert markers._module_policy == [False]

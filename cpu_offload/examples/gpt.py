@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..api import mark_activation_offload
+from ..control import mark_activation_offload
 
 __all__ = [
     "GPTBlock",

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import cpu_offload
-from cpu_offload.core import markers
 from cpu_offload.core.errors import OffloadConfigError
 from cpu_offload.compat import top_saved_tensors_hooks
 from cpu_offload.core.simulated import SimulatedHazard
@@ -199,7 +198,7 @@ def test_mark_not_offload_and_module_opt_out_win_over_tags():
             return a.sin()
 
     ctx, sync, dev = v1_context(2, 3)
-    with markers.offload_opt_out():
+    with cpu_offload.offload_opt_out():
         run_layers(layers, x, ctx, sync).sum().backward()
     assert dev.copies() == []
     ctx, sync, dev = v1_context(2, 3)
