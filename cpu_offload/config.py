@@ -28,8 +28,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from .core.errors import OffloadConfigError
 from .api import get_cpu_offload_context
+from .core.errors import OffloadConfigError
+from .optim import HybridDeviceOptimizer
 
 _CONFIG_DERIVED = (
     "enabled", "num_layers", "model_layers", "offload_activations", "offload_weights",
@@ -397,8 +398,6 @@ def build_hybrid_optimizer(
     cfg.validate()
     if not cfg.optimizer_cpu_offload:
         return torch.optim.AdamW(params, **kwargs)
-    from .optim import HybridDeviceOptimizer
-
     decided = {"offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls", "pin_cpu_grads",
                "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d", "max_grad_norm"}
     clash = sorted(set(kwargs) & decided)

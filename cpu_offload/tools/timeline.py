@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..api import get_cpu_offload_context
 from ..core.device import CudaDevice, Event, OffloadDevice, Stream
 
 
@@ -73,7 +74,7 @@ class TimelineDevice(CudaDevice):
 
 def plot_timeline(data: dict, path: Path, title: str = "") -> Optional[Path]:
     """Draw compute, offload stream and activation memory; ``None`` without matplotlib."""
-    try:
+    try:  # matplotlib is optional (the ``bench`` and ``test`` extras): imported only to draw
         import matplotlib
 
         matplotlib.use("Agg")
@@ -115,8 +116,6 @@ def plot_timeline(data: dict, path: Path, title: str = "") -> Optional[Path]:
 def record_step(model: Any, x: torch.Tensor, num_layers: int, **context_kwargs: Any) -> dict:
     """Run one warm-up and one recorded training step of ``model`` (a ``GPTStack``-like module
     taking ``(x, ctx, sync)``) with ``num_layers`` offloaded; return the timeline."""
-    from ..api import get_cpu_offload_context
-
     device = TimelineDevice()
     ctx, sync = get_cpu_offload_context(
         enabled=True, num_layers=num_layers, model_layers=len(model.layers), device=device,
