@@ -8,9 +8,12 @@ Modules, one job each:
 - ``worker``     the CPU thread that runs the updates;
 - ``cpu_update`` one bucket: fp32 master weights, its optimizer, the update;
 - ``state``      state_dict format and conversion to the wrapped optimizer's format;
-- ``hybrid``     the optimizer itself (hooks, overlap modes, clipping, DDP comm hook).
+- ``overlap``    the overlap modes: what runs during backward and what ``step()`` waits for;
+- ``ddp``        DistributedDataParallel's communication hook (reduced gradients to the host);
+- ``hybrid``     the optimizer itself (hooks, buckets, clipping, state dicts).
 """
-from .hybrid import OVERLAP_MODES, HybridDeviceOptimizer
+from .hybrid import HybridDeviceOptimizer
+from .overlap import OVERLAP_MODES
 from .partition import grad_arrival_order
 from .state import to_wrapped_format
 

@@ -15,8 +15,10 @@ from torch import nn
 
 from ..core.device import Event, OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, OffloadUsageError
+from . import ddp
 from . import state as state_format
 from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
+from .overlap import overlap_mode
 from .partition import (
     DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
     make_buckets, next_update,
@@ -24,7 +26,6 @@ from .partition import (
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
 
-OVERLAP_MODES = ("none", "backward_copies", "backward_update", "next_forward")
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -189,13 +190,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
-        if overlap is None:
-            overlap = "backward_update" if overlap_cpu_optimizer_d2h_h2d else "none"
-        if overlap not in OVERLAP_MODES:
-            raise OffloadConfigError(f"overlap={overlap!r} is not one of {OVERLAP_MODES}")
+        self._mode = overlap_mode(overlap, overlap_cpu_optimizer_d2h_h2d)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OffloadConfigError(f"max_grad_norm must be > 0 (or None), got {max_grad_norm!r}")
-        self.overlap = overlap
+        self.overlap = self._mode.name
         self.max_grad_norm = max_grad_norm
         self.param_update_in_fp32 = param_update_in_fp32
         self._device = device if device is not None else default_device()
@@ -296,7 +294,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             gparams = [p for (g, p), i in zip(entries, range(len(entries))) if g == gi and i not in offloaded]
             if gparams:
                 self._add_gpu_group(gi, gparams, hypers)
-        if self.overlap != "none":
+        if self._mode.copies_in_backward:
             ref = weakref.ref(self)
             for i in chosen:
                 if params[i].requires_grad:
@@ -375,7 +373,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @property
     def _updates_in_backward(self) -> bool:
-        return self.overlap in ("backward_update", "next_forward")
+        return self._mode.updates_in_backward
 
     def _begin(self) -> _Step:
         st = self._step_state
@@ -505,7 +503,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.overlap == "next_forward" and len(self._covered) < len(self._cpu):
+        if self._mode.forward_waits and len(self._covered) < len(self._cpu):
             raise OffloadUsageError(
                 "overlap='next_forward' needs opt.register_forward_waits(model) for the modules "
                 f"owning the offloaded parameters ({len(self._cpu) - len(self._covered)} are not "
@@ -530,7 +528,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._drain(st)
             raise
-        if self.overlap == "next_forward":
+        if self._mode.forward_waits:
             self._inflight = st
         else:
             self._wait_updates(st, list(st.updates))
@@ -774,28 +772,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         instead: ``inner`` (default: DDP's ``allreduce_hook`` on the default group) reduces
         the bucket, then each offloaded gradient in it is copied to the host as above.
         """
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        inner = inner or default_hooks.allreduce_hook
+        ref = weakref.ref(self)
+        state_and_hook = ddp.comm_hook(
+            lambda params, flat: _call(ref, "_on_reduced_bucket", params, flat), inner)
         self._ddp = True
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        ref = weakref.ref(self)
-
-        def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
-            def then(fut: Any) -> torch.Tensor:
-                reduced = fut.value()
-                reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
-                _call(ref, "_on_reduced_bucket", bucket.parameters(), reduced)
-                return reduced
-
-            return inner(state, bucket).then(then)
-
-        return None, hook
+        return state_and_hook
 
     def _on_reduced_bucket(self, params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-        if self.overlap == "none":  # step() copies the reduced p.grad
+        if not self._mode.copies_in_backward:  # step() copies the reduced p.grad
             return
         offset = 0
         for p in params:

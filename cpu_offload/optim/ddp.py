@@ -1,0 +1,38 @@
+"""DistributedDataParallel: the communication hook that hands DDP's reduced gradient buckets to
+``HybridDeviceOptimizer`` (``HybridDeviceOptimizer.ddp_comm_hook``).
+
+Under DDP a post-accumulate-grad hook sees the local, unreduced gradient; the offloaded part must
+copy the reduced one, which exists only inside DDP's communication hook.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["comm_hook"]
+
+
+def comm_hook(
+    on_reduced: Callable[[Sequence[torch.Tensor], torch.Tensor], None],
+    inner: Optional[Callable] = None,
+) -> tuple[Any, Callable]:
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``:
+    ``inner`` (default: DDP's ``allreduce_hook`` on the default group) reduces each bucket,
+    then ``on_reduced(params, flat)`` gets the bucket's parameters and its reduced flat
+    gradient."""
+    # torch.distributed is optional (torch builds without it exist): imported only under DDP.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    inner = inner or default_hooks.allreduce_hook
+
+    def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+        def then(fut: Any) -> torch.Tensor:
+            reduced = fut.value()
+            reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+            on_reduced(bucket.parameters(), reduced)
+            return reduced
+
+        return inner(state, bucket).then(then)
+
+    return None, hook
