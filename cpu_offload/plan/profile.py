@@ -392,6 +392,28 @@ def profile_step(
     removes and costs; ``True`` or a scope, as in ``plan_offloading``), and ``1 + 4 * repeats``
     more to measure what offloading costs beyond the link (half of them plain); the gradients
     it accumulates are left as they are. Only the first forward pass of each call is recorded.
+    Arguments as in ``plan_offloading``; ``offload_weights`` as in ``get_cpu_offload_context``.
+
+    Profile once to plan for several budgets: ``cpu_offload.plan.plan(profile, budget)`` searches
+    a ``StepProfile`` without running the step again.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> layers = torch.nn.ModuleList(
+        ...     torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
+        >>> x0 = torch.randn(8, 64)
+        >>> def step():
+        ...     x = x0.requires_grad_()
+        ...     for layer in layers:
+        ...         x = layer(x)
+        ...     x.sum().backward()
+        >>> prof = cpu_offload.profile_step(   # on a GPU: leave out device= and link_gbps=
+        ...     step, layers, device=cpu_offload.SimulatedDevice(), min_tensor_size_to_offload=1,
+        ...     link_gbps=1.0, repeats=1)
+        >>> [p.activation_bytes for p in prof.layers]   # layer 0 also saves the step's input
+        [4096, 2048, 2048, 2048]
+        >>> plans = [cpu_offload.plan.plan(prof, budget) for budget in (0.6, 0.9)]
     """
     scope = _selective_scope(selective)
     layers = as_layer_list(layers)

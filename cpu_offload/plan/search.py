@@ -38,8 +38,25 @@ PEAK_MARGIN = 0.01  # of the peak without offloading: a plan's predicted peak st
 
 @dataclass(frozen=True)
 class Plan:
-    """Offload ``num_layers`` layers (the first ones, or the ``offloaded`` ones); checkpoint the
-    layers in ``recompute``; recompute the cheap saved tensors of the layers in ``selective``."""
+    """What to do with each layer: offload ``num_layers`` layers (the first ones, or the
+    ``offloaded`` ones), checkpoint the layers in ``recompute``, recompute the cheap saved tensors
+    of the layers in ``selective``.
+
+    ``plan_offloading`` returns one, with the predicted ``step_ms`` and ``peak_bytes`` (and their
+    ratios to the step without offloading, ``time_ratio`` and ``peak_ratio``), the runners-up in
+    ``alternatives``, and what it was measured with; ``describe()`` says it in words;
+    ``apply_offloading(layers, plan=plan)`` applies it. A plan built by hand applies the same way
+    (e.g. ``Plan(0, recompute=(0, 1))``: checkpoint two layers, offload nothing).
+
+    Example::
+
+        >>> import cpu_offload
+        >>> plan = cpu_offload.Plan(num_layers=2, recompute=(2,), model_layers=6)
+        >>> plan.offloaded_layers
+        (0, 1)
+        >>> print(plan.describe()[:80])
+        offload the first 2 layers (get_cpu_offload_context(num_layers=2)), recompute la
+    """
 
     num_layers: int
     recompute: tuple = ()

@@ -389,7 +389,7 @@ def audit_offload_selection(
             layer), or one module (one layer).
         example_input: input of the first layer, for the chain mode.
         step_fn: one training step, for the real-step mode (instead of ``example_input``).
-        policy: V2's selection, a ``cpu_offload.v2.selection.SelectionPolicy`` (pass the
+        policy: V2's selection, a ``cpu_offload.SelectionPolicy`` (pass the
             ``offload_weights``/``min_tensor_size_to_offload`` you will use); default: the
             defaults of ``get_cpu_offload_context``.
         is_device_tensor: replaces the device test of both backends (e.g. ``lambda t:
@@ -406,11 +406,10 @@ def audit_offload_selection(
     Example::
 
         >>> import torch, cpu_offload
-        >>> from cpu_offload.v2.selection import SelectionPolicy
         >>> layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
         >>> report = cpu_offload.audit_offload_selection(
         ...     layers, torch.randn(4, 8),
-        ...     policy=SelectionPolicy(min_tensor_size_to_offload=1),
+        ...     policy=cpu_offload.SelectionPolicy(min_tensor_size_to_offload=1),
         ...     is_device_tensor=lambda t: True)    # audit CPU tensors as if on the GPU
         >>> t = report.totals()
         >>> t["saved_count"], t["v2_count"], t["v1_count"]   # nothing carries a V1 tag

@@ -17,7 +17,26 @@ DEFAULT_MIN_TENSOR_SIZE = 256 * 1024
 
 @dataclass(frozen=True)
 class SelectionPolicy:
-    """V2's automatic activation detection, parametrised as in ``get_cpu_offload_context``."""
+    """V2's automatic activation detection, parametrised as in ``get_cpu_offload_context``.
+
+    The predicate V2's saved-tensor hook applies to every saved tensor, and the one
+    ``audit_offload_selection(..., policy=...)`` reports with: ``skip_reason(t)`` is ``None`` for
+    a tensor V2 offloads, else why it stays (a parameter, a weight mark, ``mark_not_offload``,
+    too small, not on the offload device, a module that opted out). ``is_device_tensor`` tells
+    tensors on the offload device (default: CUDA tensors).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> policy = cpu_offload.SelectionPolicy(
+        ...     min_tensor_size_to_offload=16, is_device_tensor=lambda t: True)
+        >>> print(policy.skip_reason(torch.randn(64)))
+        None
+        >>> policy.skip_reason(torch.randn(4))
+        'too small'
+        >>> policy.skip_reason(torch.nn.Parameter(torch.randn(64)))
+        'parameter'
+    """
 
     offload_activations: bool = True
     offload_weights: bool = False
