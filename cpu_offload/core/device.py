@@ -46,6 +46,7 @@ class OffloadDevice(abc.ABC):
     """
 
     name: str = "abstract"
+    display_name: str = "device"  # what messages call it: "freed 1.0 MiB of <display_name> memory"
     times_events: bool = False  # whether elapsed_ms can answer (statistics' copy-wait time)
 
     @abc.abstractmethod
@@ -163,6 +164,7 @@ class CudaDevice(OffloadDevice):
     """
 
     name = "cuda"
+    display_name = "GPU"
 
     def __init__(self, time_waits: Optional[bool] = None) -> None:
         # Timed events cost a little on every stream wait, so timing the copy waits in the

@@ -98,6 +98,7 @@ class SimulatedDevice(OffloadDevice):
     """
 
     name = "simulated"
+    display_name = "simulated device"
     times_events = True  # with no clock: every wait reads as 0 ms once passed
 
     def __init__(self, defer: bool = True) -> None:

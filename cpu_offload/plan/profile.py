@@ -52,6 +52,7 @@ from torch import nn
 from ..compat import queue_backward_callback, saved_tensors_hooks
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError
+from ..core.units import format_bytes
 from ..tools.apply import OffloadDriver
 from ..tools.audit import audit_offload_selection, v2_verdict
 from ..tools.layers import as_layer_list, hidden_state, instrument
@@ -89,6 +90,8 @@ class StepProfile:
         offload_ms_per_gb: measured time per GB offloaded above the step model's prediction.
         offload_host_cost: host time offloading adds to the forward calls (CUDA): the
             ``HostCost`` of the host model.
+        device: the offload device it was measured on (None: CUDA); plans made from it
+            remember it.
 
     Example::
 
@@ -115,6 +118,7 @@ class StepProfile:
     # Host time offloading adds to the forward calls (CUDA; the planner's host model:
     # ``model.host_stall_ms``).
     offload_host_cost: HostCost = FREE_HOST
+    device: Optional[OffloadDevice] = field(default=None, compare=False, repr=False)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -417,6 +421,7 @@ def profile_step(
     """
     scope = _selective_scope(selective)
     layers = as_layer_list(layers)
+    given_device = device
     device = device or default_device()
     cuda = device.name == "cuda"
     n = len(layers)
@@ -501,7 +506,7 @@ def profile_step(
                      "calibrates its memory model with the step's peak instead")
     return StepProfile(
         profiles, timing.step_ms(), peak, d2h, h2d, min_tensor_size_to_offload, notes,
-        timeline, scope or "modules", offload_ms_per_gb, host_cost,
+        timeline, scope or "modules", offload_ms_per_gb, host_cost, device=given_device,
     )
 
 
@@ -563,13 +568,13 @@ def _offload_overhead(
     noise = high - low
     if extra <= noise:
         notes.append(
-            f"offloading {k} layers ({moved_gb:.2f} GB) measured {extra:+.2f} ms against the "
-            f"model's {predicted[k]:.2f} ms, within the step's own noise ({noise:.2f} ms "
+            f"offloading {k} layers ({format_bytes(moved)}) measured {extra:+.2f} ms against "
+            f"the model's {predicted[k]:.2f} ms, within the step's own noise ({noise:.2f} ms "
             "between the quartiles of plain steps): nothing is charged beyond the model"
         )
         return 0.0, host_cost
     notes.append(
-        f"offloading {k} layers ({moved_gb:.2f} GB) measured {extra:+.2f} ms against the "
+        f"offloading {k} layers ({format_bytes(moved)}) measured {extra:+.2f} ms against the "
         f"model's {predicted[k]:.2f} ms: {extra / moved_gb:.2f} ms per GB moved is charged to "
         "every plan"
     )

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError
+from ..core.units import format_bytes
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerProfile, simulate, spread_layers
 from .profile import StepProfile, profile_step
@@ -80,6 +81,9 @@ class Plan:
     # Which layers are offloaded when not the first ``num_layers`` (``spread_layers``); the last
     # of them is the one offloaded in part. Empty: the first ``num_layers``.
     offloaded: tuple = ()
+    # The offload device the plan was measured on (``plan_offloading(device=...)``; None: CUDA):
+    # ``apply_offloading(layers, plan=plan)`` offloads from it unless given ``device=``.
+    device: Any = field(default=None, compare=False, repr=False)
 
     @property
     def offloaded_layers(self) -> tuple:
@@ -101,7 +105,7 @@ class Plan:
         if self.partial_bytes is not None:
             part = (
                 f", of layer {offl[-1]} only its first "
-                f"{self.partial_fraction:.0%} of saved bytes ({self.partial_bytes / 2**20:.0f} MiB)"
+                f"{self.partial_fraction:.0%} of saved bytes ({format_bytes(self.partial_bytes)})"
             )
         sel = ", ".join(map(str, self.selective)) or "none"
         moved = [r for r in self.recompute if r in offl]
@@ -110,17 +114,17 @@ class Plan:
         if offl != tuple(range(self.num_layers)):
             what = (f"offload layers {', '.join(map(str, offl))} (spread, so that the host "
                     "issues each offloaded layer while the GPU still runs earlier ones: "
-                    "cpu_offload.v2.schedule.spread_synchronization_dict)")
+                    "cpu_offload.spread_synchronization_dict)")
         elif self.num_layers and self.num_layers == self.model_layers:
             what = (f"offload all {self.num_layers} layers (the last one's input when the forward "
-                    "pass ends: cpu_offload.v2.schedule.plan_synchronization_dict)")
+                    "pass ends: cpu_offload.plan_synchronization_dict)")
         else:
             what = (f"offload the first {self.num_layers} layers (get_cpu_offload_context("
                     f"num_layers={self.num_layers}))")
         return (
             f"{what}{part}, recompute layers: {rec}, selective layers: {sel}; "
             f"predicted step {self.step_ms:.1f} ms "
-            f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
+            f"({self.time_ratio:.3f}x), peak activations {format_bytes(self.peak_bytes)} "
             f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
         )
 
@@ -255,6 +259,7 @@ def plan(
         d2h_gbps=d2h_gbps,
         h2d_gbps=h2d_gbps,
         profiles=tuple(profiles),
+        device=profile.device,
     )
 
 
@@ -475,7 +480,8 @@ def plan_offloading(
     Returns:
         A ``Plan``: ``num_layers`` (and ``offloaded``, if spread), ``recompute``,
         ``selective``, predicted ``step_ms``/``peak_bytes`` and ratios, ``describe()``; apply
-        it with ``apply_offloading(layers, plan=plan)``.
+        it with ``apply_offloading(layers, plan=plan)`` (on ``device``, which the plan
+        remembers).
 
     Raises:
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
@@ -498,7 +504,7 @@ def plan_offloading(
         ...     step, layers, 0.8, device=sim, min_tensor_size_to_offload=1, link_gbps=1.0)
         >>> print(plan.describe())   # doctest: +ELLIPSIS
         offload the first ... layers (...), recompute layers: ...; predicted step ...
-        >>> handle = cpu_offload.apply_offloading(layers, plan=plan, device=sim)
+        >>> handle = cpu_offload.apply_offloading(layers, plan=plan)   # on the plan's device
         >>> step()
         >>> handle.remove()
     """

@@ -200,8 +200,8 @@ def apply_offloading(
             ``num_layers``, or the spread ``offloaded`` ones, with their own schedule) are
             offloaded and its ``recompute`` layers are checkpointed (non-reentrant
             ``torch.utils.checkpoint``).
-            Its ``min_tensor_size_to_offload`` is used unless given here, and its ``selective``
-            layers are selective.
+            Its ``min_tensor_size_to_offload`` and device are used unless given here, and its
+            ``selective`` layers are selective.
         selective: layers (indices, or ``True`` for all) whose cheap saved tensors are
             recomputed in backward instead of stored: outputs of norms, activations,
             elementwise ops and dtype casts whose inputs the layer saves anyway (V2 only, not
@@ -282,6 +282,8 @@ def apply_offloading(
         min_size = getattr(plan, "min_tensor_size_to_offload", None)
         if min_size is not None:
             context_kwargs.setdefault("min_tensor_size_to_offload", min_size)
+        if getattr(plan, "device", None) is not None:
+            context_kwargs.setdefault("device", plan.device)
         offloaded = tuple(getattr(plan, "offloaded", ()) or ())
         if offloaded and offloaded != tuple(range(num_layers)):
             if "synchronization_dict" in context_kwargs or use_v1():

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..core import markers
 from ..compat import is_traceable_wrapper_subclass, register_forward_hook_always, saved_tensors_hooks
+from ..core.units import format_bytes
 from ..v2.selection import SelectionPolicy
 from .layers import instrument
 
@@ -514,17 +515,6 @@ def _audit_step(step_fn: Callable[[], Any], layers: list, audits: list, policy: 
 
 
 # --- text ----------------------------------------------------------------------------------------
-
-
-def format_bytes(n: int) -> str:
-    """Binary units with one decimal (``"1.5 MiB"``), plain bytes below 1 KiB."""
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _verdict_text(reason: Optional[str], new_bytes: int) -> str:

@@ -130,10 +130,11 @@ class StepStats:
             wait = f"{d['compute_wait_ms']:.2f} ms"
         if d["waits_pending"]:
             wait += f" (+{d['waits_pending']} copies still running)"
+        where = getattr(self._device, "display_name", "device")
         lines = [
             f"offloaded {d['offloaded_tensors']} saved tensors in {len(self.layers)} layers: "
             f"{_mib(d['copied_out_bytes'])} out, {_mib(d['reloaded_bytes'])} back; "
-            f"freed {_mib(d['freed_bytes'])} of GPU memory"
+            f"freed {_mib(d['freed_bytes'])} of {where} memory"
             + (f" ({_mib(d['held_elsewhere_bytes'])} copied but held elsewhere)"
                if d["held_elsewhere_bytes"] else ""),
             f"pinned host memory: peak {_mib(d['pinned_host_bytes_peak'])}, in use now "
@@ -141,7 +142,7 @@ class StepStats:
         ]
         if d["skipped_bytes"]:
             why = ", ".join(f"{r}: {_mib(n)}" for r, n in sorted(d["skipped_bytes"].items()))
-            lines.append(f"kept on the GPU: {why}")
+            lines.append(f"kept on the {where}: {why}")
         if d["recipe_tensors"]:
             lines.append(
                 f"recomputed instead of stored (selective): {d['recipe_tensors']} saved tensors, "

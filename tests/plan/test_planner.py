@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cpu_offload.core.errors import OffloadConfigError
+from cpu_offload.core.units import format_bytes
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.plan.model import LayerProfile, memory_segments, simulate
 from cpu_offload.plan.profile import StepProfile, profile_layers
@@ -359,3 +360,12 @@ def test_plan_prefers_selective_over_checkpointing_when_it_is_cheaper():
     assert "selective layers: " in chosen.describe()
     # without selective_bytes the search is the one before: no selective plans at all
     assert all(not c.selective for c in without.alternatives)
+
+
+def test_describe_scales_its_units_with_the_size():
+    """A model of a few MiB is described in KiB and MiB, not as "0.00 GiB"."""
+    small = [LayerProfile(600 * 1024, 40 * 1024, 1.0, 2.0)] * 4
+    chosen = plan(measured(small), 0.7)
+    text = chosen.describe()
+    assert f"peak activations {format_bytes(chosen.peak_bytes)} (" in text
+    assert "MiB" in text and "GiB" not in text

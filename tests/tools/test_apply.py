@@ -237,6 +237,22 @@ def test_plan_from_a_real_step_is_applied_exactly(x0, sim):
     assert fast.recompute == () and fast.num_layers >= 3
 
 
+def test_a_plan_applies_on_the_device_it_was_made_on(x0, sim):
+    """apply_offloading(layers, plan=plan) needs no device= again: the plan remembers the device
+    it was measured on (here the simulated one; without it a CPU-only machine has none)."""
+    layers = make_layers(n=6)
+    ref = step(layers, x0)
+    kw = dict(device=sim, min_tensor_size_to_offload=64, link_gbps=1e4, repeats=1)
+    assert plan_offloading(lambda: step(layers, x0), layers, 0.9, **kw).device is sim
+    prof = profile_step(lambda: step(layers, x0), layers, **kw)
+    plan = search.plan(dataclasses.replace(prof, offload_ms_per_gb=0.0), 0.5)
+    assert plan.num_layers > 0 and plan.device is sim
+    before = copies(sim)
+    with apply_offloading(layers, plan=plan):
+        assert_equal(step(layers, x0), ref)
+    assert copies(sim) > before
+
+
 def test_checkpointed_offloaded_layers_move_only_their_inputs(x0, sim, monkeypatch):
     """A plan may checkpoint offloaded layers: the checkpoint keeps only the layer's input,
     and that input goes to the host too, so nothing of the layer stays on the device between

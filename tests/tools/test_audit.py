@@ -16,7 +16,7 @@ from cpu_offload import (
     mark_weight,
     markers,
 )
-from cpu_offload.tools.audit import AuditReport, audit_offload_selection, format_bytes
+from cpu_offload.tools.audit import AuditReport, audit_offload_selection
 from cpu_offload.examples.gpt import GPTBlock, build_model, make_input, tiny_config
 from cpu_offload.control import set_activation_offloading
 from cpu_offload.v2.selection import SelectionPolicy
@@ -267,13 +267,6 @@ def test_table_is_fixed_width_and_names_reasons(zoo_report):
     assert "once per layer" in text
     short = zoo_report.table(details=False)
     assert "already moved" not in short and short in text
-
-
-def test_format_bytes():
-    assert format_bytes(0) == "0 B"
-    assert format_bytes(1023) == "1023 B"
-    assert format_bytes(1536) == "1.5 KiB"
-    assert format_bytes(3 * 1024**3) == "3.0 GiB"
 
 
 def test_audit_agrees_with_what_v2_copies():

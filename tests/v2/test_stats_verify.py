@@ -100,6 +100,21 @@ def test_step_statistics_count_every_byte(sim):
     assert f"pinned host memory: peak {6 * NBYTES / 1024:.1f} KiB, in use now 0.0 KiB" in text
 
 
+def test_the_summary_names_the_device_in_use(sim):
+    """A summary on the simulated device speaks of its memory, not of a GPU there is none of."""
+    layers = nn.ModuleList([Sep(i) for i in range(3)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=D * ROWS + 1,
+        device=sim,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nothing is large enough to offload: it says so
+        step(layers, ctx, sync)
+    text = ctx.stats().summary()
+    assert "of simulated device memory" in text and "kept on the simulated device: " in text
+    assert "GPU" not in text
+
+
 def test_one_log_line_per_step(sim, caplog):
     layers = nn.ModuleList([Sep(i) for i in range(4)])
     ctx, sync = get_cpu_offload_context(
