@@ -15,12 +15,15 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from cpu_offload import SimulatedDevice
+from cpu_offload.examples.gpt import build_model, make_input
+
+from _support import gpt_cuda
 
 
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the accelerator machine)")
-    skip_multigpu = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {gpus}")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_multigpu = pytest.mark.skip(reason=f"needs 2 GPUs, found {gpus}")
     for item in items:
         if "gpu" in item.keywords and gpus == 0:
             item.add_marker(skip_gpu)
@@ -58,3 +61,15 @@ def deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(prev, warn_only=prev_warn_only)
+
+
+# The GPT stack on CUDA that V2's gpu-marked tests share (tests/_support/gpt_cuda.py): built once
+# per test module, and only when a test that runs asks for it.
+@pytest.fixture(scope="module")
+def gpt_model():
+    return build_model(gpt_cuda.CFG, device="cuda", seed=0)
+
+
+@pytest.fixture(scope="module")
+def gpt_x0():
+    return make_input(gpt_cuda.CFG, device="cuda", seed=1, requires_grad=False)

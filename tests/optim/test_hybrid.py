@@ -19,6 +19,8 @@ from cpu_offload.optim.cpu_update import CpuBucket
 from cpu_offload.optim.partition import next_update
 from cpu_offload.optim.reference import MasterWeightOptimizer
 
+from _support import optim_cuda
+
 CFG = tiny_config().with_(layers=3)
 KW = dict(lr=1e-2, weight_decay=0.1, foreach=False)
 SMALL_BUCKETS = 48 * 1024  # a few buckets per layer: every bucket boundary gets exercised
@@ -606,3 +608,127 @@ def test_overlap_modes_really_overlap():
     assert 0 <= opt.last_step_stats["overlapped_with_backward"] <= 1  # timing: GPU bench checks it
     assert opt.last_step_stats["bytes_to_host"] == sum(p.numel() * 4 for p in m.parameters())
     opt.close()
+
+
+# --- on CUDA (marked gpu): real streams racing, pinned memory, CPU vs GPU kernels ---
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+def test_offloaded_part_bit_equal_to_the_cpu_optimizer(mode):
+    m = optim_cuda.model()
+    opt = optim_cuda.hybrid(m, 1.0, mode)
+    for got, expected in optim_cuda.train(m, opt, 3, optim_cuda.CpuReference(m)):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_device_part_within_tolerance_of_the_cpu_optimizer():
+    m = optim_cuda.model()
+    opt = optim_cuda.hybrid(m, 0.5, "next_forward", param_update_in_fp32=True)
+    offloaded = {id(p) for p in opt.offloaded_params()}
+    assert 0 < len(offloaded) < len(list(m.parameters()))
+    for got, expected in optim_cuda.train(m, opt, 3, optim_cuda.CpuReference(m)):
+        for p, a, b in zip(m.parameters(), got, expected):
+            if id(p) in offloaded:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=optim_cuda.GPU_PART_RTOL, atol=1e-6)
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("mode", OVERLAP_MODES[1:])
+def test_every_overlap_mode_gives_the_bits_of_none(mode):
+    results = {}
+    for overlap in ("none", mode):
+        m = optim_cuda.model()
+        opt = optim_cuda.hybrid(m, 0.5, overlap, max_grad_norm=0.5)
+        optim_cuda.train(m, opt, 4)
+        results[overlap] = [p.detach().clone() for p in m.parameters()]
+        opt.close()
+    for a, b in zip(results["none"], results[mode]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_fraction_one_holds_no_optimizer_state_on_the_gpu_and_no_late_pinned_allocation():
+    dev = optim_cuda.CountingCuda()
+    m = optim_cuda.model()
+    torch.cuda.synchronize()
+    params_only = torch.cuda.memory_allocated()
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, device=dev, overlap="next_forward",
+                                **optim_cuda.KW)
+    opt.register_forward_waits(m)
+    allocs = dev.host_allocs
+    assert allocs > 0
+    optim_cuda.train(m, opt, 3)
+    opt.load_state_dict(opt.state_dict())
+    optim_cuda.train(m, opt, 1)
+    torch.cuda.synchronize()
+    assert dev.host_allocs == allocs
+    assert opt._gpu_opt is None
+    sd = opt.state_dict()
+    assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+    assert torch.cuda.memory_allocated() == params_only  # gradients were set to None
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_loss_matches_the_gpu_baseline_and_checkpoint_scheduler_clipping():
+    """Megatron's documented bound: loss within 0.001 of the non-offloaded baseline; plus a
+    checkpoint round trip with an LR scheduler and clipping that continues bit-exact."""
+    base = optim_cuda.model()
+    base_opt = MasterWeightOptimizer(base.parameters(), **optim_cuda.KW)
+    base_sched = torch.optim.lr_scheduler.StepLR(base_opt.optimizer, 2, gamma=0.5)
+    base_losses, base_norms = [], []
+    for i in range(6):
+        loss = optim_cuda.loss_of(base, i)
+        loss.backward()
+        base_norms.append(torch.nn.utils.clip_grad_norm_(base.parameters(), 0.5))
+        base_opt.step()
+        base_opt.zero_grad()
+        base_sched.step()
+        base_losses.append(loss.item())
+
+    def run(m, opt, sched, steps, start=0):
+        losses, norms = [], []
+        for i in range(start, start + steps):
+            loss = optim_cuda.loss_of(m, i)
+            loss.backward()
+            norms.append(opt.clip_grad_norm_(0.5))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(loss.item())
+        return losses, norms
+
+    def fresh():
+        m = optim_cuda.model()
+        opt = optim_cuda.hybrid(m, 0.5, "backward_copies", param_update_in_fp32=True)
+        return m, opt, torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+
+    m, opt, sched = fresh()
+    losses, norms = run(m, opt, sched, 3)
+    sd, sched_sd = copy.deepcopy(opt.state_dict()), sched.state_dict()  # references, as torch's
+    model_sd = {k: v.clone() for k, v in m.state_dict().items()}
+    more, _ = run(m, opt, sched, 3, start=3)
+    assert max(abs(a - b) for a, b in zip(losses + more, base_losses)) < 1e-3
+    torch.testing.assert_close(norms[0].float().cpu(), base_norms[0].float().cpu(), rtol=1e-2, atol=0)
+
+    m2, opt2, sched2 = fresh()
+    m2.load_state_dict(model_sd)
+    opt2.load_state_dict(sd)
+    sched2.load_state_dict(sched_sd)
+    more2, _ = run(m2, opt2, sched2, 3, start=3)
+    assert more2 == more
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)

@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 import cpu_offload
-from cpu_offload import OffloadConfigError, apply_offloading
+from cpu_offload import OffloadConfigError, apply_offloading, get_cpu_offload_context
 from cpu_offload.compat import current_dispatch_mode, top_saved_tensors_hooks
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.v2 import recompute
 
-from _support.parity_models import EXPECTED_WARNINGS, TrackingSimDevice
+from _support import gpt_cuda
+from _support.parity_models import EXPECTED_WARNINGS, TrackingSimDevice, allocated_bytes
 
 pytestmark = EXPECTED_WARNINGS
 
@@ -505,3 +506,36 @@ def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_e
     no_sel = profile_step(lambda: gpt_step(model.layers, x0), model.layers, device=sim,
                           min_tensor_size_to_offload=1024, warmup=0, repeats=1, selective=False)
     assert all(p.selective_bytes == 0 for p in no_sel.layers)
+
+
+# --- on CUDA (marked gpu): the GPT stack of _support/gpt_cuda.py, real streams and kernels ---
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("k", [0, 2])
+def test_selective_recompute_is_bit_identical_and_lowers_peak(gpt_model, gpt_x0, k):
+    """Selective recomputation on real kernels: LayerNorm and GELU reruns give the same bits,
+    and the stored bytes (6 of 16 units per block) come off the peak."""
+    ref = gpt_cuda.step(gpt_model, gpt_x0)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=k, model_layers=gpt_cuda.CFG.layers)
+    for _ in range(2):
+        gpt_cuda.assert_bit_identical(gpt_cuda.step(gpt_model, gpt_x0, ctx, sync), ref)
+    peaks = {}
+    for selective in (False, True):
+        ctx.synchronizer.set_selective(range(gpt_cuda.CFG.layers) if selective else ())
+        gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+        torch.cuda.synchronize()
+        before = allocated_bytes()
+        torch.cuda.reset_peak_memory_stats()
+        got = gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+        torch.cuda.synchronize()
+        peaks[selective] = torch.cuda.max_memory_allocated() - before
+        if selective:
+            gpt_cuda.assert_bit_identical(got, ref)
+            unit = gpt_cuda.CFG.batch * gpt_cuda.CFG.seq * gpt_cuda.CFG.hidden * 2
+            stats = ctx.stats()
+            layers = range(gpt_cuda.CFG.layers)
+            assert all(stats.layers[i].recipe_bytes == 6 * unit for i in layers)
+    assert peaks[True] < peaks[False]

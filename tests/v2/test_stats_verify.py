@@ -16,6 +16,8 @@ from cpu_offload import (
 )
 from cpu_offload.core.errors import OffloadVerifyError
 
+from _support import gpt_cuda
+
 D, ROWS = 8, 4
 NBYTES = D * ROWS * 4  # every saved storage below: (4, 8) float32
 
@@ -274,3 +276,64 @@ def test_untimed_device_reports_the_wait_as_not_timed(monkeypatch):
     step(layers, ctx, sync)
     assert ctx.stats().to_dict()["compute_wait_ms"] is None
     assert "not timed (CPU_OFFLOAD_TIME_WAITS=1" in ctx.stats().summary()
+
+
+# --- on CUDA (marked gpu): the GPT stack of _support/gpt_cuda.py, real streams and kernels ---
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_stats_count_every_byte_and_reading_them_never_blocks_the_next_step(gpt_model, gpt_x0):
+    from cpu_offload import CudaDevice
+
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=gpt_cuda.CFG.layers,
+        device=CudaDevice(time_waits=True),
+    )
+    gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)  # warm-up: pinned buffers allocated once
+    torch.cuda.synchronize()
+    gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+    torch.cuda.synchronize()
+    d = ctx.stats().to_dict()
+    assert sorted(d["layers"]) == [0, 1]
+    for i, layer in d["layers"].items():
+        held = gpt_x0.nbytes if i == 0 else 0  # the caller's input, copied but not freed
+        assert layer["held_elsewhere_bytes"] == held and layer["copied_out_bytes"] > 0
+        assert layer["freed_bytes"] == layer["reloaded_bytes"] == layer["copied_out_bytes"] - held
+    assert d["pinned_host_bytes_peak"] == d["copied_out_bytes"]
+    assert d["pinned_host_bytes_in_use"] == 0 and d["waits_pending"] == 0
+    assert d["compute_wait_ms"] is not None and d["compute_wait_ms"] >= 0.0
+    # Read the statistics while the next step's work is still queued: nothing may sync the host.
+    for p in gpt_model.parameters():
+        p.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = gpt_x0.clone().requires_grad_()
+        out = gpt_model(x, ctx, sync)
+        ctx.stats().summary()
+        ctx.stats().to_dict()
+        out.float().square().mean().backward()
+        ctx.stats().summary()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_verify_mode_is_exact_and_catches_a_corrupted_host_copy(gpt_model, gpt_x0):
+    from cpu_offload import OffloadVerifyError
+
+    ref = gpt_cuda.step(gpt_model, gpt_x0)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=gpt_cuda.CFG.layers, verify=True
+    )
+    for _ in range(2):
+        gpt_cuda.assert_bit_identical(gpt_cuda.step(gpt_model, gpt_x0, ctx, sync), ref)
+    for p in gpt_model.parameters():
+        p.grad = None
+    out = gpt_model(gpt_x0.clone().requires_grad_(), ctx, sync)
+    torch.cuda.synchronize()  # every copy to the host has landed
+    entry = next(e for e in ctx.synchronizer.step.layers[1].entries if e.cpu is not None)
+    entry.cpu.bitwise_not_()  # what a racing writer or a reused host buffer would do
+    with pytest.raises(OffloadVerifyError, match="saved by layer 1 came back different"):
+        out.float().square().mean().backward()

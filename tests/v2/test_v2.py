@@ -19,9 +19,10 @@ from cpu_offload import (
     start_offload,
 )
 from cpu_offload.compat import OutOfMemoryError, top_saved_tensors_hooks
-from cpu_offload.examples.gpt import GPTBlock, run_layers
+from cpu_offload.examples.gpt import GPTBlock, build_model, make_input, run_layers
 from cpu_offload.v2.schedule import Schedule
-from _support.parity_models import EXPECTED_WARNINGS
+from _support import gpt_cuda
+from _support.parity_models import EXPECTED_WARNINGS, allocated_bytes, cyclic_garbage
 
 pytestmark = EXPECTED_WARNINGS  # see parity_models
 
@@ -594,3 +595,178 @@ def test_wrapper_subclass_offloads_its_inner_tensors_and_rebuilds(sim):
     q = seen["q"]
     assert type(q) is Scaled and q._data.dtype == torch.float16 and q._scale == 0.5
     assert torch.equal(q._data, Scaled.quantize(x)._data)
+
+
+# --- on CUDA (marked gpu): the GPT stack of _support/gpt_cuda.py, real streams and kernels ---
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_gpt_gradients_bit_identical(gpt_model, gpt_x0, k):
+    ref = gpt_cuda.step(gpt_model, gpt_x0)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=k, model_layers=gpt_cuda.CFG.layers)
+    for _ in range(2):
+        gpt_cuda.assert_bit_identical(gpt_cuda.step(gpt_model, gpt_x0, ctx, sync), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_memory_returns_to_baseline_for_200_steps_without_gc(gpt_model, gpt_x0):
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=3, model_layers=gpt_cuda.CFG.layers)
+    for _ in range(2):
+        gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+    torch.cuda.synchronize()
+    pool = ctx.synchronizer.rt.pool
+    allocations = pool.allocations
+    for p in gpt_model.parameters():
+        p.grad = None
+    gc.collect()
+    baseline = allocated_bytes()
+    gc.disable()
+    try:
+        for _ in range(200):
+            gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+            for p in gpt_model.parameters():
+                p.grad = None
+            assert allocated_bytes() == baseline
+        assert pool.allocations == allocations  # pinned buffers reused, none allocated
+        assert cyclic_garbage() == []
+    finally:
+        gc.enable()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_offloading_lowers_peak_memory(gpt_model, gpt_x0):
+    def peak(ctx=None, sync=None):
+        for p in gpt_model.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    base = peak()
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=4, model_layers=gpt_cuda.CFG.layers)
+    peak(ctx, sync)
+    assert peak(ctx, sync) < 0.75 * base
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_forward_and_backward_never_block_the_host(gpt_model, gpt_x0):
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=3, model_layers=gpt_cuda.CFG.layers)
+    gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)  # warm-up: pinned buffers allocated once
+    for p in gpt_model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = gpt_x0.clone().requires_grad_()
+        out = gpt_model(x, ctx, sync)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_exception_inside_context_frees_everything(gpt_model, gpt_x0):
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=gpt_cuda.CFG.layers)
+    gpt_cuda.step(gpt_model, gpt_x0, ctx, sync)
+    for p in gpt_model.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+
+    def failing_forward():
+        x = gpt_x0.clone().requires_grad_()
+        for i, layer in enumerate(gpt_model.layers):
+            with ctx:
+                x = layer(x)
+                if i == 3:
+                    raise ValueError("bad argument in layer 3")
+            x = sync(x)
+
+    with pytest.raises(ValueError, match="bad argument"):
+        failing_forward()
+    assert top_saved_tensors_hooks() is None
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == baseline
+    ref = gpt_cuda.step(gpt_model, gpt_x0)
+    gpt_cuda.assert_bit_identical(gpt_cuda.step(gpt_model, gpt_x0, ctx, sync), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_in_place_modification_is_detected_on_gpu():
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=0
+    )
+    x = torch.randn(1 << 16, device="cuda", requires_grad=True)
+    with ctx:
+        y = (x * 2).exp()
+        y.add_(1)
+    y = sync(y)
+    for _ in range(2):
+        with ctx:
+            y = y * 1
+        y = sync(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_cuda_graph_capture_replays_bit_exact():
+    """Whole forward+backward captured once, replayed: copies hit retained pinned buffers."""
+    cfg = gpt_cuda.CFG.with_(layers=4, seq=512)
+    model = build_model(cfg, device="cuda", seed=0)
+    static_x = make_input(cfg, device="cuda", seed=1)
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=cfg.layers, retain_pinned_cpu_buffers=True
+    )
+
+    def fwd_bwd():
+        out = model(static_x, ctx, sync)
+        out.float().square().mean().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up allocates and retains the pinned buffers
+            for p in model.parameters():
+                p.grad = None
+            static_x.grad = None
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in model.parameters():
+        p.grad = None
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fwd_bwd()
+    static_grads = [static_x.grad] + [p.grad for p in model.parameters()]
+
+    for seed in (5, 6):
+        new_x = make_input(cfg, device="cuda", seed=seed, requires_grad=False)
+        static_x.data.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_x = new_x.clone().requires_grad_()
+        ref_out = model(ref_x)
+        ref_grads = torch.autograd.grad(
+            ref_out.float().square().mean(), [ref_x, *model.parameters()]
+        )
+        assert torch.equal(static_out, ref_out.detach())
+        for got, want in zip(static_grads, ref_grads):
+            assert torch.equal(got, want)
