@@ -1,0 +1,130 @@
+"""The benchmark scripts (``benchmarks/``) stay runnable: each runs on the simulated device in
+seconds, and the frontier's selection and drift correction are checked on synthetic points."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _benchmark_module(name: str):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    return importlib.import_module(name)
+
+
+def test_offload_benchmark_smoke_sim(tmp_path):
+    bench = _benchmark_module("offload_benchmark")
+    results = bench.main([
+        "--device", "sim", "--methods", "none,checkpoint,v2", "--ks", "2", "--warmup", "0",
+        "--iters", "1", "--no-link", "--no-recheck", "--no-plot",
+        "--layers", "4", "--out", str(tmp_path),
+    ])
+    assert [r.label for r in results] == ["none", "checkpoint", "v2 k=2"]
+    assert all(r.error is None and r.exact_error is None for r in results), results
+    assert all(r.bit_exact is True for r in results)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the exactness step
+    assert results[2].offloaded_bytes > 0 and results[2].sim_copies > 0
+    assert results[0].sim_copies is None  # no offload context, no simulated device
+    assert (tmp_path / "offload_benchmark_sim.json").exists()
+
+
+def test_hook_overhead_smoke_sim(tmp_path):
+    bench = _benchmark_module("hook_overhead")
+    payload = bench.main([
+        "--device", "sim", "--methods", "none,v2", "--layers", "4", "--width", "8",
+        "--batch", "2", "--warmup", "1", "--iters", "2", "--rounds", "1", "--out", str(tmp_path),
+    ])
+    assert payload["saved"]["total"] == 4 * 3  # per layer: input, weight.t(), GELU input
+    assert all("error" not in r for r in payload["results"].values())
+
+
+def test_frontier_time_ratios_use_the_none_time_measured_around_each_configuration():
+    """A machine that slows down 10% over the run must not make late configurations look 10%
+    slower: each ratio is to none interpolated between the none measurements around it."""
+    bench = _benchmark_module("frontier")
+    none = bench.Point("none", step_ms=100.0, peak_bytes=1000)
+    points = [none] + [bench.Point(f"off {k}", step_ms=100.0 + 10.0 * k / 4.5, peak_bytes=900)
+                       for k in range(1, 5)]
+    bench.derive(points, none, [(0.0, 100.0), (4.5, 110.0)])
+    assert [round(p.time_ratio, 6) for p in points] == [1.0] * 5
+    assert [p.peak_ratio for p in points[1:]] == [0.9] * 4
+    assert bench.interpolate([(0.0, 10.0), (4.0, 14.0)], 1.0) == 11.0
+    assert bench.interpolate([(0.0, 10.0), (4.0, 14.0)], 9.0) == 14.0
+
+
+def test_frontier_smoke_sim(tmp_path, capsys):
+    """Every configuration of both workloads runs and is bit-exact on the simulated device.
+
+    Peak memory is not measured there, so no configuration fits a budget: the per-budget cells
+    are "-", but the table still has one row per budget. A slow assumed link makes the planner
+    mix recompute and partial offload, so those plans run too."""
+    import importlib.util
+
+    bench = _benchmark_module("frontier")
+    have_hf = importlib.util.find_spec("transformers") is not None
+    budgets = [0.9, 0.7, 0.5, 0.3]
+    results = bench.main([
+        "--device", "sim", "--workload", "both" if have_hf else "gpt", "--layers", "4",
+        "--budgets", ",".join(map(str, budgets)), "--link-gbps", "0.03",
+        "--warmup", "0", "--iters", "1", "--no-plot", "--out", str(tmp_path),
+    ])
+    assert sorted(results) == (["gpt", "hf"] if have_hf else ["gpt"])
+    for name, res in results.items():
+        points = res["point_objects"]
+        labels = [p.label for p in points]
+        assert labels[0] == "none" and labels[-1] == "none (end)"
+        assert {f"ckpt {k}" for k in range(1, 5)} | {f"off {k}" for k in range(1, 4)} <= set(labels)
+        assert {f"sel {k}" for k in range(4)} <= set(labels)
+        assert all(p.error is None and p.step_ms is not None for p in points), points
+        assert all(p.exact is True for p in points[1:]), points  # none (end): none vs itself
+        assert any("plan" in p.names for p in points)
+        for p in points:
+            assert (p.sim_copies or 0) > 0 if p.num_layers else not p.sim_copies, p
+        assert [r["budget"] for r in res["frontier"]] == budgets
+        assert all(r["winner"] is None for r in res["frontier"])  # no peak measured on sim
+        assert (tmp_path / f"frontier_{name}_sim.json").exists()
+        assert all(p.baseline_ms for p in points)  # every ratio has its local none time
+        assert any("none measurements" in n for n in res["notes"])
+    assert not torch.are_deterministic_algorithms_enabled()
+    lines = capsys.readouterr().out.splitlines()
+    tables = [i for i, line in enumerate(lines) if line.startswith("budget ")]
+    assert len(tables) == len(results)
+    for i in tables:  # header, rule, one row per budget, then the notes
+        assert [float(line.split()[0]) for line in lines[i + 2:i + 2 + len(budgets)]] == budgets
+        assert lines[i + 2 + len(budgets)].startswith("none drift: ")
+
+
+def test_frontier_selection_and_plot(tmp_path):
+    """Per budget the fastest point within it, per method; the Pareto lines and the plot."""
+    bench = _benchmark_module("frontier")
+    P = bench.Point
+
+    def pt(label, method, t, m, **kw):
+        return P(label, names={method: label}, step_ms=100 * t, time_ratio=t, peak_ratio=m, **kw)
+
+    points = [
+        P("none", step_ms=100.0, time_ratio=1.0, peak_ratio=1.0),
+        pt("ckpt 1", "ckpt", 1.05, 0.8), pt("ckpt 2", "ckpt", 1.10, 0.6),
+        pt("off 1", "off", 1.01, 0.85), pt("off 2", "off", 1.30, 0.78), pt("off 3", "off", 1.2, 0.75),
+        pt("plan k=1 rec=[1]", "plan", 1.04, 0.55, predicted_time_ratio=1.03,
+           predicted_peak_ratio=0.5),
+    ]
+    rows = bench.frontier(points, [0.9, 0.8, 0.5], {0.9: points[6]}, list(bench.METHODS))
+    assert rows[0]["best"] == {"ckpt": "ckpt 1", "off": "off 1", "sel": None,
+                               "plan": "plan k=1 rec=[1]"}
+    assert rows[0]["winner"] == "off 1"
+    assert rows[1]["best"]["off"] == "off 3" and rows[1]["winner"] == "plan k=1 rec=[1]"
+    assert rows[2]["best"] == {"ckpt": None, "off": None, "sel": None, "plan": None}
+    assert rows[2]["winner"] is None and rows[0]["planner_pick_over_budget"] is False
+    table = bench.frontier_table(rows, list(bench.METHODS)).splitlines()
+    assert len(table) == 2 + 3 and "1.040 / 0.550 plan k=1 rec=[1]" in table[2]
+    offs = [p for p in points if "off" in p.names]
+    assert [p.label for p in bench.pareto(offs)] == ["off 3", "off 1"]  # off 2: slower and larger
+    pytest.importorskip("matplotlib")
+    bench.plot(points, [0.9, 0.5], list(bench.METHODS), tmp_path / "f.png", "test")
+    assert (tmp_path / "f.png").stat().st_size > 0
