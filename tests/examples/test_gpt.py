@@ -2,7 +2,6 @@
 pattern, and the saved-tensor layouts the benchmarks and GPU tests rely on. CPU only."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.utils.checkpoint
 
