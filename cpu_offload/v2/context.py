@@ -152,7 +152,7 @@ def get_cpu_offload_context(
     verify: Optional[bool] = None,
     max_host_bytes: Optional[int] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
-    """V2 implementation of ``cpu_offload.get_cpu_offload_context`` (see the facade)."""
+    """V2 implementation of ``cpu_offload.get_cpu_offload_context`` (see ``cpu_offload.api``)."""
     if not enabled:
         # As in the reference: a disabled context is a null context, whatever else is passed
         # (configs often set enabled=False and leave the other fields as they are).
