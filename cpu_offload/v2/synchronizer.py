@@ -17,6 +17,7 @@ from ..compat import (
     compiler_disable,
     graph_task_id,
     in_backward,
+    in_checkpoint_region,
     is_parameter,
     is_traceable_wrapper_subclass,
     queue_backward_callback,
@@ -76,7 +77,10 @@ class Step:
             return self.last_trigger() is None
         return self.grad_layers == 0 and torch.is_grad_enabled()
 
-    def begin_forward(self) -> Optional[LayerState]:
+    def begin_forward(self, checkpointed: bool = False) -> Optional[LayerState]:
+        """Count a layer's forward. ``checkpointed``: it runs inside a non-reentrant checkpoint
+        region, which stores none of its saved tensors (it recomputes them in backward): the
+        layer is counted, but neither offloaded nor selective, and gets no hooks."""
         index = self.fwd_count
         self.fwd_count += 1
         grad = torch.is_grad_enabled()
@@ -87,12 +91,14 @@ class Step:
         offloaded = manual or self.schedule.is_offloaded(index)
         if offloaded and not grad:
             self.stats.layers_without_grad += 1
+        if offloaded and grad and checkpointed:
+            self.stats.layers_in_checkpoint += 1
         layer = (
             LayerState(index, self.rt, not manual, self.shared, self.stats)
-            if offloaded and grad else None
+            if offloaded and grad and not checkpointed else None
         )
         self.layers.append(layer)
-        if grad and index in self.selective_indices:
+        if grad and index in self.selective_indices and not checkpointed:
             self.selective[index] = SelectiveLayer(
                 index, self.stats.layer(index), self.selective_scope
             )
@@ -161,7 +167,9 @@ class Step:
         """Offloading that frees nothing is worse than none: say so once per context."""
         if self.stats.checked or self.schedule is None:
             return
-        if not any(layer is not None for layer in self.layers):
+        if not self.stats.layers_in_checkpoint and not any(
+            layer is not None for layer in self.layers
+        ):
             return  # only selective layers: nothing was to be offloaded
         self.stats.checked = True
         reason = self.stats.nothing_done_reason(self.rt.threshold)
@@ -283,7 +291,11 @@ class OffloadSynchronizer:
                 self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope
             )
             self.rt.pool.trim()
-        self.current = step.begin_forward()
+        # Inside a non-reentrant checkpoint region (checkpoint around the stack of layers) the
+        # layer gets no hooks: ours would shadow checkpoint's in forward but not in its
+        # recomputation (entered in backward, where the context does nothing), so checkpoint
+        # would pair recomputed tensors with the wrong saved slots.
+        self.current = step.begin_forward(checkpointed=in_checkpoint_region())
         self.current_index = step.fwd_count - 1
         self.current_selective = step.selective.get(self.current_index)
         self.inside = True
