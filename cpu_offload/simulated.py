@@ -4,10 +4,11 @@
 already happened when the scheduler sees them); side streams *defer* their work until something
 waits on it. So a scheduler that forgets to wait for a reload hands autograd an unwritten buffer
 (filled with a poison pattern) and gradients come out wrong; one that frees a buffer while a
-copy still reads it trips ``will_free``; and one that drops a buffer while a queued copy still
-writes into it (a late write into memory the allocator may have handed out again) raises when that
-copy runs: queued copies hold their destination only weakly, as the real device does not keep
-freed memory alive. Every call is appended to ``log`` for schedule assertions; copies are logged
+copy still reads it trips ``will_free``; and one that drops a device buffer while a queued copy
+still writes into it (a late write into memory the allocator may have handed out again) raises
+when that copy runs, as the real device does not keep freed device memory alive. Pinned host
+buffers (``alloc_host``) may be dropped early: torch's pinned allocator records the copy's stream
+and reuses the block only after the copy, and so does the simulation. Every call is appended to ``log`` for schedule assertions; copies are logged
 as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
 optimizer's CPU worker); one lock serialises them.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -108,7 +110,8 @@ class SimulatedDevice(OffloadDevice):
         self.host_allocs = 0
         self.host_bytes_allocated = 0
         self.device_allocs = 0
-        self._host_ptrs: set[int] = set()
+        # pinned host buffers alive, by address (what a copy into them is: "d2h")
+        self._host_bufs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
 
     # -- streams and events -------------------------------------------------------------------
@@ -160,7 +163,7 @@ class SimulatedDevice(OffloadDevice):
         self.host_bytes_allocated += nbytes
         self.log.append(("alloc_host", nbytes))
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        self._host_ptrs.add(buf.data_ptr())
+        self._host_bufs[buf.data_ptr()] = buf  # forgotten when freed: the address may be reused
         return buf
 
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -171,14 +174,19 @@ class SimulatedDevice(OffloadDevice):
         if dst.numel() != src.numel():
             raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
         root = dst._base if dst._base is not None else dst
-        direction = "d2h" if root.data_ptr() in self._host_ptrs else "h2d"
+        to_host = self._host_bufs.get(root.data_ptr()) is root
+        direction = "d2h" if to_host else "h2d"
         nbytes = dst.numel()
 
         def run() -> None:
-            # On a real device a queued copy does not keep its destination alive. Here the queue
-            # holds it; if nothing else does (no other reference to this tensor object, no other
-            # tensor on its memory), that memory would have been freed and possibly reused.
-            if sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1:
+            # On a real device a queued copy does not keep a device destination alive: the
+            # caching allocator may hand that memory out again as soon as it is dropped. Here the
+            # queue holds it; if nothing else does (no other reference to this tensor object, no
+            # other tensor on its memory), that memory would have been freed and possibly reused.
+            # A pinned host destination is different: torch's pinned (host caching) allocator
+            # records an event on the copy's stream and reuses the block only once the copy is
+            # done, so dropping it early is safe, as it is here.
+            if not to_host and sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1:
                 raise SimulatedHazard(
                     f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
                     "buffer that was dropped before the copy was waited for"
