@@ -8,7 +8,8 @@ copy still reads it trips ``will_free``; and one that drops a device buffer whil
 still writes into it (a late write into memory the allocator may have handed out again) raises
 when that copy runs, as the real device does not keep freed device memory alive. Pinned host
 buffers (``alloc_host``) may be dropped early: torch's pinned allocator records the copy's stream
-and reuses the block only after the copy, and so does the simulation. Every call is appended to ``log`` for schedule assertions; copies are logged
+and reuses the block only after the copy, and so does the simulation. ``capture`` checks CUDA's
+graph-capture rules. Every call is appended to ``log`` for schedule assertions; copies are logged
 as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
 optimizer's CPU worker); one lock serialises them.
 """
