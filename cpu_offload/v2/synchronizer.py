@@ -128,7 +128,10 @@ class Step:
             queue_backward_callback(self.end_backward)
         if index in self.bwd_layers:
             return
-        if not self.complete:
+        if self.schedule is not None and not self.complete:
+            # Only a schedule counts layers: positions in it are layer counts. With manual
+            # synchronization the caller drives every transfer, and ``model_layers`` only bounds
+            # the layers of one step (a forward may run fewer, e.g. one pipeline chunk).
             if torch.is_grad_enabled():
                 # ``torch.autograd.grad(..., create_graph=True)`` in mid-forward (physics-
                 # informed losses, gradient penalties): nothing to schedule yet; released layers
