@@ -204,6 +204,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._kwargs = dict(optimizer_kwargs)
         defaults = _probe(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
         defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
+        # implementation choices (fused, foreach, ...) stay out of the wrapper's groups, so each
+        # part keeps its own; state_dict() reports them as the wrapped class would
+        self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._bucket_bytes = bucket_bytes
         cpu_threads = cpu_threads or default_cpu_threads()
@@ -726,7 +729,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``cpu_offload.optim.state``. ``to_wrapped_format(sd)`` converts it to the wrapped
         optimizer's own format."""
         self._drain_all()
-        return state_format.gather(self.param_groups, self._placements())
+        return state_format.gather(self.param_groups, self._placements(), self._implementation)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
