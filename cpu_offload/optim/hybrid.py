@@ -3,6 +3,7 @@ backward (and optionally with the next forward)."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 import weakref
@@ -86,6 +87,26 @@ class _Step:
     stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": []})
 
 
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OffloadConfigError(
+            f"HybridDeviceOptimizer({name}=...) must be True or False, got {value!r}; convert "
+            "flags read from strings or config files first (bool('no') is True)"
+        )
+    return value
+
+
+def _check_int(name: str, value: Any, low: int, optional: bool = False) -> Optional[int]:
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise OffloadConfigError(
+            f"HybridDeviceOptimizer({name}=...) must be an int >= {low}"
+            f"{' or None' if optional else ''}, got {value!r}"
+        )
+    return value
+
+
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     r"""Keep ``offload_fraction`` of the optimizer state (and its update) in CPU memory.
 
@@ -146,9 +167,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
-        OffloadConfigError: ``offload_fraction`` outside [0, 1]; parameters on several devices,
-            non-contiguous or non-leaf; an unknown ``overlap``; an optimizer class without the
-            ``torch.optim.Optimizer`` API or rejecting ``optimizer_kwargs``.
+        OffloadConfigError: ``offload_fraction`` outside [0, 1]; a flag that is not a bool or a
+            size that is not an int (e.g. ``pin_cpu_grads="no"``); parameters on several
+            devices, non-contiguous or non-leaf; an unknown ``overlap``; an optimizer class
+            without the ``torch.optim.Optimizer`` API or rejecting ``optimizer_kwargs``.
+        RuntimeError: no ``device=`` on a machine without CUDA (pass
+            ``device=cpu_offload.SimulatedDevice()``).
         OffloadUsageError: at run time, sparse gradients on an offloaded parameter, a second
             backward before ``step()`` in an update-during-backward mode (use ``no_sync()``),
             ``clip_grad_norm_`` after updates already started.
@@ -189,12 +213,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
+        for name, flag in (("param_update_in_fp32", param_update_in_fp32), ("pin_cpu_grads", pin_cpu_grads),
+                           ("pin_cpu_params", pin_cpu_params),
+                           ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d)):
+            _check_bool(name, flag)
+        _check_int("bucket_bytes", bucket_bytes, 1)
+        _check_int("cpu_threads", cpu_threads, 1, optional=True)
+        _check_int("cpu_chunk_bytes", cpu_chunk_bytes, 0, optional=True)
         if overlap is None:
             overlap = "backward_update" if overlap_cpu_optimizer_d2h_h2d else "none"
         if overlap not in OVERLAP_MODES:
             raise OffloadConfigError(f"overlap={overlap!r} is not one of {OVERLAP_MODES}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise OffloadConfigError(f"max_grad_norm must be > 0 (or None), got {max_grad_norm!r}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, numbers.Real) or not max_grad_norm > 0):
+            raise OffloadConfigError(f"max_grad_norm must be a number > 0 (or None), got {max_grad_norm!r}")
+        if device is None and not torch.cuda.is_available():
+            raise RuntimeError(
+                "HybridDeviceOptimizer: CUDA is not available, and without device= the optimizer "
+                "expects its parameters on a CUDA GPU. On a CPU-only machine pass "
+                "HybridDeviceOptimizer(device=cpu_offload.SimulatedDevice()) (parameters on the "
+                "CPU; the schedule runs in simulation)"
+            )
         self.overlap = overlap
         self.max_grad_norm = max_grad_norm
         self.param_update_in_fp32 = param_update_in_fp32
@@ -212,8 +251,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         cpu_threads = cpu_threads or default_cpu_threads()
         if cpu_chunk_bytes is None:
             cpu_chunk_bytes = default_chunk_bytes(cpu_threads)
-        if cpu_chunk_bytes < 0:
-            raise OffloadConfigError(f"cpu_chunk_bytes must be >= 0 (0: no chunks), got {cpu_chunk_bytes}")
         self._chunk_elems = cpu_chunk_bytes // 4
         self._grad_order = list(grad_order) if grad_order is not None else None
         self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
