@@ -292,10 +292,11 @@ class OffloadSynchronizer:
     def end_fwd_layer(self) -> None:
         self.inside = False
         self.awaiting_sync = torch.is_grad_enabled()
+        # First: outputs a selective layer stores after all are pushed as the layer's own.
+        self._end_selective(store=True)
         if self.current is not None:
             self.current.finish_forward()
         self.current = None
-        self._end_selective()
         if self.step is not None:
             self.step.end_forward_layer()
 
@@ -365,10 +366,10 @@ class OffloadSynchronizer:
         self.selective = layers
         self.selective_scope = scope
 
-    def _end_selective(self) -> None:
+    def _end_selective(self, store: bool = False) -> None:
         selective, self.current_selective = self.current_selective, None
         if selective is not None:
-            selective.end()
+            selective.end(self.push if store else None)
 
     # -- saved-tensor hooks ------------------------------------------------------------------------
     @property

@@ -1,0 +1,139 @@
+"""Issue 27, defects 5, 7 and 8 and the fresh-machine list (errors and silence): selective
+recomputation when a recipe's input changes in place, steps that never call backward, errors
+that named the wrong thing, strings for booleans, and plans with nothing to offload."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import doctest
+import random
+import time
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_offload
+import cpu_offload.v1
+import cpu_offload.v2
+from cpu_offload import (
+    ActivationOffloadConfig,
+    OffloadConfigError,
+    OffloadUsageError,
+    OptimizerOffloadConfig,
+    SimulatedDevice,
+    apply_offloading,
+    get_cpu_offload_context,
+    plan_offloading,
+)
+from cpu_offload.tools import step_profile as sp
+from cpu_offload.v2.stats import StepStats
+
+from parity_models import EXPECTED_WARNINGS
+
+pytestmark = EXPECTED_WARNINGS
+
+
+def run_step(layers, x0, pick=lambda out: out):
+    """Zero grads, forward through ``layers`` (``pick`` takes the hidden state of an output),
+    backward; returns the output, the input's gradient and every parameter's gradient."""
+    layers.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    h = x
+    for layer in layers:
+        h = pick(layer(h))
+    h.square().sum().backward()
+    return [h.detach(), x.grad] + [p.grad.clone() for p in layers.parameters()]
+
+
+def assert_equal(got, ref):
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+# --- D5: selective recomputation, a recipe's input changed in place ------------------------------
+
+
+class TanhThenInPlace(nn.Module):
+    """Issue 27's layer: ``tanh`` saves its output, a recipe on ``a``, which the model then
+    legally changes in place (nothing saved ``a``). Tiny, so ``a`` is held as it is."""
+
+    def __init__(self, width: int, module_tanh: bool) -> None:
+        super().__init__()
+        self.l, self.n, self.act = nn.Linear(width, width), nn.LayerNorm(width), nn.Tanh()
+        self.module_tanh = module_tanh
+
+    def forward(self, x):
+        a = self.n(self.l(x))
+        t = self.act(a) if self.module_tanh else torch.tanh(a)
+        a.mul_(0.5)
+        return t * 3 + a + x
+
+
+@pytest.mark.parametrize("scope", ["modules", "layer"])
+@pytest.mark.parametrize("k", [0, 1])
+def test_d5_a_recipe_input_changed_in_place_later_in_the_forward_stores_the_output(scope, k, sim):
+    torch.manual_seed(0)
+    # The modules scope records only inside nn.Tanh; the layer scope also torch.tanh.
+    layers = nn.ModuleList(TanhThenInPlace(16, module_tanh=scope == "modules") for _ in range(3))
+    x0 = torch.randn(4, 16)
+    ref = run_step(layers, x0)
+    with apply_offloading(layers, num_layers=k, selective=True, selective_scope=scope,
+                          min_tensor_size_to_offload=0, device=sim) as handle:
+        for _ in range(2):
+            assert_equal(run_step(layers, x0), ref)
+        # Each layer's tanh output was stored (offloaded in the first k layers), not recomputed
+        # (the LayerNorm's mean and rstd, 16 bytes each, still are).
+        stats = handle.stats()
+        tanh_bytes = 4 * 16 * 4
+        assert all(stats.layers[i].recipe_bytes < tanh_bytes for i in range(3))
+        assert all(stats.layers[i].copied_out_bytes >= tanh_bytes for i in range(k))
+    assert_equal(run_step(layers, x0), ref)
+
+
+class ChangedBeforeSaved(nn.Module):
+    """A recipe (``a + 1``, nothing saved) whose tiny input changes before its output is saved
+    (by ``sin``, which saves its input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.l = nn.Linear(width, width)
+
+    def forward(self, x):
+        a = self.l(x)
+        t = a + 1
+        a.mul_(0.5)
+        return t.sin() + a
+
+
+def test_d5_a_recipe_input_changed_before_its_output_is_saved_is_not_rerun(sim):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(ChangedBeforeSaved(16) for _ in range(3))
+    x0 = torch.randn(4, 16)
+    ref = run_step(layers, x0)
+    with apply_offloading(layers, num_layers=1, selective=True, selective_scope="layer",
+                          min_tensor_size_to_offload=0, device=sim) as handle:
+        assert_equal(run_step(layers, x0), ref)
+        assert handle.stats().to_dict()["recipe_tensors"] == 0
+
+
+class ChangesItsInputAfterwards(nn.Module):
+    """Recomputes ``tanh(x)`` from its (tiny) input, which the caller changes after the layer."""
+
+    def forward(self, x):
+        return torch.tanh(x) * 2
+
+
+def test_d5_a_held_input_changed_after_the_layer_raises_naming_the_fix(sim):
+    layers = nn.ModuleList(ChangesItsInputAfterwards() for _ in range(2))
+    handle = apply_offloading(layers, num_layers=0, selective=True, selective_scope="layer",
+                              min_tensor_size_to_offload=0, device=sim)
+    x = torch.randn(4, 4, requires_grad=True)
+    h = x * 1.0
+    out = layers[1](layers[0](h))
+    h.add_(1.0)  # after layer 0's forward, which recomputes its tanh output from h
+    with pytest.raises(RuntimeError, match=r"leave the layer out of apply_offloading\(selective"):
+        out.sum().backward()
+    handle.remove()
