@@ -137,3 +137,151 @@ def test_d5_a_held_input_changed_after_the_layer_raises_naming_the_fix(sim):
     with pytest.raises(RuntimeError, match=r"leave the layer out of apply_offloading\(selective"):
         out.sum().backward()
     handle.remove()
+
+
+def linear_layers(n=4, width=8):
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+
+
+# --- D8: errors that named the wrong thing -------------------------------------------------------
+
+
+def test_d8_a_layer_called_twice_in_one_forward_is_named(sim):
+    layers = linear_layers()
+    handle = apply_offloading(layers, num_layers=1, min_tensor_size_to_offload=0, device=sim)
+    x = torch.randn(2, 8, requires_grad=True)
+    h = layers[0](x)
+    with pytest.raises(OffloadUsageError, match=r"layer 0 \(Linear\) ran again.*called twice"):
+        layers[0](h)
+    handle.remove()
+
+
+def test_d8_an_extra_call_after_the_last_layer_names_the_layers_not_model_layers(sim):
+    layers = linear_layers()
+    handle = apply_offloading(layers, num_layers=1, min_tensor_size_to_offload=0, device=sim)
+    x = torch.randn(2, 8, requires_grad=True)
+    h = x
+    for i in (0, 1, 2, 3, 0):
+        h = layers[i](h)
+    with pytest.raises(OffloadUsageError, match="after 1 of the 4 layers given to apply_offloading") as info:
+        h.sum().backward()
+    assert "model_layers" not in str(info.value)
+    handle.remove()
+
+
+class HiddenSecond(nn.Module):
+    """Returns ``(side, hidden)``: the documented hidden state (the first tensor) is not what
+    the model passes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.l(x)
+        return y * 2, y
+
+
+def test_d8_a_tuple_whose_first_tensor_does_not_reach_the_loss_is_named(sim):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(HiddenSecond() for _ in range(4))
+    handle = apply_offloading(layers, num_layers=1, min_tensor_size_to_offload=0, device=sim)
+    h = torch.randn(2, 8, requires_grad=True)
+    h = layers[0](h)[1]
+    with pytest.raises(OffloadUsageError, match=r"layer 0's hidden state.*was dropped.*first in a tuple"):
+        layers[1](h)
+    handle.remove()
+
+
+def test_d8_the_wrong_tensor_through_the_sync_function_is_named_in_backward(sim):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(4)]
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=4,
+                                        min_tensor_size_to_offload=0, device=sim)
+    x = torch.randn(2, 8, requires_grad=True)
+    for layer in layers:
+        with ctx:
+            y = layer(x)
+            side = y * 2
+        sync(side)  # not the tensor the next layer takes
+        del side
+        x = y
+    with pytest.raises(OffloadUsageError, match=r"given up after 1 of 4 layers.*sync function") as info:
+        x.sum().backward()
+    assert "exception inside" not in str(info.value)
+
+
+def test_d8_a_parent_and_its_child_in_one_layers_list_are_refused_at_apply_time(sim):
+    inner = nn.Linear(8, 8)
+    layers = [nn.Sequential(inner, nn.Tanh()), inner, nn.Linear(8, 8)]
+    with pytest.raises(OffloadConfigError,
+                       match=r"layers\[0\] \(Sequential\) contains layers\[1\] \(Linear\)"):
+        apply_offloading(layers, num_layers=1, device=sim)
+    assert type(inner) is nn.Linear
+
+
+@dataclasses.dataclass
+class Out:
+    note: str
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenOut:
+    hidden: torch.Tensor
+
+
+class DataclassLayer(nn.Module):
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.frozen = frozen
+
+    def forward(self, x):
+        h = torch.tanh(self.l(x)) + x
+        return FrozenOut(h) if self.frozen else Out("layer", h, h.sum())
+
+
+@pytest.mark.filterwarnings("ignore:cpu_offload \\(V1\\). a step saved:UserWarning")
+@pytest.mark.parametrize("backend_name", ["v2", "v1"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_d8_dataclass_outputs_are_supported_exactly(frozen, backend_name, sim, monkeypatch):
+    if backend_name == "v1":
+        monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    torch.manual_seed(0)
+    layers = nn.ModuleList(DataclassLayer(frozen) for _ in range(4))
+    x0 = torch.randn(2, 8)
+    pick = lambda out: out.hidden  # noqa: E731
+    ref = run_step(layers, x0, pick)
+    kwargs = {} if backend_name == "v1" else {"min_tensor_size_to_offload": 0}
+    with apply_offloading(layers, num_layers=2, device=sim, **kwargs):
+        for _ in range(2):
+            assert_equal(run_step(layers, x0, pick), ref)
+    if backend_name == "v2":  # V1 offloads only tensors tagged with mark_activation_offload
+        assert len(sim.copies("d2h")) > 0
+
+
+@dataclasses.dataclass
+class NoTensor:
+    value: float
+
+
+def test_d8_a_dataclass_without_a_tensor_field_is_named_as_a_dataclass(sim):
+    class Layer(nn.Module):
+        def forward(self, x):
+            return NoTensor(1.0)
+
+    layers = nn.ModuleList(Layer() for _ in range(2))
+    with apply_offloading(layers, num_layers=1, device=sim):
+        with pytest.raises(TypeError, match="the dataclass NoTensor, which has no tensor field"):
+            layers[0](torch.randn(2, requires_grad=True))
+
+
+def test_d8_a_reload_num_error_carries_a_reload_hint(sim):
+    with pytest.raises(OffloadConfigError, match=r"reload_num must be .*reload_num <= 3\)") as info:
+        get_cpu_offload_context(enabled=True, model_layers=4, device=sim,
+                                synchronization_dict={1: (True, 3, False, 9)})
+    assert "offload_num" not in str(info.value)

@@ -133,9 +133,18 @@ def validate_synchronization_dict(
         for name, v in (("offload_num", off_num), ("reload_num", rel_num)):
             top = n + 1 if name == "offload_num" and off_fwd else n  # n + 1: the forward's end
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+                if name == "offload_num":
+                    hint = f"offload_fwd=True, offload_num={n + 1}: released when the forward ends"
+                else:
+                    hint = (
+                        "the reload starts when reload_num layers have begun their forward "
+                        f"(reload_fwd=True) or backward (reload_fwd=False); layer {layer}'s "
+                        f"reload must start by its own backward: reload_fwd=False, reload_num "
+                        f"<= {n - layer}"
+                    )
                 raise OffloadConfigError(
                     f"{where}: {name} must be an int in [1, model_layers={n}], got {v!r} "
-                    f"(offload_fwd=True, offload_num={n + 1}: released when the forward ends)"
+                    f"({hint})"
                 )
         off_pos, rel_pos = position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
         own_fwd_end, own_bwd_start = layer + 2, position(False, n - layer, n)
