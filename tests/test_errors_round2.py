@@ -139,10 +139,28 @@ def test_d5_a_held_input_changed_after_the_layer_raises_naming_the_fix(sim):
     handle.remove()
 
 
+# --- D7: a step_fn without backward --------------------------------------------------------------
+
+
 def linear_layers(n=4, width=8):
     torch.manual_seed(0)
     return nn.ModuleList(nn.Linear(width, width) for _ in range(n))
 
+
+def test_d7_plan_offloading_refuses_a_step_that_never_calls_backward(sim):
+    layers = linear_layers()
+    x0 = torch.randn(2, 8)
+
+    def forward_only():
+        h = x0.clone().requires_grad_()
+        for layer in layers:
+            h = layer(h)
+        return h.sum()
+
+    with pytest.raises(OffloadConfigError, match=r"no backward reached the layers.*backward\(\)"):
+        plan_offloading(forward_only, layers, 0.8, device=sim, min_tensor_size_to_offload=1,
+                        link_gbps=1.0)
+    assert all(type(m) is nn.Linear for m in layers)
 
 
 # --- D8: errors that named the wrong thing -------------------------------------------------------
@@ -222,6 +240,22 @@ def test_d8_a_parent_and_its_child_in_one_layers_list_are_refused_at_apply_time(
     assert type(inner) is nn.Linear
 
 
+def test_d8_a_step_running_2_of_4_layers_is_told_so(sim):
+    layers = linear_layers()
+    x0 = torch.randn(2, 8)
+
+    def half_step():
+        h = x0.clone().requires_grad_()
+        for layer in layers[:2]:
+            h = layer(h)
+        h.sum().backward()
+
+    with pytest.raises(OffloadConfigError, match=r"ran 2 of the 4 layers given.*every layer must run once per step") as info:
+        plan_offloading(half_step, layers, 0.8, device=sim, min_tensor_size_to_offload=1,
+                        link_gbps=1.0)
+    assert "model_layers" not in str(info.value)
+
+
 @dataclasses.dataclass
 class Out:
     note: str
@@ -285,3 +319,150 @@ def test_d8_a_reload_num_error_carries_a_reload_hint(sim):
         get_cpu_offload_context(enabled=True, model_layers=4, device=sim,
                                 synchronization_dict={1: (True, 3, False, 9)})
     assert "offload_num" not in str(info.value)
+
+
+# --- fresh machine: flags must be bools, counts ints ---------------------------------------------
+
+
+def _plan(**kwargs):
+    layers = linear_layers()
+    return plan_offloading(lambda: None, layers, 0.8, device=SimulatedDevice(), **kwargs)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: get_cpu_offload_context(enabled="False", num_layers=1, model_layers=2), "enabled"),
+    (lambda: get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                     retain_pinned_cpu_buffers="False",
+                                     device=SimulatedDevice()), "retain_pinned_cpu_buffers"),
+    (lambda: get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, verify="yes",
+                                     device=SimulatedDevice()), "verify"),
+    (lambda: get_cpu_offload_context(enabled=False, manual_synchronization="no"),
+     "manual_synchronization"),
+    (lambda: cpu_offload.v1.get_cpu_offload_context(enabled="False"), "enabled"),
+    (lambda: cpu_offload.v1.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2,
+                                                    double_buffering="yes"), "double_buffering"),
+    (lambda: cpu_offload.v2.get_cpu_offload_context(enabled="True"), "enabled"),
+    (lambda: apply_offloading(linear_layers(), num_layers=1, selective="true",
+                              device=SimulatedDevice()), "selective"),
+    (lambda: apply_offloading(linear_layers(), num_layers=1, device=SimulatedDevice(),
+                              retain_pinned_cpu_buffers="False"), "retain_pinned_cpu_buffers"),
+    (lambda: _plan(partial="no"), "partial"),
+    (lambda: _plan(spread="yes"), "spread"),
+    (lambda: _plan(selective="true"), "selective"),
+    (lambda: _plan(warmup=True), "warmup"),
+    (lambda: _plan(repeats="3"), "repeats"),
+    (lambda: _plan(min_tensor_size_to_offload="1"), "min_tensor_size_to_offload"),
+    (lambda: OptimizerOffloadConfig(optimizer_cpu_offload=True, fp16="False").validate(), "fp16"),
+    (lambda: OptimizerOffloadConfig(optimizer_cpu_offload=True,
+                                    use_distributed_optimizer="False").validate(),
+     "use_distributed_optimizer"),
+    (lambda: cpu_offload.build_offload_context(
+        ActivationOffloadConfig(num_layers=4, cpu_offloading=True, cpu_offloading_num_layers=1),
+        device=SimulatedDevice(), verify="no"), "verify"),
+    (lambda: cpu_offload.mark_activation_offload(torch.ones(1), offload="no"), "offload"),
+])
+def test_flags_must_be_bools_and_counts_ints_naming_the_argument(call, name):
+    with pytest.raises(OffloadConfigError, match=rf"\b{name} must be (True|an int|the|None)"):
+        call()
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: get_cpu_offload_context(enabled=True, num_layers=True, model_layers=3,
+                                     device=SimulatedDevice()), "num_layers"),
+    (lambda: get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3,
+                                     min_tensor_size_to_offload=True,
+                                     device=SimulatedDevice()), "min_tensor_size_to_offload"),
+    (lambda: apply_offloading(linear_layers(), num_layers=True, device=SimulatedDevice()),
+     "num_layers"),
+    (lambda: ActivationOffloadConfig(num_layers=4, cpu_offloading=True,
+                                     cpu_offloading_num_layers=True).validate(),
+     "cpu_offloading_num_layers"),
+])
+def test_counts_refused_before_keep_naming_the_argument_through_the_shared_check(call, name):
+    """Not defects of 57b48a0 (these were refused already): the shared check keeps them."""
+    with pytest.raises(OffloadConfigError, match=rf"\b{name} must be (an int|the)"):
+        call()
+
+
+def test_strings_for_booleans_never_switch_offloading_on_under_v1(monkeypatch):
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    with pytest.raises(OffloadConfigError, match="enabled must be True or False, got 'False'"):
+        get_cpu_offload_context(enabled="False", num_layers=1, model_layers=2)
+
+
+def test_leaving_out_model_layers_names_model_layers_len_layers(backend):
+    with pytest.raises(OffloadConfigError, match=r"model_layers=len\(layers\)") as info:
+        get_cpu_offload_context(enabled=True, num_layers=2, device=SimulatedDevice())
+    assert "<= -1" not in str(info.value)
+
+
+def test_a_plan_with_nothing_to_offload_warns_prints_no_nan_and_has_empty_stats(sim):
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+    x0 = torch.randn(4, 16)
+
+    def step():
+        h = x0.clone().requires_grad_()
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+
+    with pytest.warns(UserWarning, match="nothing to offload: every saved tensor is below "
+                                         "min_tensor_size_to_offload"):
+        plan = plan_offloading(step, layers, 0.8, device=sim, link_gbps=1.0, repeats=1)
+    assert plan.num_layers == 0 and plan.recompute == () and plan.selective == ()
+    assert "nan" not in plan.describe() and plan.peak_ratio == 1.0
+    with apply_offloading(layers, plan=plan, device=sim) as handle:
+        step()
+        stats = handle.stats()
+    assert isinstance(stats, StepStats)
+    assert stats.to_dict()["offloaded_tensors"] == 0 and "offloaded 0 saved tensors" in stats.summary()
+
+
+class _JitteryTime:
+    """``time`` with a host clock that jumps by up to 20 ms between readings: how a busy
+    machine looks to the profiler."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        self.offset += self.rng.uniform(0.0, 0.02)
+        return time.perf_counter() + self.offset
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_the_documented_plan_offloading_example_plans_the_same_on_a_noisy_host(monkeypatch):
+    test = doctest.DocTestFinder().find(plan_offloading, "plan_offloading", globs={})[0]
+    source = "".join(ex.source for ex in test.examples)
+    setup = source[:source.index("plan = cpu_offload.plan_offloading(")]
+    call = source[source.index("plan = cpu_offload.plan_offloading("):]
+    call = call[:call.index(")\n") + 2]
+    plans = set()
+    for seed in range(3):
+        monkeypatch.setattr(sp, "time", _JitteryTime(seed))
+        scope: dict = {}
+        exec(setup + call, scope)  # noqa: S102 - the package's own docstring
+        plan = scope["plan"]
+        plans.add((plan.num_layers, plan.offloaded, plan.recompute, plan.selective,
+                   plan.partial_fraction))
+    assert len(plans) == 1, plans
+
+
+def test_offload_arguments_without_enabled_warn_once_naming_enabled_true(monkeypatch):
+    from cpu_offload import facade
+
+    monkeypatch.setattr(facade, "_warned_not_enabled", False, raising=False)
+    with pytest.warns(UserWarning, match=r"without enabled=True.*pass enabled=True"):
+        ctx, sync = get_cpu_offload_context(num_layers=2, model_layers=4)
+    assert isinstance(ctx, contextlib.nullcontext)  # the behaviour is kept
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_cpu_offload_context(num_layers=2, model_layers=4)  # once
+        monkeypatch.setattr(facade, "_warned_not_enabled", False)
+        get_cpu_offload_context(enabled=False, num_layers=2, model_layers=4)  # said on purpose
+        get_cpu_offload_context()

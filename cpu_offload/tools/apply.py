@@ -445,9 +445,16 @@ class OffloadingHandle:
 
     def stats(self) -> Any:
         """What the last step did (V2): ``.summary()`` for humans, ``.to_dict()`` for loggers.
-        ``None`` when no layer is offloaded or the legacy V1 backend is in use."""
+        Empty statistics when no layer is offloaded or selective (e.g. a plan with nothing to
+        offload); ``None`` under the legacy V1 backend, which keeps none."""
         sync = self.synchronizer
-        return sync.stats() if sync is not None and hasattr(sync, "stats") else None
+        if sync is not None and hasattr(sync, "stats"):
+            return sync.stats()
+        if self.context is not None:
+            return None  # V1
+        from ..v2.stats import StepStats
+
+        return StepStats.empty()
 
     def remove(self) -> None:
         """Restore every layer exactly as it was (class, attributes, call path). Calling it
