@@ -139,6 +139,27 @@ def test_d5_a_held_input_changed_after_the_layer_raises_naming_the_fix(sim):
     handle.remove()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scope", ["modules", "layer"])
+def test_gpu_d5_an_output_stored_at_the_layer_end_is_offloaded_and_exact(scope, deterministic):
+    """On CUDA: the tanh output stored at the end of the layer's forward goes through the
+    layer's batched device-to-host copies (queued after the compute that made it), is
+    released and reloaded, and the gradients are bit-identical."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        TanhThenInPlace(16, module_tanh=scope == "modules") for _ in range(4)).cuda()
+    x0 = torch.randn(4, 16, device="cuda")
+    ref = run_step(layers, x0)
+    with apply_offloading(layers, num_layers=2, selective=True, selective_scope=scope,
+                          min_tensor_size_to_offload=0) as handle:
+        for _ in range(3):
+            assert_equal(run_step(layers, x0), ref)
+        stats = handle.stats()
+        assert all(stats.layers[i].copied_out_bytes >= 4 * 16 * 4 for i in range(2))
+        assert all(stats.layers[i].freed_bytes > 0 for i in range(2))
+    torch.cuda.synchronize()
+
+
 # --- D7: a step_fn without backward --------------------------------------------------------------
 
 
@@ -360,6 +381,7 @@ def _plan(**kwargs):
         ActivationOffloadConfig(num_layers=4, cpu_offloading=True, cpu_offloading_num_layers=1),
         device=SimulatedDevice(), verify="no"), "verify"),
     (lambda: cpu_offload.mark_activation_offload(torch.ones(1), offload="no"), "offload"),
+    (lambda: cpu_offload.v1.mark_activation_offload(torch.ones(1), offload="no"), "offload"),
 ])
 def test_flags_must_be_bools_and_counts_ints_naming_the_argument(call, name):
     with pytest.raises(OffloadConfigError, match=rf"\b{name} must be (True|an int|the|None)"):
