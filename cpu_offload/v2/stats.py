@@ -53,6 +53,19 @@ class LayerStats:
         return out
 
 
+class _Nothing:
+    """Device and pinned pool of ``StepStats.empty()``: nothing timed, nothing pinned."""
+
+    times_events = False
+    in_use_bytes = peak_in_use_bytes = 0
+
+    def cached_bytes(self) -> int:
+        return 0
+
+    def retained_bytes(self) -> int:
+        return 0
+
+
 class StepStats:
     """Per-layer counters of one forward pass and its backward passes, plus copy waits."""
 
@@ -66,6 +79,11 @@ class StepStats:
         self.layers_in_checkpoint = 0
         self._waits: list = []  # (compute reached the wait, awaited copy done) event pairs
         self.checked = False  # the "did nothing" warning was considered for this step
+
+    @classmethod
+    def empty(cls) -> "StepStats":
+        """The statistics of a step that offloaded nothing (no offload context was needed)."""
+        return cls(_Nothing(), _Nothing())
 
     def layer(self, index: int) -> LayerStats:
         stats = self.layers.get(index)

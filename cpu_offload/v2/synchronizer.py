@@ -40,12 +40,13 @@ class Step:
     __slots__ = (
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
-        "selective_indices", "selective", "selective_scope",
+        "selective_indices", "selective", "selective_scope", "applied",
     )
 
     def __init__(
         self, rt: Runtime, schedule: Optional[Schedule], model_layers: int,
         selective: frozenset = frozenset(), selective_scope: str = "modules",
+        applied: bool = False,
     ) -> None:
         self.rt = rt
         self.stats = StepStats(rt.device, rt.pool)
@@ -63,6 +64,7 @@ class Step:
         self.selective_indices = selective  # layers whose cheap saved tensors are recomputed
         self.selective: dict[int, SelectiveLayer] = {}  # of this step, made as they run
         self.selective_scope = selective_scope
+        self.applied = applied  # installed by apply_offloading: model_layers = len(layers)
 
     @property
     def complete(self) -> bool:
@@ -138,6 +140,13 @@ class Step:
                 # reload on demand.
                 return
             self.invalid = True
+            if self.applied:
+                raise OffloadUsageError(
+                    f"backward started after {self.fwd_count} of the {self.model_layers} layers "
+                    "given to apply_offloading ran in forward: every layer in `layers` must run "
+                    "exactly once per forward pass (a layer called twice starts a new pass); "
+                    "pass only the layers the forward calls, each once"
+                )
             raise OffloadUsageError(
                 f"backward started after {self.fwd_count} offload-context layers in forward, but "
                 f"get_cpu_offload_context(model_layers={self.model_layers}); set model_layers to "
@@ -188,14 +197,23 @@ class Step:
             if layer is not None:
                 layer.reload_started = False
 
-    def abort(self) -> None:
+    def abort(self, reason: Optional[str] = None) -> None:
+        """Drop everything the step holds; ``reason``: what a saved tensor of it says when
+        backward unpacks it (default: an exception inside a layer)."""
         self.aborted = True
         self.shared = {}
         for selective in self.selective.values():
             selective.end()
         for layer in self.layers:
             if layer is not None:
-                layer.abort()
+                layer.abort(reason)
+
+    def given_up_reason(self, why: str) -> str:
+        """What a saved tensor of this step says after a later forward gave the step up."""
+        return (
+            f"this saved tensor belongs to a forward pass that was given up after "
+            f"{self.fwd_count} of {self.model_layers} layers: {why}; run the forward pass again"
+        )
 
     def _apply(self, pos: int) -> None:
         if self.schedule is None:
@@ -251,6 +269,9 @@ class OffloadSynchronizer:
         self.inside = False
         self.awaiting_sync = False
         self.refused = False  # an entry was refused for a missing sync
+        # Installed by apply_offloading (or the planner): model_layers is len(layers), which
+        # errors name instead of the get_cpu_offload_context argument.
+        self.applied = False
 
     @property
     def device(self) -> OffloadDevice:
@@ -287,11 +308,20 @@ class OffloadSynchronizer:
         step = self.step
         if step is None or step.complete or step.invalid or step.abandoned():
             if step is not None and not step.complete:
-                step.abort()  # a forward left half-way: its graph is gone or unusable
+                # A forward left half-way: its graph is gone or unusable.
+                step.abort(None if step.invalid else step.given_up_reason(
+                    f"when the next `with ctx:` block began, the output of layer "
+                    f"{step.fwd_count - 1} that went through the sync function was no longer "
+                    "part of any autograd graph (after an exception between layers, or because "
+                    "the tensor passed to the sync function is not the one the next layer "
+                    "takes). Pass the tensor that reaches the loss through the sync function "
+                    "(with apply_offloading: return it as the first tensor of a tuple output)"
+                ))
             if step is not None:
                 step.stats.log()
             self.step = step = Step(
-                self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope
+                self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope,
+                self.applied,
             )
             self.rt.pool.trim()
         # Inside a non-reentrant checkpoint region (checkpoint around the stack of layers) the
@@ -307,10 +337,11 @@ class OffloadSynchronizer:
     def end_fwd_layer(self) -> None:
         self.inside = False
         self.awaiting_sync = torch.is_grad_enabled()
+        # First: outputs a selective layer stores after all are pushed as the layer's own.
+        self._end_selective(store=True)
         if self.current is not None:
             self.current.finish_forward()
         self.current = None
-        self._end_selective()
         if self.step is not None:
             self.step.end_forward_layer()
 
@@ -333,17 +364,20 @@ class OffloadSynchronizer:
             step.last_trigger = weakref.ref(trigger)
         return tensor
 
-    def reset(self) -> None:
+    def reset(self, why: Optional[str] = None) -> None:
         """Drop an unfinished forward pass: the next `with ctx:` starts a new step (callers
-        that know where a forward begins, such as ``apply_offloading``, say so)."""
-        if self.step is not None and not self.step.complete:
-            self.abort()
+        that know where a forward begins, such as ``apply_offloading``, say so; ``why``: what
+        its saved tensors say if a backward reaches them)."""
+        step = self.step
+        if step is not None and not step.complete:
+            self.abort(None if why is None else step.given_up_reason(why))
         self.awaiting_sync = self.refused = False
 
-    def abort(self) -> None:
-        """An exception escaped a layer: drop the step and everything it held."""
+    def abort(self, reason: Optional[str] = None) -> None:
+        """An exception escaped a layer: drop the step and everything it held (``reason``: see
+        ``Step.abort``)."""
         if self.step is not None:
-            self.step.abort()
+            self.step.abort(reason)
         self._end_selective()
         self.step = None
         self.current = None
@@ -380,10 +414,10 @@ class OffloadSynchronizer:
         self.selective = layers
         self.selective_scope = scope
 
-    def _end_selective(self) -> None:
+    def _end_selective(self, store: bool = False) -> None:
         selective, self.current_selective = self.current_selective, None
         if selective is not None:
-            selective.end()
+            selective.end(self.push if store else None)
 
     # -- saved-tensor hooks ------------------------------------------------------------------------
     @property
