@@ -124,7 +124,9 @@ def _entry_setup(spec: ProgramSpec, out: _Lines) -> None:
     else:
         kw.update(synchronization_dict=dict(spec.sync_dict))
     if spec.selective and spec.entry != "plan":
-        kw.update(selective=spec.selective, selective_scope=repr(spec.selective_scope))
+        every = spec.selective == tuple(range(n))
+        kw.update(selective=True if every else spec.selective,
+                  selective_scope=repr(spec.selective_scope))
     if spec.entry != "plan":
         kw.update(_min_size(spec))
     kw.update(device=dev)

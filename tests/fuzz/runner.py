@@ -3,6 +3,7 @@ from a seed (``run_many``), with known-defect features left out on request (``EX
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import fnmatch
 import os
 import time
@@ -20,6 +21,7 @@ from .spec import ProgramSpec, features, generate
 
 EXCLUDE_ENV = "CPU_OFFLOAD_FUZZ_EXCLUDE"
 V1_ENV = "NVTE_CPU_OFFLOAD_V1"
+PROGRAM_TIMEOUT_S = 300  # one program takes well under a second
 
 
 @dataclass
@@ -181,7 +183,13 @@ def run_many(seed: int, count: int, exclude: Optional[Sequence[Sequence[str]]] =
     start = time.perf_counter()
     for s in range(seed, seed + count):
         spec = without_excluded(generate(s), patterns)
-        result = check(spec)
+        # A hang (a worker thread waiting forever) must not stall CI silently: dump every
+        # thread's stack (the program's frames are named "<fuzz program SEED>") and exit.
+        faulthandler.dump_traceback_later(PROGRAM_TIMEOUT_S, exit=True)
+        try:
+            result = check(spec)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         summary.results.append(result)
         if progress is not None:
             progress(result)
