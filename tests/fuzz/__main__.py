@@ -12,7 +12,7 @@ import sys
 
 from .runner import EXCLUDE_ENV, check, exclusions, run_many
 from .shrink import report, shrink
-from .spec import features, generate
+from .spec import generate
 from .codegen import program_source
 
 

@@ -59,7 +59,7 @@ if __name__ == "__main__":
 
 PRELUDE = (
     prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
-    prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
+    prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
     prelude.zero_grad_of, prelude.boom_hook, prelude.identity,
 )
 
@@ -200,21 +200,40 @@ def _manual_after(spec: ProgramSpec, i: int, out: _Lines) -> None:
 
 def program_source(spec: ProgramSpec) -> str:
     """The standalone Python program of ``spec``."""
-    out = _Lines()
+    from .shrink import spec_repr
+
     kinds = {l.kind for l in spec.layers}
     classes = [layer_module.Boom, layer_module.FuzzLayer]
     if "custom_function" in kinds:
         classes.append(layer_module._TanhMatmul)
     classes += [layer_module.LAYER_CLASSES[k] for k in layer_module.LAYER_CLASSES if k in kinds]
-    from .shrink import spec_repr
-
     parts = [HEADER.format(spec=textwrap.fill(spec_repr(spec), 99, break_long_words=False),
                            features=", ".join(sorted(features(spec))), seq=layer_module.SEQ)]
     parts += [_source(c) for c in classes + list(PRELUDE)]
-    opt = spec.optimizer
-    updating = opt is not None and opt.overlap in UPDATING_MODES
-    dtype = f"torch.{spec.dtype}"
+    out = _Lines()
+    _build(spec, out)
+    out(0, "def program(rec, offload):")
+    if spec.backend == "v1":
+        out(1, 'os.environ["NVTE_CPU_OFFLOAD_V1"] = "1"  # the legacy backend')
+    else:
+        out(1, 'os.environ.pop("NVTE_CPU_OFFLOAD_V1", None)')
+    out(1, "layers = build()", "params = list(layers.parameters())", "dev = TrackingDevice()",
+        "watch = Watch(layers)", "handle = opt = None", "try:")
+    _entry_setup(spec, out)
+    if spec.optimizer is not None:
+        _optimizer_setup(spec, out)
+    out(2, "")
+    _stack(spec, out)
+    _micro_batch(spec, out)
+    _steps(spec, out)
+    _final(spec, out)
+    parts.append("\n".join(out.lines) + "\n")
+    parts.append(MAIN)
+    return "\n\n".join(p.rstrip() + "\n" for p in parts)
 
+
+def _build(spec: ProgramSpec, out: _Lines) -> None:
+    dtype = f"torch.{spec.dtype}"
     out(0, "def build():", f"    torch.manual_seed({spec.seed})", "    layers = nn.ModuleList([")
     for layer in spec.layers:
         out(2, layer_ctor(layer, spec.width) + ",")
@@ -224,28 +243,28 @@ def program_source(spec: ProgramSpec) -> str:
         "    g = torch.Generator().manual_seed(1000 * step + mb)",
         f"    return torch.randn(2 * SEQ, {spec.width}, generator=g).to({dtype}).requires_grad_()",
         "", "")
-    out(0, "def program(rec, offload):")
-    if spec.backend == "v1":
-        out(1, 'os.environ["NVTE_CPU_OFFLOAD_V1"] = "1"  # the legacy backend')
-    else:
-        out(1, 'os.environ.pop("NVTE_CPU_OFFLOAD_V1", None)')
-    out(1, "layers = build()", "params = list(layers.parameters())", "dev = TrackingDevice()",
-        "watch = Watch(layers)", "handle = opt = None", "try:")
-    _entry_setup(spec, out)
-    if opt is not None:
-        _optimizer_setup(spec, out)
-    out(2, "")
-    _stack(spec, out)
+
+
+def _released(spec: ProgramSpec) -> list:
+    return [layer for layer, release in spec.manual if release >= 0]
+
+
+def _nosync(spec: ProgramSpec) -> bool:
+    return spec.optimizer is not None and spec.optimizer.no_sync
+
+
+def _micro_batch(spec: ProgramSpec, out: _Lines) -> None:
+    """``forward``, ``reload``, ``accumulate``, ``micro_batch``, ``evaluate`` and
+    ``faulty_micro_batch``, as the program needs them."""
     out(2, "", "def forward(x, train=True):")
     if spec.stack_ckpt != "none":
         out(3, f"return checkpoint(stack, x, use_reentrant={spec.stack_ckpt == 'reentrant'})")
     else:
         out(3, "return stack(x, train)")
-    released = [layer for layer, release in spec.manual if release >= 0]
+    released, nosync = _released(spec), _nosync(spec)
     if released:
         out(2, "", "def reload():", "    if offload:",
             *(f"        manual.start_reload_layer({layer})" for layer in released))
-    nosync = opt is not None and opt.no_sync
     if nosync:
         out(2, "", "def accumulate(last):",
             "    return opt.no_sync() if offload and not last else contextlib.nullcontext()")
@@ -265,26 +284,30 @@ def program_source(spec: ProgramSpec) -> str:
             "    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)",
             '    rec.put(f"step{step}.mb{mb}.autograd_grad", grads)',
             "    return")
-    first_backward = "loss.backward(retain_graph=True)"
-    last_backward = "loss.backward()"
     if "retain_double" in hows:
         out(3, 'if how == "retain_double":')
         if nosync:
-            out(4, "with accumulate(False):", f"    {first_backward}")
+            out(4, "with accumulate(False):", "    loss.backward(retain_graph=True)")
         else:
-            out(4, first_backward)
+            out(4, "loss.backward(retain_graph=True)")
     if nosync:
-        out(3, "with accumulate(last):", f"    {last_backward}")
+        out(3, "with accumulate(last):", "    loss.backward()")
     else:
-        out(3, last_backward)
+        out(3, "loss.backward()")
     out(3, 'rec.put(f"step{step}.mb{mb}.x_grad", x.grad)')
     if spec.eval_forward != "none":
         out(2, "", "def evaluate(step, mb):", "    with torch.no_grad():",
             "        h, aux = forward(make_input(50 + step, mb), train=False)",
             '    rec.put(f"step{step}.mb{mb}.eval", h)')
     if spec.fault:
+        updating = spec.optimizer is not None and spec.optimizer.overlap in UPDATING_MODES
         _faulty_micro_batch(spec, out, updating and nosync, bool(released))
-    out(2, "", f"host0 = 0", f"for step, hows in enumerate({spec.backwards!r}):")
+
+
+def _steps(spec: ProgramSpec, out: _Lines) -> None:
+    """The training loop, and the checks after each step."""
+    opt = spec.optimizer
+    out(2, "", "host0 = 0", f"for step, hows in enumerate({spec.backwards!r}):")
     if spec.fault:
         out(3, "if step == 0:", "    faulty_micro_batch()",
             "    opt.zero_grad()" if opt is not None else "    layers.zero_grad()")
@@ -303,6 +326,11 @@ def program_source(spec: ProgramSpec) -> str:
         'rec.put(f"step{step}.live_device_buffers", dev.live_device_buffers())',
         "host0 = host0 or dev.live_host_buffers()",
         'rec.put(f"step{step}.host_buffer_growth", max(0, dev.live_host_buffers() - host0))')
+
+
+def _final(spec: ProgramSpec, out: _Lines) -> None:
+    """After the last step: queued copies, the layers restored, parameters and buffers."""
+    opt = spec.optimizer
     if opt is not None and opt.overlap == "next_forward":
         out(2, "if offload:", "    opt.wait_params()")
     devices = "(dev, opt_dev)" if opt is not None and not opt.shared_device else "(dev,)"
@@ -319,9 +347,6 @@ def program_source(spec: ProgramSpec) -> str:
         out(2, "if handle is not None:", "    handle.remove()")
     if opt is not None:
         out(2, "if offload and opt is not None:", "    opt.close()")
-    parts.append("\n".join(out.lines) + "\n")
-    parts.append(MAIN)
-    return "\n\n".join(p.rstrip() + "\n" for p in parts)
 
 
 def _faulty_micro_batch(spec: ProgramSpec, out: _Lines, nosync: bool, reload: bool) -> None:

@@ -8,7 +8,6 @@ import gc
 import weakref
 
 import torch
-from torch import nn
 
 import cpu_offload
 from cpu_offload.errors import OffloadUsageError
@@ -107,15 +106,18 @@ def describe(value):
     return repr(value)
 
 
+def first_line(exc):
+    """``Type: first line of the message`` (``NoneType: `` for no exception)."""
+    lines = str(exc).strip().splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[0][:300]}"
+
+
 def differences(base, offl, limit=6):
     """What differs between the run without offloading (``base``) and the run with it: the
     exception that ended each run (same type, or none), then every recorded value."""
     out = []
     refusal = offl.refused and offl.error is not None and base.error is None
     if not refusal and type(base.error) is not type(offl.error):
-        def first_line(exc):
-            return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
-
         out.append(f"exception: without offloading {first_line(base.error)}; "
                    f"with offloading {first_line(offl.error)}")
     names, offl_names = [n for n, _ in base.items], [n for n, _ in offl.items]

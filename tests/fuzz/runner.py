@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import fnmatch
+import io
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -161,6 +163,20 @@ def without_excluded(spec: ProgramSpec, patterns: Sequence[Sequence[str]]) -> Pr
 # --- many programs -----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _watchdog() -> Iterator[None]:
+    """``faulthandler``'s timer on the real stderr (pytest's captured one has no file number)."""
+    try:
+        faulthandler.dump_traceback_later(PROGRAM_TIMEOUT_S, exit=True, file=sys.__stderr__)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        yield  # no usable stderr: run without the watchdog
+        return
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 @dataclass
 class Summary:
     results: List[Result] = field(default_factory=list)
@@ -185,11 +201,8 @@ def run_many(seed: int, count: int, exclude: Optional[Sequence[Sequence[str]]] =
         spec = without_excluded(generate(s), patterns)
         # A hang (a worker thread waiting forever) must not stall CI silently: dump every
         # thread's stack (the program's frames are named "<fuzz program SEED>") and exit.
-        faulthandler.dump_traceback_later(PROGRAM_TIMEOUT_S, exit=True)
-        try:
+        with _watchdog():
             result = check(spec)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
         summary.results.append(result)
         if progress is not None:
             progress(result)

@@ -61,16 +61,19 @@ def reductions(spec: ProgramSpec) -> Iterator[Tuple[str, ProgramSpec]]:
         for j in range(len(items)):
             yield f"drop {name}[{j}]", replace(spec, **{name: items[:j] + items[j + 1:]})
     steps = spec.backwards
+
+    def with_step(s: int, step: tuple) -> ProgramSpec:
+        return replace(spec, backwards=steps[:s] + (step,) + steps[s + 1:])
+
     for s in range(len(steps)):
         if len(steps) > 1:
             yield f"drop step {s}", replace(spec, backwards=steps[:s] + steps[s + 1:])
         for m, how in enumerate(steps[s]):
             if len(steps[s]) > 1:
-                step = steps[s][:m] + steps[s][m + 1:]
-                yield f"drop micro-batch {s}.{m}", replace(spec, backwards=steps[:s] + (step,) + steps[s + 1:])
+                yield f"drop micro-batch {s}.{m}", with_step(s, steps[s][:m] + steps[s][m + 1:])
             if how != "backward":
-                step = steps[s][:m] + ("backward",) + steps[s][m + 1:]
-                yield f"plain backward {s}.{m}", replace(spec, backwards=steps[:s] + (step,) + steps[s + 1:])
+                plain = steps[s][:m] + ("backward",) + steps[s][m + 1:]
+                yield f"plain backward {s}.{m}", with_step(s, plain)
     for i, layer in enumerate(spec.layers):
         for name, value in (("ckpt", "none"), ("out", "tensor"), ("variant", 0), ("kind", "mlp")):
             if getattr(layer, name) != value:

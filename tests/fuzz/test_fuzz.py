@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from .codegen import program_source
 from .prelude import Recorder, differences
 from .runner import EXCLUDE_ENV, Result, check, exclusions, run_many, without_excluded
 from .shrink import report, shrink, spec_repr
-from .spec import LayerSpec, OptSpec, ProgramSpec, features, generate, normalize
+from .spec import LayerSpec, ProgramSpec, features, generate, normalize
 
 ROOT = Path(__file__).resolve().parents[2]
 shrink_module = importlib.import_module(".shrink", __package__)  # the package exports shrink()
