@@ -148,11 +148,11 @@ class Plan:
 
     @property
     def time_ratio(self) -> float:
-        return self.step_ms / self.baseline_ms if self.baseline_ms else float("nan")
+        return _ratio(self.step_ms, self.baseline_ms)
 
     @property
     def peak_ratio(self) -> float:
-        return self.peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else float("nan")
+        return _ratio(self.peak_bytes, self.baseline_peak_bytes)
 
     def describe(self) -> str:
         rec = ", ".join(map(str, self.recompute)) or "none"
@@ -183,6 +183,14 @@ class Plan:
             f"({self.time_ratio:.3f}x), peak activations {self.peak_bytes / 2**30:.2f} GiB "
             f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
         )
+
+
+def _ratio(value: float, baseline: float) -> float:
+    """``value / baseline``; with a zero baseline (a step that saves nothing offloadable), 1.0
+    for a zero value (the plan changes nothing), else infinity: never NaN."""
+    if baseline:
+        return value / baseline
+    return 1.0 if not value else float("inf")
 
 
 def simulate(

@@ -48,10 +48,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..core.checks import check_bool, check_int
 from ..compat import queue_backward_callback, saved_tensors_hooks
 from ..core.device import OffloadDevice, default_device
-from ..core.errors import OffloadConfigError
-from ..v2.recompute import check_selective_scope
+from ..core.errors import OffloadConfigError, stacklevel_outside_package
+from ..v2.recompute import SELECTIVE_SCOPES, check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from ..tools.apply import as_layer_list, hidden_state, instrument
 from ..tools.audit import _v2_verdict
@@ -158,6 +159,7 @@ class _StepRecorder:
         self.segments: list[int] = []  # peak of each segment so far (memory=True)
         self.hooks: Any = None
         self.current = -1
+        self.unpacked = 0  # saved tensors of the layers used by a backward (counting hook)
 
     # -- instrument's driver interface -----------------------------------------------------------
     def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
@@ -171,7 +173,7 @@ class _StepRecorder:
             self._close_segment()
         self.current = index
         if self.policy is not None:
-            self.hooks = saved_tensors_hooks(self._pack, _identity)
+            self.hooks = saved_tensors_hooks(self._pack, self._unpack)
             self.hooks.__enter__()
         self.fwd[index][0] = self.clock.mark()
         self.host[index][0] = time.perf_counter()
@@ -211,6 +213,10 @@ class _StepRecorder:
                 if key not in self.seen:
                     self.seen.add(key)
                     self.saved[self.current] += nbytes
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self.unpacked += 1
         return t
 
     def _close_segment(self) -> None:
@@ -261,10 +267,6 @@ class _BackwardMark:
 
     def __call__(self, grad_outputs: Any) -> None:
         self.recorder.backward_started(self.index)
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 class _Wrapped:
@@ -328,6 +330,19 @@ def _run(
             "step_fn() ran none of the layers with grad enabled: pass the layers its forward "
             "calls (e.g. model.model.layers) and a step_fn that runs forward and backward"
         )
+    ran = [i for i, (start_mark, _) in enumerate(recorder.fwd) if start_mark is not None]
+    if len(ran) < recorder.n:
+        raise OffloadConfigError(
+            f"step_fn() ran {len(ran)} of the {recorder.n} layers given (layers "
+            f"{', '.join(map(str, ran))}): every layer must run once per step, with grad "
+            "enabled; pass only the layers the step's forward calls"
+        )
+    if recorder.policy is not None and not recorder.bwd_queued and not recorder.unpacked:
+        raise OffloadConfigError(
+            "step_fn() ran the forward pass but no backward reached the layers: it must run "
+            "one whole training step, forward and backward (e.g. `loss.backward()`), since the "
+            "plan weighs what each layer costs in backward; add the backward to step_fn"
+        )
     return clock.ms(start, end)
 
 
@@ -372,6 +387,10 @@ def profile_step(
     it accumulates are left as they are. Only the first forward pass of each call is recorded.
     """
     scope = _selective_scope(selective)
+    check_int("min_tensor_size_to_offload", min_tensor_size_to_offload, minimum=0, unit="elements")
+    check_bool("offload_weights", offload_weights)
+    check_int("warmup", warmup, minimum=0, meaning="the number of untimed steps first")
+    check_int("repeats", repeats, minimum=1, meaning="the number of timed steps")
     layers = as_layer_list(layers)
     device = device or default_device()
     cuda = device.name == "cuda"
@@ -535,6 +554,11 @@ def _offload_overhead(
 
 def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
     """``selective=`` of ``profile_step``/``plan_offloading`` as a scope, or None (off)."""
+    if not isinstance(selective, bool) and selective not in SELECTIVE_SCOPES:
+        raise OffloadConfigError(
+            f"selective must be True, False or a scope ({', '.join(map(repr, SELECTIVE_SCOPES))}), "
+            f"got {selective!r}"
+        )
     if selective is True:
         return "modules"
     if selective is False:
@@ -671,12 +695,22 @@ def plan_offloading(
 
     Raises:
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
-            message names it, and the exception's ``lowest_peak_bytes`` holds it), or a
-            ``step_fn`` that runs none of ``layers``.
+            message names it, and the exception's ``lowest_peak_bytes`` holds it), a flag that
+            is not a ``bool`` or a count that is not an ``int``, or a ``step_fn`` that runs
+            only some of ``layers`` or no backward through them.
 
-    Example::
+    Warns:
+        UserWarning: nothing to offload (every saved tensor is below
+        ``min_tensor_size_to_offload``): the plan then offloads and recomputes nothing.
+
+    Example (the same plan every run: on the simulated device the layers' times are the
+    host's own and vary from run to run, even by tens of milliseconds on a busy machine, so
+    this example plans where bytes decide: its link, 10 kB/s, makes every byte moved cost more
+    than any such noise; ``selective`` and ``partial`` are off, since their options differ
+    from the others by microseconds of host time)::
 
         >>> import torch, cpu_offload
+        >>> _ = torch.manual_seed(0)
         >>> layers = torch.nn.ModuleList(
         ...     torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
         >>> x0 = torch.randn(8, 64)
@@ -687,9 +721,12 @@ def plan_offloading(
         ...     x.sum().backward()
         >>> sim = cpu_offload.SimulatedDevice()   # on a GPU: leave out device= and link_gbps=
         >>> plan = cpu_offload.plan_offloading(
-        ...     step, layers, 0.8, device=sim, min_tensor_size_to_offload=1, link_gbps=1.0)
+        ...     step, layers, 0.5, device=sim, min_tensor_size_to_offload=1, link_gbps=1e-5,
+        ...     selective=False, partial=False)
+        >>> plan.num_layers, plan.recompute, plan.peak_ratio  # 0, 1 checkpointed, inputs moved
+        (2, (0, 1), 0.4)
         >>> print(plan.describe())   # doctest: +ELLIPSIS
-        offload the first ... layers (...), recompute layers: ...; predicted step ...
+        offload the first 2 layers (...), recompute layers: 0, 1 (of which 0, 1 offload ...
         >>> handle = cpu_offload.apply_offloading(layers, plan=plan, device=sim)
         >>> step()
         >>> handle.remove()
@@ -706,6 +743,8 @@ def plan_offloading(
         )
     if isinstance(memory_budget, int) and memory_budget <= 0:
         raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+    check_bool("partial", partial)
+    check_bool("spread", spread)
     prof = profile_step(
         step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
         link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
@@ -723,6 +762,8 @@ def plan_from_profile(
     if len(profiles) < 2:
         raise OffloadConfigError("planning needs at least 2 layers (one stays on the device)")
     timeline = prof.memory_timeline
+    if not any(p.activation_bytes for p in profiles):
+        return _nothing_to_offload(prof, memory_budget)
     if isinstance(memory_budget, float):
         base_peak = _baseline(profiles, prof.d2h_gbps, prof.h2d_gbps, prof.peak_bytes,
                               prof.step_ms, timeline)[1]
@@ -741,4 +782,30 @@ def plan_from_profile(
         d2h_gbps=prof.d2h_gbps,
         h2d_gbps=prof.h2d_gbps,
         profiles=tuple(profiles),
+    )
+
+
+def _nothing_to_offload(prof: StepProfile, memory_budget: Union[int, float]) -> Plan:
+    """The plan of a step whose layers save nothing V2 would offload: offload and recompute
+    nothing, with a warning that says why."""
+    warnings.warn(
+        f"cpu_offload: nothing to offload: every saved tensor is below "
+        f"min_tensor_size_to_offload={prof.min_tensor_size_to_offload} elements (or is a weight, "
+        "or opted out), so the plan offloads and recomputes nothing; lower "
+        "min_tensor_size_to_offload to move smaller tensors",
+        UserWarning,
+        stacklevel=stacklevel_outside_package(),
+    )
+    base_ms, base_peak = _baseline(prof.layers, prof.d2h_gbps, prof.h2d_gbps, prof.peak_bytes,
+                                   prof.step_ms, prof.memory_timeline)[:2]
+    budget = int(memory_budget * base_peak) if isinstance(memory_budget, float) else memory_budget
+    return Plan(
+        0, (), base_ms, base_peak, base_ms, base_peak,
+        memory_budget_bytes=int(budget),
+        min_tensor_size_to_offload=prof.min_tensor_size_to_offload,
+        selective_scope=prof.selective_scope,
+        d2h_gbps=prof.d2h_gbps,
+        h2d_gbps=prof.h2d_gbps,
+        profiles=tuple(prof.layers),
+        model_layers=len(prof.layers),
     )

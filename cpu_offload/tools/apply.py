@@ -19,13 +19,17 @@ real-step mode of the audit: anything that needs to see each layer's call of a r
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
+import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from ..core.checks import check_int
 from ..compat import compiler_disable, in_backward, is_compiled_module
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from ..api import use_v1
@@ -156,6 +160,16 @@ def as_layer_list(layers: Union[nn.Module, Sequence[nn.Module]], what: str = "la
                 "once per forward pass; shared (weight-tied) layers are not supported"
             )
         seen[id(m)] = i
+    for i, m in enumerate(out):
+        for name, sub in m.named_modules(remove_duplicate=False):
+            j = seen.get(id(sub))
+            if j is not None and j != i:
+                raise OffloadConfigError(
+                    f"{what}[{i}] ({type(m).__name__}) contains {what}[{j}] "
+                    f"({type(sub).__name__}) as its submodule {name!r}: a layer runs inside its "
+                    "parent's forward, so the two cannot each be one layer of the forward pass; "
+                    f"pass either the parent or its children, not both"
+                )
     return out
 
 
@@ -221,8 +235,9 @@ _HIDDEN_KEYS = ("last_hidden_state", "hidden_states")
 def hidden_state(out: Any) -> tuple:
     """``(tensor, put)``: the hidden-state tensor of a layer's output, and ``put(t)`` that returns
     the output with it replaced. The hidden state is the output itself (a tensor), the first tensor
-    of a tuple/list/namedtuple, or ``last_hidden_state``/``hidden_states`` (else the first tensor)
-    of a dict or a Hugging Face ``ModelOutput``."""
+    of a tuple/list/namedtuple, the first tensor field of a dataclass, or
+    ``last_hidden_state``/``hidden_states`` (else the first tensor) of a dict or a Hugging Face
+    ``ModelOutput``."""
     if isinstance(out, torch.Tensor):
         return out, lambda t: t
     if isinstance(out, Mapping):
@@ -251,10 +266,28 @@ def hidden_state(out: Any) -> tuple:
                     return items if type(out) is tuple else type(out)(items)
 
                 return v, put_index
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            v = getattr(out, f.name, None)
+            if isinstance(v, torch.Tensor):
+
+                def put_field(t: torch.Tensor, name: str = f.name) -> Any:
+                    # A shallow copy with the field replaced (also for frozen dataclasses, and
+                    # fields with init=False, which dataclasses.replace cannot set).
+                    new = copy.copy(out)
+                    object.__setattr__(new, name, t)
+                    return new
+
+                return v, put_field
+        raise TypeError(
+            f"the layer returned the dataclass {type(out).__name__}, which has no tensor field: "
+            "apply_offloading takes the first tensor field of a dataclass output as the hidden "
+            "state; return the hidden state in a field"
+        )
     raise TypeError(
         f"the layer returned {type(out).__name__}, which holds no tensor: apply_offloading needs "
-        "the hidden state as the output itself, the first tensor of a tuple/list, or "
-        "'last_hidden_state'/'hidden_states' of a dict or ModelOutput"
+        "the hidden state as the output itself, the first tensor of a tuple/list or dataclass, "
+        "or 'last_hidden_state'/'hidden_states' of a dict or ModelOutput"
     )
 
 
@@ -270,8 +303,13 @@ class _OffloadDriver:
         self.sync = sync
         self.n = len(owner.layers)
         self.next_index = 0
+        self.last_hidden: Optional[weakref.ref] = None  # the last synced hidden state
+        synchronizer = getattr(context, "synchronizer", None)
+        if synchronizer is not None:
+            synchronizer.applied = True  # its errors name `layers`, not model_layers
 
     def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> int:
+        synchronizer = getattr(self.context, "synchronizer", None)
         if index != self.next_index:
             if index != 0:
                 raise OffloadUsageError(
@@ -281,11 +319,34 @@ class _OffloadDriver:
                     "single layers under torch.no_grad or checkpoint(use_reentrant=True), are not "
                     "supported; use use_reentrant=False)"
                 )
+            last = self.last_hidden() if self.last_hidden is not None else None
+            if last is not None and first_tensor(args, kwargs) is last:
+                raise OffloadUsageError(
+                    f"layer 0 ({_bases.get(type(layer), type(layer)).__name__}) ran again on the "
+                    f"output of layer "
+                    f"{self.next_index - 1}, before layer {self.n - 1} ran: a layer in `layers` "
+                    "called twice in one forward pass. apply_offloading needs every layer to run "
+                    "exactly once per forward pass; pass only layers called once (a layer "
+                    "applied repeatedly, with shared weights, cannot be one of them)"
+                )
             # A new forward pass began before the last one reached its last layer (an exception
             # between layers, an early exit): drop what the unfinished pass holds.
-            synchronizer = getattr(self.context, "synchronizer", None)
             if synchronizer is not None:
-                synchronizer.reset()
+                synchronizer.reset(
+                    f"layer 0 ran again before layer {self.n - 1} had run (an exception between "
+                    "layers, an early exit, or a layer in `layers` called twice in one forward "
+                    "pass); every layer in `layers` must run exactly once per forward pass"
+                )
+        elif index and synchronizer is not None and _hidden_dropped(synchronizer):
+            raise OffloadUsageError(
+                f"layer {index - 1}'s hidden state, the output apply_offloading passed through "
+                "the sync function, was dropped before layer "
+                f"{index} ran: it is not part of any autograd graph, so it cannot reach the loss "
+                "and the offload schedule would never see this layer's backward. apply_offloading "
+                "takes the output itself, the first tensor of a tuple/list or dataclass, or "
+                "'last_hidden_state'/'hidden_states' of a dict as the hidden state: return the "
+                "tensor the next layer takes in that place (first in a tuple)"
+            )
         self.context.__enter__()
         return index
 
@@ -294,11 +355,36 @@ class _OffloadDriver:
         self.next_index = (index + 1) % self.n
         hidden, put = hidden_state(out)
         synced = self.sync(hidden)
+        self.last_hidden = weakref.ref(synced)
         return out if synced is hidden else put(synced)
 
     def abort(self, index: int, exc: BaseException) -> None:
         self.next_index = 0
+        self.last_hidden = None
         self.context.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def _hidden_dropped(synchronizer: Any) -> bool:
+    """Whether the previous layer's synced output left every autograd graph (V2: the backward
+    trigger on it was freed) while the graph of its forward pass lives on (tensors saved by
+    an offloaded layer are still held): then the hidden state is not what reaches the loss.
+    (A forward given up, whose graph is gone, just starts over.)"""
+    step = synchronizer.step
+    if step is None or step.complete or step.aborted or step.last_trigger is None:
+        return False
+    if step.last_trigger() is not None:
+        return False
+    return any(
+        entry.live for layer in step.layers if layer is not None for entry in layer.entries
+    )
+
+
+def first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The hidden-state input of a layer call: its first tensor argument (positional first)."""
+    for v in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
 
 
 class OffloadingHandle:
@@ -359,9 +445,16 @@ class OffloadingHandle:
 
     def stats(self) -> Any:
         """What the last step did (V2): ``.summary()`` for humans, ``.to_dict()`` for loggers.
-        ``None`` when no layer is offloaded or the legacy V1 backend is in use."""
+        Empty statistics when no layer is offloaded or selective (e.g. a plan with nothing to
+        offload); ``None`` under the legacy V1 backend, which keeps none."""
         sync = self.synchronizer
-        return sync.stats() if sync is not None and hasattr(sync, "stats") else None
+        if sync is not None and hasattr(sync, "stats"):
+            return sync.stats()
+        if self.context is not None:
+            return None  # V1
+        from ..v2.stats import StepStats
+
+        return StepStats.empty()
 
     def remove(self) -> None:
         """Restore every layer exactly as it was (class, attributes, call path). Calling it
@@ -417,9 +510,10 @@ def apply_offloading(
     chosen by ``NVTE_CPU_OFFLOAD_V1`` as there) and its hidden-state output passes through the
     sync function: exactly the per-layer loop of the README, without writing it. Layers may take
     any positional and keyword arguments and return a tensor, a tuple/list (the hidden state is
-    its first tensor), a dict or a Hugging Face ``ModelOutput`` (``last_hidden_state`` /
-    ``hidden_states``, else the first tensor). ``state_dict()`` keys and parameter names do not
-    change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
+    its first tensor), a dataclass (its first tensor field), a dict or a Hugging Face
+    ``ModelOutput`` (``last_hidden_state`` / ``hidden_states``, else the first tensor). The
+    hidden state is what the next layer takes: it must reach the loss. ``state_dict()`` keys
+    and parameter names do not change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
     during backward (``torch.utils.checkpoint``, HF ``gradient_checkpointing_enable()``) run
     untouched. Layers compiled with ``torch.compile`` before or after applying keep working.
 
@@ -489,6 +583,8 @@ def apply_offloading(
     """
     layers = as_layer_list(layers)
     n = len(layers)
+    check_int("num_layers", num_layers, minimum=0, allow_none=True,
+              meaning="the number of layers to offload")
     used = sorted(_RESERVED & set(context_kwargs))
     if used:
         raise OffloadConfigError(
@@ -588,10 +684,13 @@ def _selective_layers(selective: Any, layers: list, recompute: tuple) -> tuple:
         sel = tuple(range(n))
     else:
         try:
+            if isinstance(selective, (str, bytes)):
+                raise TypeError  # a string is iterable, but its characters are no indices
             sel = tuple(sorted(set(selective)))
         except TypeError:
             raise OffloadConfigError(
-                f"selective must be True (every layer) or layer indices, got {selective!r}"
+                f"selective must be True (every layer) or layer indices (False or None: no "
+                f"layer), got {selective!r}"
             ) from None
         bad = [i for i in sel if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
         if bad:
