@@ -103,7 +103,7 @@ def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: 
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
         cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
-        bucket_bytes=(64 if device.is_cuda else 1 / 64) * 2**20, **KW)
+        bucket_bytes=64 * 2**20 if device.is_cuda else 2**14, **KW)
     opt.register_forward_waits(model)
     return opt
 

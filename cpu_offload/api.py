@@ -7,13 +7,17 @@ the legacy tag-based V1 (``cpu_offload.v1``), anything else the default V2
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import warnings
 from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
+from .core.checks import check_context_types
 from .core.device import OffloadDevice
-from .core.errors import OffloadConfigError
+from .core.errors import OffloadConfigError, stacklevel_outside_package
 from .v2.context import get_cpu_offload_context as v2_context
 from .v2.context import is_cpu_offload_enabled as v2_enabled
 from .v2.selection import DEFAULT_MIN_TENSOR_SIZE
@@ -26,6 +30,36 @@ def use_v1() -> bool:
     return os.environ.get(V1_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+_warned_not_enabled = False  # the "offload arguments without enabled=True" warning, once
+
+
+def _warn_unless_enabled_given(fn: Callable) -> Callable:
+    """``get_cpu_offload_context`` called with offload arguments but without ``enabled``
+    returns a no-op context, as the reference does; say so once, naming ``enabled=True``."""
+    names = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _warned_not_enabled
+        given = set(names[: len(args)]) | set(kwargs)
+        if given and "enabled" not in given and not _warned_not_enabled:
+            _warned_not_enabled = True
+            call = ", ".join(f"{name}=..." for name in sorted(given))
+            warnings.warn(
+                f"cpu_offload: get_cpu_offload_context({call}) was "
+                "called without enabled=True, so offloading is off and the context does nothing "
+                "(enabled defaults to False, as in the reference implementation); pass "
+                "enabled=True to offload, or enabled=False to say that off is intended (this "
+                "warning is given once)",
+                UserWarning,
+                stacklevel=stacklevel_outside_package(),
+            )
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_warn_unless_enabled_given
 def get_cpu_offload_context(
     enabled: bool = False,
     num_layers: Optional[int] = 1,
@@ -64,7 +98,8 @@ def get_cpu_offload_context(
 
     Args:
         enabled: ``False`` returns a no-op context and an identity sync function, whatever
-            else is passed, so the same loop runs with and without offloading.
+            else is passed, so the same loop runs with and without offloading. Left out while
+            other arguments are given, it warns once (``enabled=True`` switches offloading on).
         num_layers: default schedule: offload the first ``num_layers`` of ``model_layers``
             layers. Layer ``i`` is released before the forward of layer
             ``model_layers - num_layers + i`` and reloaded after that layer's backward, so at
@@ -110,7 +145,8 @@ def get_cpu_offload_context(
         (README, "What did it do?").
 
     Raises:
-        OffloadConfigError: an argument or combination that cannot work, e.g. ``num_layers >=
+        OffloadConfigError: an argument or combination that cannot work, e.g. a flag that is
+            not a ``bool`` (``enabled="False"``), a count that is not an ``int``, ``num_layers >=
             model_layers``, neither activations nor weights selected, an infeasible
             ``synchronization_dict`` entry, ``offload_stream`` without
             ``manual_synchronization``, or V2-only arguments while ``NVTE_CPU_OFFLOAD_V1=1``.
@@ -135,6 +171,14 @@ def get_cpu_offload_context(
         >>> len(sim.copies("d2h"))  # layers 0 and 1 copied their saved input to the CPU
         2
     """
+    check_context_types(
+        enabled=enabled, num_layers=num_layers, model_layers=model_layers,
+        offload_activations=offload_activations, offload_weights=offload_weights,
+        double_buffering=double_buffering, manual_synchronization=manual_synchronization,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        min_tensor_size_to_offload=min_tensor_size_to_offload, verify=verify,
+        max_host_bytes=max_host_bytes,
+    )
     device = resolve_device(device)
     if use_v1():
         v2_only = {

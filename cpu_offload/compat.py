@@ -128,6 +128,60 @@ def top_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
     return stack[-1] if stack else None
 
 
+def pop_saved_tensors_hooks() -> None:
+    """Remove the innermost saved-tensor hook pair of this thread, whoever installed it: for
+    test harnesses that clean up after a program that left one behind (the package's own
+    contexts always remove theirs).
+
+    Example:
+
+    >>> import torch
+    >>> hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    >>> hooks.__enter__()
+    >>> pop_saved_tensors_hooks()
+    >>> top_saved_tensors_hooks() is None
+    True
+    """
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    if _top_default_hooks is None:  # pragma: no cover - torch < 2.5 records the pairs itself
+        stack = getattr(_installed, "stack", None)
+        if stack:
+            stack.pop()
+
+
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def in_checkpoint_region() -> bool:
+    """True while the innermost saved-tensor hooks of this thread are those of a non-reentrant
+    ``torch.utils.checkpoint`` region (its forward or its recomputation).
+
+    Such a region stores nothing it saves: its pack hook numbers the saved tensors, and its
+    recomputation pairs the recomputed tensors with those numbers in order. Hooks installed on
+    top of it in forward but not in the recomputation would shift that numbering (wrong
+    gradients, or a ``CheckpointError`` when the shapes differ), so the offload contexts install
+    none there. Recognized by where the pack hook is defined (the module the hooks of
+    ``checkpoint(use_reentrant=False)`` have lived in since torch 2.0); torch releases that
+    cannot report the installed hooks (< 2.5) answer False.
+
+    Example:
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> seen = []
+    >>> def f(t):
+    ...     seen.append(in_checkpoint_region())
+    ...     return t * t
+    >>> _ = checkpoint(f, torch.ones(2, requires_grad=True), use_reentrant=False)
+    >>> seen, in_checkpoint_region()
+    ([True], False)
+    """
+    if _top_default_hooks is None:  # pragma: no cover - torch < 2.5
+        return False
+    top = _top_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", None) == _CHECKPOINT_MODULE
+
+
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor
 

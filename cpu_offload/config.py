@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
+from .core.checks import bool_problem, int_problem
 from .api import get_cpu_offload_context
 from .core.errors import OffloadConfigError
 from .optim import HybridDeviceOptimizer
@@ -111,16 +112,9 @@ class ActivationOffloadConfig:
         """Every violated constraint, each with its fix (empty: valid)."""
         out: list[str] = []
         n = self.num_layers
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            out.append(f"num_layers must be the model's layer count (an int >= 1), got {n!r}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("bool", bool) and not isinstance(value, bool):
-                # "false" is a non-empty string, so it would switch a feature *on*.
-                out.append(
-                    f"{f.name} must be True or False, got {value!r}; convert flags read from "
-                    "files or the command line to bool first"
-                )
+        _add(out, int_problem("num_layers", n, minimum=1, meaning="the model's layer count"))
+        # "false" is a non-empty string, so it would switch a feature *on*.
+        out.extend(_bool_field_problems(self))
         if out or not self.cpu_offloading:
             return out
         k = self.cpu_offloading_num_layers
@@ -136,8 +130,9 @@ class ActivationOffloadConfig:
                 "cpu_offloading_weights=True), or cpu_offloading=False"
             )
         pp = self.pipeline_model_parallel_size
-        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-            out.append(f"pipeline_model_parallel_size must be an int >= 1, got {pp!r}")
+        problem = int_problem("pipeline_model_parallel_size", pp, minimum=1)
+        if problem is not None:
+            out.append(problem)
         elif pp > 1 and not self.manual_synchronization:
             out.append(
                 f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} needs "
@@ -159,8 +154,9 @@ class ActivationOffloadConfig:
                 "cpu_offloading_retain_pinned_cpu_buffers=True (a captured graph replays copies "
                 "into fixed pinned buffers), or set cuda_graph_impl='none'"
             )
-        if isinstance(k, bool) or not isinstance(k, int):
-            out.append(f"cpu_offloading_num_layers must be an int, got {k!r}")
+        problem = int_problem("cpu_offloading_num_layers", k)
+        if problem is not None:
+            out.append(problem)
         elif not self.manual_synchronization and isinstance(n, int) and n >= 1:
             # Offloading no layer (k = 0) is always allowed, even for a one-layer model.
             if k != 0 and not 0 <= k < n - 1:
@@ -175,6 +171,20 @@ class ActivationOffloadConfig:
     def validate(self) -> "ActivationOffloadConfig":
         """Raise ``OffloadConfigError`` listing every violated constraint; return ``self``."""
         return _raise_problems(self, "activation")
+
+
+def _add(out: list, problem: Optional[str]) -> None:
+    if problem is not None:
+        out.append(problem)
+
+
+def _bool_field_problems(cfg: Any) -> list:
+    """Every ``bool`` field of the config dataclass ``cfg`` that holds something else."""
+    out: list = []
+    for f in dataclasses.fields(cfg):
+        if f.type in ("bool", bool):
+            _add(out, bool_problem(f.name, getattr(cfg, f.name)))
+    return out
 
 
 def _fields_of(cls: type, source: Any, overrides: dict) -> dict:
@@ -313,12 +323,8 @@ class OptimizerOffloadConfig:
 
     def problems(self) -> list[str]:
         """Every violated constraint, each with its fix (empty: valid)."""
-        out: list[str] = []
-        for name in ("optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
-                     "use_torch_optimizer_for_cpu_offload", "pin_cpu_grads", "pin_cpu_params"):
-            if not isinstance(getattr(self, name), bool):
-                out.append(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not self.optimizer_cpu_offload:
+        out: list[str] = _bool_field_problems(self)
+        if out or not self.optimizer_cpu_offload:
             return out
         f = self.optimizer_offload_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:

@@ -34,6 +34,7 @@ from torch import nn
 from .api import use_v1
 from .compat import register_forward_hook_always
 from .core import markers
+from .core.checks import check_bool
 from .v2.context import start_offload as v2_start_offload
 
 __all__ = [
@@ -144,6 +145,7 @@ def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = Tr
         >>> t.activation_offloading
         True
     """
+    check_bool("offload", offload)
     if use_v1():
         # V1 is imported only when selected (cpu_offload.api says why).
         from .v1 import mark_activation_offload as v1_mark
@@ -179,6 +181,7 @@ def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = 
         ...     cpu_offload.start_offload(h)   # h is final: its copy may start here
         ...     y = h.sin()                    # saves h for backward
     """
+    check_bool("offload_base_tensor", offload_base_tensor)
     if use_v1():
         return
     v2_start_offload(*tensors, offload_base_tensor=offload_base_tensor)

@@ -11,6 +11,9 @@ Rules every implementation follows:
 - Nothing here blocks the host, except ``synchronize`` and ``wait_host`` (which only CPU consumers
   of copied data call, e.g. the optimizer's CPU worker thread).
 - Copies move flat ``uint8`` views of whole storages: one DMA per storage, no kernels.
+- During CUDA graph capture, a captured stream never waits for a stream that has no work in the
+  capture (``wait_stream`` skips it): CUDA refuses such a dependency
+  (``cudaErrorStreamCaptureIsolation``), and the graph could not replay it anyway.
 """
 from __future__ import annotations
 
@@ -70,8 +73,24 @@ class OffloadDevice(abc.ABC):
         """Make future work on ``stream`` wait for ``event`` (device side, host not blocked)."""
 
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
-        """Make future work on ``waiter`` wait for everything queued on ``waitee`` so far."""
+        """Make future work on ``waiter`` wait for everything queued on ``waitee`` so far.
+
+        Skipped when ``waiter`` is being captured into a graph and ``waitee`` has no work in that
+        capture (``capture_isolated``)."""
+        if self.capture_isolated(waiter, waitee):
+            return
         self.wait_event(waiter, self.record_event(waitee))
+
+    def capturing(self, stream: Stream) -> bool:
+        """Whether ``stream`` is being captured into a graph right now (it began the capture, or
+        joined it by waiting for captured work). Devices without graphs: never."""
+        return False
+
+    def capture_isolated(self, waiter: Stream, waitee: Stream) -> bool:
+        """Whether ``waiter`` is being captured and ``waitee`` is not: then ``waitee`` holds no
+        work of this capture (whatever it ran before the capture began is not part of the graph),
+        and a wait for it is both impossible to capture and unnecessary on replay."""
+        return self.capturing(waiter) and not self.capturing(waitee)
 
     @abc.abstractmethod
     def event_done(self, event: Event) -> bool:
@@ -212,8 +231,25 @@ class CudaDevice(OffloadDevice):
     def wait_event(self, stream: Stream, event: Event) -> None:
         stream.wait_event(event)
 
+    def capturing(self, stream: Stream) -> bool:
+        previous = self.current_stream()
+        if stream == previous:
+            return torch.cuda.is_current_stream_capturing()
+        torch.cuda.set_stream(stream)
+        try:
+            return torch.cuda.is_current_stream_capturing()
+        finally:
+            torch.cuda.set_stream(previous)
+
+    def capture_isolated(self, waiter: Stream, waitee: Stream) -> bool:
+        # Our streams join a capture only by waiting for the capturing (current) stream, so
+        # outside a capture of the current stream one cheap query answers.
+        if not torch.cuda.is_current_stream_capturing():
+            return False
+        return self.capturing(waiter) and not self.capturing(waitee)
+
     def wait_stream(self, waiter: Stream, waitee: Stream) -> None:
-        if waiter == waitee:
+        if waiter == waitee or self.capture_isolated(waiter, waitee):
             return
         fences = self._fences.__dict__
         fence = fences.get(waitee.device_index)

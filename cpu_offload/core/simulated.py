@@ -4,20 +4,24 @@
 already happened when the scheduler sees them); side streams *defer* their work until something
 waits on it. So a scheduler that forgets to wait for a reload hands autograd an unwritten buffer
 (filled with a poison pattern) and gradients come out wrong; one that frees a buffer while a
-copy still reads it trips ``will_free``; and one that drops a buffer while a queued copy still
-writes into it (a late write into memory the allocator may have handed out again) raises when that
-copy runs: queued copies hold their destination only weakly, as the real device does not keep
-freed memory alive. Every call is appended to ``log`` for schedule assertions; copies are logged
+copy still reads it trips ``will_free``; and one that drops a device buffer while a queued copy
+still writes into it (a late write into memory the allocator may have handed out again) raises
+when that copy runs, as the real device does not keep freed device memory alive. Pinned host
+buffers (``alloc_host``) may be dropped early: torch's pinned allocator records the copy's stream
+and reuses the block only after the copy, and so does the simulation. ``capture`` checks CUDA's
+graph-capture rules. Every call is appended to ``log`` for schedule assertions; copies are logged
 as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
 optimizer's CPU worker); one lock serialises them.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -38,6 +42,8 @@ class SimStream:
     queued: int = 0
     done: int = 0
     pending: deque = field(default_factory=deque)  # (seq, fn, reads: list[int])
+    capture: Optional[object] = None  # the graph capture this stream is part of, if any
+    joined_back: int = 0  # during a capture: its last op that a captured stream waited for
 
     def __repr__(self) -> str:
         return f"SimStream({self.name})"
@@ -47,6 +53,7 @@ class SimStream:
 class SimEvent:
     stream: SimStream
     seq: int
+    capture: Optional[object] = field(default=None, compare=False)  # recorded during it
 
 
 class SimulatedDevice(OffloadDevice):
@@ -109,8 +116,10 @@ class SimulatedDevice(OffloadDevice):
         self.host_allocs = 0
         self.host_bytes_allocated = 0
         self.device_allocs = 0
-        self._host_ptrs: set[int] = set()
+        # pinned host buffers alive, by address (what a copy into them is: "d2h")
+        self._host_bufs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
+        self._capture: Optional[object] = None  # the graph capture in progress (``capture``)
 
     # -- streams and events -------------------------------------------------------------------
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -126,13 +135,17 @@ class SimulatedDevice(OffloadDevice):
 
     def record_event(self, stream: SimStream) -> SimEvent:
         with self._lock:
-            return SimEvent(stream, stream.queued)
+            return SimEvent(stream, stream.queued, stream.capture)
+
+    def capturing(self, stream: SimStream) -> bool:
+        return stream.capture is not None
 
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
         with self._lock:
             self.log.append(("wait", stream.name, event.stream.name, event.seq))
             if event.stream is stream:
                 return
+            self._capture_rules(stream, event)
             if stream.eager:
                 self._run_until(event.stream, event.seq)
             else:
@@ -141,6 +154,11 @@ class SimulatedDevice(OffloadDevice):
     def wait_host(self, event: SimEvent) -> None:
         with self._lock:
             self.log.append(("wait_host", event.stream.name, event.seq))
+            if event.capture is not None and event.capture is self._capture:
+                raise SimulatedHazard(
+                    "the host waited for an event recorded during graph capture: captured work "
+                    "runs only when the graph is replayed (cudaErrorStreamCaptureUnsupported)"
+                )
             self._run_until(event.stream, event.seq)
 
     def event_done(self, event: SimEvent) -> bool:
@@ -152,6 +170,10 @@ class SimulatedDevice(OffloadDevice):
 
     def synchronize(self) -> None:
         with self._lock:
+            if self._capture is not None:
+                raise SimulatedHazard(
+                    "device synchronize during graph capture (cudaErrorStreamCaptureUnsupported)"
+                )
             for s in self.streams:
                 self._run_until(s, s.queued)
 
@@ -161,7 +183,7 @@ class SimulatedDevice(OffloadDevice):
         self.host_bytes_allocated += nbytes
         self.log.append(("alloc_host", nbytes))
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        self._host_ptrs.add(buf.data_ptr())
+        self._host_bufs[buf.data_ptr()] = buf  # forgotten when freed: the address may be reused
         return buf
 
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -172,14 +194,19 @@ class SimulatedDevice(OffloadDevice):
         if dst.numel() != src.numel():
             raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
         root = dst._base if dst._base is not None else dst
-        direction = "d2h" if root.data_ptr() in self._host_ptrs else "h2d"
+        to_host = self._host_bufs.get(root.data_ptr()) is root
+        direction = "d2h" if to_host else "h2d"
         nbytes = dst.numel()
 
         def run() -> None:
-            # On a real device a queued copy does not keep its destination alive. Here the queue
-            # holds it; if nothing else does (no other reference to this tensor object, no other
-            # tensor on its memory), that memory would have been freed and possibly reused.
-            if sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1:
+            # On a real device a queued copy does not keep a device destination alive: the
+            # caching allocator may hand that memory out again as soon as it is dropped. Here the
+            # queue holds it; if nothing else does (no other reference to this tensor object, no
+            # other tensor on its memory), that memory would have been freed and possibly reused.
+            # A pinned host destination is different: torch's pinned (host caching) allocator
+            # records an event on the copy's stream and reuses the block only once the copy is
+            # done, so dropping it early is safe, as it is here.
+            if not to_host and sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1:
                 raise SimulatedHazard(
                     f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
                     "buffer that was dropped before the copy was waited for"
@@ -202,6 +229,84 @@ class SimulatedDevice(OffloadDevice):
 
     def trace(self, what: str, layer: int) -> None:
         self.log.append((what, layer))
+
+    # -- graph capture --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Model CUDA graph capture of the compute stream (``torch.cuda.graph``) for the block.
+
+        Work still runs (the simulation has no replay), but CUDA's capture rules are checked as
+        on the GPU, so a schedule that would abort a capture raises ``SimulatedHazard`` here:
+
+        - a side stream joins the capture by waiting for an event recorded in it;
+        - a captured stream must not wait for an event recorded outside this capture (before
+          it, on a stream that is not captured, or in another capture):
+          ``cudaErrorStreamCaptureIsolation``, "dependency created on uncaptured work in
+          another stream";
+        - every stream that joined must be joined back by the end of the capture (a captured
+          stream waits for its last work): ``cudaErrorStreamCaptureUnjoined``;
+        - the host must not wait for captured work (``synchronize``, ``wait_host``).
+
+        Capture ``torch.cuda.make_graphed_callables`` style (forward and backward as separate
+        graphs) with two blocks, or a whole step with one.
+
+        Raises:
+            SimulatedHazard: a capture rule was broken (also when the block raised nothing).
+
+        Example::
+
+            >>> import torch, cpu_offload
+            >>> sim = cpu_offload.SimulatedDevice()
+            >>> side = sim.new_stream()
+            >>> before = sim.record_event(side)       # recorded outside the capture
+            >>> with sim.capture():
+            ...     sim.wait_stream(side, sim.current_stream())   # side joins the capture
+            ...     sim.wait_stream(sim.current_stream(), side)   # and is joined back
+            >>> with sim.capture():
+            ...     sim.wait_event(sim.current_stream(), before)
+            Traceback (most recent call last):
+            ...
+            cpu_offload.core.simulated.SimulatedHazard: ...cudaErrorStreamCaptureIsolation...
+        """
+        with self._lock:
+            if self._capture is not None:
+                raise SimulatedHazard("graph capture started while another one is in progress")
+            token = self._capture = object()
+            self.compute.capture = token
+            self.compute.joined_back = 0
+            self.log.append(("capture_begin",))
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            with self._lock:
+                joined = [s for s in self.streams if s.capture is token and s is not self.compute]
+                unjoined = [s for s in joined if s.joined_back < s.queued]
+                for st in joined + [self.compute]:
+                    st.capture = None
+                self._capture = None
+                self.log.append(("capture_end",))
+            if ok and unjoined:
+                raise SimulatedHazard(
+                    f"graph capture ended with work on {', '.join(s.name for s in unjoined)} not "
+                    "joined back into the capture stream (cudaErrorStreamCaptureUnjoined)"
+                )
+
+    def _capture_rules(self, stream: SimStream, event: SimEvent) -> None:
+        """CUDA's rules for ``stream`` waiting on ``event`` while a capture is in progress."""
+        if stream.capture is not None:
+            if event.capture is not stream.capture:
+                where = "before or outside" if event.capture is None else "in another"
+                raise SimulatedHazard(
+                    f"{stream.name} is being captured into a CUDA graph and waits for an event "
+                    f"on {event.stream.name} recorded {where} this capture: dependency created "
+                    "on uncaptured work in another stream (cudaErrorStreamCaptureIsolation)"
+                )
+            event.stream.joined_back = max(event.stream.joined_back, event.seq)
+        elif event.capture is not None and event.capture is self._capture:
+            stream.capture = event.capture  # waiting on captured work joins the capture
+            stream.joined_back = stream.queued  # its earlier (eager) work is not in the graph
 
     # -- helpers for tests ----------------------------------------------------------------------
     def milestones(self, kinds: Optional[set] = None) -> list[tuple]:

@@ -134,6 +134,8 @@ class CpuBucket:
         self._synced: list[dict] = []
         self._views_sig: Optional[tuple] = None
         self._views_cache: list[list[tuple]] = []
+        self._kept: Optional[list[tuple]] = None  # what the last update(keep_previous=True) changed
+        self._kept_bufs: dict[tuple, torch.Tensor] = {}  # reused copies for it
         self.state = _BucketState(self)
 
     def _build(self, pieces: Sequence[tuple[int, int, int]], hypers: Sequence[dict]) -> _Chunk:
@@ -171,16 +173,80 @@ class CpuBucket:
         scratch: torch.Tensor,
         hypers: Sequence[dict],
         clip_coef: Optional[torch.Tensor],
+        keep_previous: bool = False,
     ) -> None:
         """One optimizer step: ``grads`` (model dtype, ``None`` = no gradient this step) into the
         masters, then new values (cast to the model dtype) into ``out``, chunk by chunk. If a
-        chunk's step raises, the chunks before it keep their update."""
+        chunk's step raises, the chunks before it keep their update.
+
+        ``keep_previous``: first copy what each chunk's step will change (the stepped masters,
+        their optimizer state, the chunk optimizers' group entries), chunk by chunk while the
+        data is in cache, so that ``restore()`` undoes this update exactly (``commit()`` drops
+        that possibility). The copies are reused from update to update: one more copy of the
+        bucket's masters and state, allocated the first time."""
+        self._kept = [] if keep_previous else None
         if all(g is None for g in grads):
             return
         self._sync(hypers)
         views = self._views(grads, out, scratch)
-        for chunk, chunk_views in zip(self.chunks, views):
-            self._update_chunk(chunk, chunk_views, clip_coef)
+        for ci, (chunk, chunk_views) in enumerate(zip(self.chunks, views)):
+            self._update_chunk(chunk, chunk_views, clip_coef, ci if keep_previous else None)
+
+    @property
+    def restorable(self) -> bool:
+        """The last ``update(keep_previous=True)`` can still be undone by ``restore()``."""
+        return self._kept is not None
+
+    def commit(self) -> None:
+        """Keep the last update for good (``restore()`` is no longer possible)."""
+        self._kept = None
+
+    def restore(self) -> None:
+        """Undo the last ``update(keep_previous=True)``: masters, optimizer state and group entries
+        become bit for bit what they were before it (state the step created is removed). The
+        output buffers are not restored: they are rewritten by the next update."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            raise RuntimeError("CpuBucket.restore() without a preceding update(keep_previous=True)")
+        for chunk, groups, pieces in reversed(kept):
+            state = chunk.optimizer.state
+            for key, master, saved in pieces:
+                key.copy_(master)
+                if saved is None:
+                    state.pop(key, None)
+                    continue
+                current = state[key]
+                for k in [k for k in current if k not in saved]:
+                    del current[k]
+                for k, v in saved.items():
+                    now = current.get(k)
+                    if (torch.is_tensor(v) and torch.is_tensor(now) and now.shape == v.shape
+                            and now.dtype == v.dtype and now.device == v.device):
+                        now.copy_(v)  # in place: split pieces' state stays a view (see _bind)
+                    else:
+                        current[k] = v.clone() if torch.is_tensor(v) else v
+            for group, entries in zip(chunk.optimizer.param_groups, groups):
+                group.update(entries)
+        self._synced = []  # group entries may differ from the wrapper's now: sync again
+
+    def _keep(self, ci: int, chunk: _Chunk, live: list[tuple]) -> tuple:
+        """Copies of what stepping ``live`` pieces of ``chunk`` (number ``ci``) changes."""
+        def copy(name: tuple, t: torch.Tensor) -> torch.Tensor:
+            buf = self._kept_bufs.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+                buf = self._kept_bufs[name] = torch.empty_like(t)
+            return buf.copy_(t)
+
+        pieces = []
+        for pc, _, _, _ in live:
+            st = chunk.optimizer.state.get(pc.key)
+            saved = None
+            if st:
+                saved = {k: copy((ci, pc.index, pc.start, k), v) if torch.is_tensor(v) else v
+                         for k, v in st.items()}
+            pieces.append((pc.key, copy((ci, pc.index, pc.start, None), pc.key), saved))
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in chunk.optimizer.param_groups]
+        return chunk, groups, pieces
 
     def _views(self, grads: Sequence[Optional[torch.Tensor]], out: Sequence[torch.Tensor],
                scratch: torch.Tensor) -> list[list[tuple]]:
@@ -213,10 +279,13 @@ class CpuBucket:
         self._views_sig, self._views_cache = sig, views
         return views
 
-    def _update_chunk(self, chunk: _Chunk, views: list[tuple], clip_coef: Optional[torch.Tensor]) -> None:
+    def _update_chunk(self, chunk: _Chunk, views: list[tuple], clip_coef: Optional[torch.Tensor],
+                      keep: Optional[int] = None) -> None:
         live = [v for v in views if v[1] is not None]
         if not live:
             return
+        if keep is not None:
+            self._kept.append(self._keep(keep, chunk, live))
         try:
             for pc, src, dst, _ in live:
                 pc.key.grad = dst if dst is src else dst.copy_(src)

@@ -16,17 +16,22 @@ __all__ = ["comm_hook"]
 def comm_hook(
     on_reduced: Callable[[Sequence[torch.Tensor], torch.Tensor], None],
     inner: Optional[Callable] = None,
+    on_start: Optional[Callable[[], None]] = None,
 ) -> tuple[Any, Callable]:
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook(state, hook)``:
     ``inner`` (default: DDP's ``allreduce_hook`` on the default group) reduces each bucket,
     then ``on_reduced(params, flat)`` gets the bucket's parameters and its reduced flat
-    gradient."""
+    gradient. ``on_start()``, if given, runs as each bucket is handed to DDP (before it is
+    reduced)."""
     # torch.distributed is optional (torch builds without it exist): imported only under DDP.
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     inner = inner or default_hooks.allreduce_hook
 
     def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+        if on_start is not None:
+            on_start()
+
         def then(fut: Any) -> torch.Tensor:
             reduced = fut.value()
             reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced

@@ -3,6 +3,7 @@ backward (and optionally with the next forward)."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 import weakref
@@ -28,6 +29,7 @@ from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_al
 
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+_PENDING = ("pending",)  # st.seen: DDP's reduced gradient copied; .grad recorded after backward
 
 
 def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
@@ -71,20 +73,86 @@ class _CpuParam:
 
 @dataclass
 class _Step:
-    """What one optimizer step has queued so far (gradient copies, CPU jobs)."""
+    """What one optimizer step has queued so far (gradient copies, CPU jobs).
+
+    Work started before ``step()`` (gradient copies, norms, updates) is *early*: it read the
+    gradients as they were then. ``seen`` records, per copied parameter, which gradient tensor
+    was copied and its ``_version`` (``None``: unknown or stale); ``step()`` checks them
+    (``_validate``) and redoes the buckets whose gradients changed. Until then an early update
+    is *uncommitted*: the bucket can restore its previous state, and its parameters are not
+    copied back to the device (``spec``).
+    """
 
     hypers: list[dict]
     remaining: list[int]  # per bucket: gradients still to copy
     copied: set = field(default_factory=set)  # ids of CPU params whose gradient was copied
+    seen: dict = field(default_factory=dict)  # id(param) -> (grad, grad._version) | None
+    watch: dict = field(default_factory=dict)  # early work off: id -> (param, grad, version) | None
     landed: dict = field(default_factory=dict)  # bucket -> event after its gradient copies
     keep: list = field(default_factory=list)  # temporaries read by queued copies
     norms: dict = field(default_factory=dict)  # bucket -> Future[dict[id, norm]]
-    updates: dict = field(default_factory=dict)  # bucket -> Future[h2d event]
-    ready: list = field(default_factory=list)  # (bucket, clip coef): queued, not started
+    updates: dict = field(default_factory=dict)  # bucket -> Future[h2d event | None]
+    ready: list = field(default_factory=list)  # (bucket, clip coef, future): queued, not started
     ready_lock: Any = field(default_factory=threading.Lock)
+    validated: bool = False  # step() has checked the gradients: updates started now are final
+    invalid: set = field(default_factory=set)  # buckets step() found changed (or abandoned)
+    spec: set = field(default_factory=set)  # buckets updated early, restorable, not committed
+    coefs: dict = field(default_factory=dict)  # bucket -> clip coefficient for its copies
     waited: set = field(default_factory=set)  # buckets the compute stream already waits for
-    clip_coef: Optional[torch.Tensor] = None
-    stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": []})
+    record_queued: bool = False  # DDP: the end-of-backward record of gradients is queued
+    stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": [], "redone": 0})
+
+
+def _same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Hyperparameters ``a`` and ``b`` (lists of group entries) are the same (tensors by
+    identity, other values by equality)."""
+    def same(x: Any, y: Any) -> bool:
+        if x is y:
+            return True
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            return False
+        try:
+            return bool(x == y)
+        except Exception:  # noqa: BLE001 - incomparable values count as changed
+            return False
+
+    return len(a) == len(b) and all(
+        ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga) for ga, gb in zip(a, b))
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version`` (bumped by every in-place change); -1 where there is none (inference
+    tensors): such a gradient never counts as unchanged."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OffloadConfigError(
+            f"HybridDeviceOptimizer({name}=...) must be True or False, got {value!r}; convert "
+            "flags read from strings or config files first (bool('no') is True)"
+        )
+    return value
+
+
+def _check_int(name: str, value: Any, low: int, optional: bool = False) -> Optional[int]:
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise OffloadConfigError(
+            f"HybridDeviceOptimizer({name}=...) must be an int >= {low}"
+            f"{' or None' if optional else ''}, got {value!r}"
+        )
+    return value
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -100,7 +168,32 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
        buffers allocated at construction, as soon as it is final (post-accumulate-grad hooks);
     2. the CPU update of a bucket of parameters starts as soon as its gradients have landed,
        overlapping the rest of backward (``overlap``);
-    3. updated parameters (cast to the model dtype on the CPU) stream back on another side stream.
+    3. updated parameters (cast to the model dtype on the CPU) stream back on another side stream
+       (for an update started during backward: once ``step()`` has checked its gradients).
+
+    **Gradients changed before** ``step()``. The copies and updates started during backward read
+    the gradients as they were then. ``step()`` checks, per parameter, that ``.grad`` is still
+    the tensor that was copied and unchanged since (its ``_version``; ``None`` where none was
+    copied); a bucket where one is not -- ``clip_grad_norm_``, loss-scale unscaling,
+    ``grad.mul_``, ``.grad = None`` or replaced, another backward accumulating, or the
+    hyperparameters changed since its update started -- is restored (an update started before
+    ``step()`` first keeps a copy of what it changes), copied and updated again from the
+    gradients as they are now. So the result is that of the wrapped optimizer whatever is done
+    to ``.grad`` before ``step()`` (a parameter whose ``.grad`` is ``None`` at ``step()`` is
+    skipped, as torch's optimizers skip it). The cost: redone buckets lose their overlap (they
+    run inside ``step()`` as in mode ``"none"``), and a kept copy of the state of the buckets
+    updated before ``step()`` (at most one more copy of the CPU optimizer state, allocated on
+    first use). Clipping changes every gradient: with ``torch.nn.utils.clip_grad_norm_`` (what
+    Hugging Face's ``Trainer`` does by default) every bucket is redone each step
+    (``last_step_stats["redone_buckets"]``). After a step whose gradients changed, the next
+    backward does no early work (it only notes which gradients it produced), and after one
+    whose gradients stayed untouched early work resumes: so with clipping every step, every
+    mode works as ``"none"`` from the second step on, and only the first step pays for work
+    that is undone. To keep the overlap pass ``max_grad_norm=`` instead, which clips inside
+    ``step()`` without redoing anything (no other code must touch ``.grad`` then: Hugging
+    Face's ``Trainer`` calls ``clip_grad_norm_`` even with ``max_grad_norm=0``, to log the
+    norm); accumulate micro-batches inside ``no_sync()``.
+    A backward abandoned by ``zero_grad()`` (or ``state_dict()``...) before ``step()`` is undone.
 
     Use it when optimizer state does not fit next to the model and activations (AdamW in mixed
     precision keeps 12 bytes per parameter), typically with ``offload_fraction`` 0.25 to 1.
@@ -133,7 +226,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for its own parameters, see ``register_forward_waits``). The numbers are identical
             in every mode.
         max_grad_norm: clip gradients to this global norm (over device and CPU parts) inside
-            ``step()``; the way to clip in the ``backward_update``/``next_forward`` modes.
+            ``step()``; the way to clip in the ``backward_update``/``next_forward`` modes and
+            keep their overlap (clipping between backward and ``step()`` is exact too, but the
+            updates started during backward are then redone).
         grad_order: parameters in gradient-arrival order (``grad_arrival_order``); default:
             reverse registration order.
         bucket_bytes: model-dtype bytes per CPU update unit (default 64 MiB).
@@ -147,12 +242,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
-        OffloadConfigError: ``offload_fraction`` outside [0, 1]; parameters on several devices,
-            non-contiguous or non-leaf; an unknown ``overlap``; an optimizer class without the
-            ``torch.optim.Optimizer`` API or rejecting ``optimizer_kwargs``.
-        OffloadUsageError: at run time, sparse gradients on an offloaded parameter, a second
-            backward before ``step()`` in an update-during-backward mode (use ``no_sync()``),
-            ``clip_grad_norm_`` after updates already started.
+        OffloadConfigError: ``offload_fraction`` outside [0, 1]; a flag that is not a bool or a
+            size that is not an int (e.g. ``pin_cpu_grads="no"``); parameters on several
+            devices, non-contiguous or non-leaf; an unknown ``overlap``; an optimizer class
+            without the ``torch.optim.Optimizer`` API or rejecting ``optimizer_kwargs``.
+        RuntimeError: no ``device=`` on a machine without CUDA (pass
+            ``device=cpu_offload.SimulatedDevice()``).
+        OffloadUsageError: at run time, sparse gradients on an offloaded parameter.
 
     Example::
 
@@ -190,9 +286,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
+        for name, flag in (("param_update_in_fp32", param_update_in_fp32), ("pin_cpu_grads", pin_cpu_grads),
+                           ("pin_cpu_params", pin_cpu_params),
+                           ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d)):
+            _check_bool(name, flag)
+        _check_int("bucket_bytes", bucket_bytes, 1)
+        _check_int("cpu_threads", cpu_threads, 1, optional=True)
+        _check_int("cpu_chunk_bytes", cpu_chunk_bytes, 0, optional=True)
         self._mode = overlap_mode(overlap, overlap_cpu_optimizer_d2h_h2d)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise OffloadConfigError(f"max_grad_norm must be > 0 (or None), got {max_grad_norm!r}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
+                max_grad_norm, numbers.Real) or not max_grad_norm > 0):
+            raise OffloadConfigError(f"max_grad_norm must be a number > 0 (or None), got {max_grad_norm!r}")
+        if device is None and not torch.cuda.is_available():
+            raise RuntimeError(
+                "HybridDeviceOptimizer: CUDA is not available, and without device= the optimizer "
+                "expects its parameters on a CUDA GPU. On a CPU-only machine pass "
+                "HybridDeviceOptimizer(device=cpu_offload.SimulatedDevice()) (parameters on the "
+                "CPU; the schedule runs in simulation)"
+            )
         self.overlap = self._mode.name
         self.max_grad_norm = max_grad_norm
         self.param_update_in_fp32 = param_update_in_fp32
@@ -202,13 +313,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._kwargs = dict(optimizer_kwargs)
         defaults = _probe(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
         defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
+        # implementation choices (fused, foreach, ...) stay out of the wrapper's groups, so each
+        # part keeps its own; state_dict() reports them as the wrapped class would
+        self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._bucket_bytes = bucket_bytes
         cpu_threads = cpu_threads or default_cpu_threads()
         if cpu_chunk_bytes is None:
             cpu_chunk_bytes = default_chunk_bytes(cpu_threads)
-        if cpu_chunk_bytes < 0:
-            raise OffloadConfigError(f"cpu_chunk_bytes must be >= 0 (0: no chunks), got {cpu_chunk_bytes}")
         self._chunk_elems = cpu_chunk_bytes // 4
         self._grad_order = list(grad_order) if grad_order is not None else None
         self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
@@ -228,6 +340,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._no_sync = 0
         self._ddp = False
         self._attached = 0  # param groups already partitioned
+        self._early = True  # work during backward (off after a step whose gradients changed)
         self.last_step_stats: dict[str, Any] = {}
         self.last_grad_norm: Optional[torch.Tensor] = None
         super().__init__(params, defaults)
@@ -329,7 +442,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients on the device only, like DDP's
-        ``no_sync``: use it for every micro-batch but the last when accumulating gradients."""
+        ``no_sync``: use it for every micro-batch but the last when accumulating gradients
+        (without it the result is the same, but each further backward makes ``step()`` redo the
+        copies and updates the previous one started)."""
         self._no_sync += 1
         try:
             yield
@@ -389,31 +504,41 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return
         with self._lock:
             st = self._begin()
-            self._copy_grad(st, p, grad, from_hook=True)
+            if self._early:
+                self._copy_grad(st, p, grad, from_hook=True)
+            else:
+                self._watch(st, p, grad, True)
 
-    def _copy_grad(self, st: _Step, p: torch.Tensor, grad: torch.Tensor, from_hook: bool) -> None:
+    def _watch(self, st: _Step, p: torch.Tensor, grad: torch.Tensor, is_param_grad: bool) -> None:
+        """Early work is off: only note which gradient backward produced, for ``step()`` to
+        tell whether early work would have stayed valid (then it is turned on again)."""
+        again = id(p) in st.watch
+        st.watch[id(p)] = None if again else (p, grad, _version(grad)) if is_param_grad else (p, _PENDING)
+
+    def _copy_grad(self, st: _Step, p: torch.Tensor, grad: torch.Tensor, from_hook: bool,
+                   is_param_grad: bool = True) -> None:
+        """Queue the copy of ``grad`` (``p.grad``, or with ``is_param_grad=False`` DDP's reduced
+        gradient, which DDP writes into ``p.grad`` at the end of backward) and remember what
+        was copied, for ``step()`` to check."""
         if grad.layout != torch.strided:
             raise OffloadUsageError(
                 f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
                 "dense gradients (e.g. nn.Embedding(sparse=False))"
             )
         b = self._cpu[id(p)].bucket
-        again = id(p) in st.copied
-        if again and (self._updates_in_backward or b in st.updates):
-            raise OffloadUsageError(
-                "a second backward reached an offloaded parameter before step(): its CPU update "
-                "already started. Accumulate gradients inside `with opt.no_sync():` for every "
-                "micro-batch but the last, or use overlap='backward_copies'"
-            )
+        if id(p) in st.copied:
+            # another backward reached p before step() (gradient accumulation without
+            # no_sync(), or p used inside and outside a reentrant checkpoint): what was copied
+            # (and maybe updated) is stale; step() redoes this bucket from the final gradient
+            st.seen[id(p)] = None
+            return
+        source = grad
         if not grad.is_contiguous() or grad.dtype != p.dtype:
             grad = grad.contiguous().to(p.dtype)
             st.keep.append(grad)
         self._engine.grad_out(p, grad)
         st.copied.add(id(p))
-        if again:
-            if b in st.landed:
-                st.landed[b] = self._engine.mark_landed()
-            return
+        st.seen[id(p)] = (source, _version(source)) if is_param_grad else _PENDING
         st.remaining[b] -= 1
         if st.remaining[b] == 0 and from_hook:
             self._close_bucket(st, b, during_backward=True)
@@ -424,7 +549,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:
                 st.norms[b] = self._worker.submit(self._bucket_norms, b, st.landed[b], 2.0, st)
             else:
-                self._queue_updates(st, [b], None)
+                self._queue_updates(st, [b])
 
     def _flush(self, st: _Step) -> None:
         """Copy the gradients no hook copied (mode "none", unused params, grads set by hand) and
@@ -450,44 +575,142 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grads = [self._engine.grads.typed(p) for p in params]
         return dict(zip(map(id, params), torch._foreach_norm(grads, norm_type) if grads else []))
 
-    def _queue_updates(self, st: _Step, buckets: Sequence[int], coef: Optional[torch.Tensor]) -> None:
+    def _queue_updates(self, st: _Step, buckets: Sequence[int]) -> None:
         """Queue the updates of ``buckets`` (their gradient copies are queued), all before any
         job may pick one; ``st.updates[b]`` is done when bucket ``b`` is, whichever worker job
-        runs it (see ``_run_next_update``)."""
+        runs it (see ``_run_next_update``). Each uses its bucket's clip coefficient, if any."""
         with st.ready_lock:
             for b in buckets:
-                st.updates[b] = Future()
-                st.ready.append((b, coef))
+                st.updates[b] = future = Future()
+                st.ready.append((b, st.coefs.get(b), future))
         for _ in buckets:
             self._worker.submit(self._run_next_update, st)
 
     def _run_next_update(self, st: _Step) -> None:
         """One worker job per queued bucket; each runs the queued bucket that matters most now
-        (``partition.next_update``: of the landed ones, the one the next forward needs first)."""
+        (``partition.next_update``: of the landed ones, the one the next forward needs first).
+        A job finding nothing queued returns: ``step()`` took its bucket back, or the step was
+        abandoned."""
         with st.ready_lock:
-            i = next_update([b for b, _ in st.ready], lambda b: self._device.event_done(st.landed[b]))
-            b, coef = st.ready.pop(i)
-        future = st.updates[b]
+            if not st.ready:
+                return
+            i = next_update([e[0] for e in st.ready], lambda b: self._device.event_done(st.landed[b]))
+            b, coef, future = st.ready.pop(i)
+            early = not st.validated
+            restore = b in st.spec  # a redo: undo the early update first
+            st.spec.discard(b)
         future.set_running_or_notify_cancel()
         try:
-            future.set_result(self._update_bucket(b, st, coef))
+            future.set_result(self._update_bucket(b, st, coef, early, restore))
         except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the bucket
             future.set_exception(exc)
 
-    def _update_bucket(self, b: int, st: _Step, coef: Optional[torch.Tensor]) -> Optional[Event]:
+    def _update_bucket(self, b: int, st: _Step, coef: Optional[torch.Tensor], early: bool,
+                       restore: bool) -> Optional[Event]:
+        """Update bucket ``b``; returns the event of its parameters' copy to the device.
+
+        An ``early`` update (started before ``step()`` checked the gradients) keeps what it
+        changes, and its parameters stay on the host, until it is committed: by this job if
+        ``step()`` has found the bucket's gradients unchanged by now, else by ``step()``
+        (``_validate``), which may instead redo it (the job then returns ``None``)."""
         t0 = time.perf_counter()
         landed = st.landed[b]
         self._engine.wait_landed(landed)
         t1 = time.perf_counter()
         bucket = self._buckets[b]
+        if restore:
+            bucket.restore()
         grads = self._bucket_grads(b, st)
         out = [self._engine.params.typed(p) for p in bucket.params]
-        bucket.update(grads, out, self._scratch, st.hypers, coef)
-        ev = self._engine.params_in([p for p, g in zip(bucket.params, grads) if g is not None], landed)
+        try:
+            bucket.update(grads, out, self._scratch, st.hypers, coef, keep_previous=early)
+        except BaseException:
+            if bucket.restorable:  # an early update that failed leaves no trace
+                bucket.restore()
+            raise
+        with st.ready_lock:
+            commit = not early or (st.validated and b not in st.invalid)
+            if not commit:
+                st.spec.add(b)
+        ev = None
+        if commit:
+            bucket.commit()
+            ev = self._engine.params_in([p for p, g in zip(bucket.params, grads) if g is not None], landed)
         t2 = time.perf_counter()
         st.stats["cpu_update_s"] += t2 - t1
         st.stats["jobs"].append((t0, t1, t2))
         return ev
+
+    # ------------------------------------------------------------------------------------------
+    # step(): check the early work against the gradients as they are now
+
+    def _still_valid(self, st: _Step, b: int) -> bool:
+        """Bucket ``b``'s copies (and anything computed from them) match the gradients now: the
+        same tensor at the same version for every copied parameter, and no gradient where
+        none was copied (once the bucket's copies are complete)."""
+        for p in self._buckets[b].params:
+            if id(p) in st.copied:
+                rec = st.seen.get(id(p))
+                if (rec is None or rec is _PENDING or p.grad is not rec[0]
+                        or not 0 <= rec[1] == _version(p.grad)):
+                    return False
+            elif p.grad is not None and b in st.landed:
+                return False
+        return True
+
+    def _validate(self, st: _Step) -> None:
+        """Called by ``step()`` (and ``clip_grad_norm_``) before anything else: every bucket
+        whose gradients changed since they were copied -- ``p.grad`` scaled or zeroed in place
+        (``clip_grad_norm_``, unscaling), replaced, set to ``None``, accumulated by another
+        backward -- or whose update started with hyperparameters changed since, loses its
+        early work (``_reset``) and is copied and updated again from the gradients as they are
+        now. Early updates that stay valid are committed."""
+        hypers = self._hyperparameters()
+        with st.ready_lock:
+            queued = {e[0] for e in st.ready}
+            invalid = {b for b in range(len(self._buckets)) if not self._still_valid(st, b)}
+            if not _same_hypers(st.hypers, hypers):
+                invalid |= {b for b in st.updates if b not in queued}
+                st.hypers = hypers  # for the updates not started yet
+            st.invalid |= invalid
+            st.validated = True
+            taken = {e[0] for e in st.ready if e[0] in invalid}
+            st.ready = [e for e in st.ready if e[0] not in invalid]
+            commit = [b for b in st.spec if b not in invalid]
+            st.spec.difference_update(commit)
+        for b in commit:
+            bucket = self._buckets[b]
+            bucket.commit()
+            params = [p for p in bucket.params if id(p) in st.copied]
+            st.updates[b] = _done(self._engine.params_in(params, st.landed[b]))
+        for b in sorted(invalid):
+            self._reset(st, b, started=b not in taken)
+
+    def _reset(self, st: _Step, b: int, started: bool = True) -> None:
+        """Forget bucket ``b``'s early work: wait for its jobs (``started``: its update job may
+        run), drop its copies; ``_flush`` copies its gradients again and its update runs again
+        (restoring the bucket first if an early update changed it, see ``st.spec``)."""
+        norms, update = st.norms.pop(b, None), st.updates.pop(b, None)
+        jobs = [j for j in (norms, update if started else None) if j is not None]
+        for job in jobs:
+            if job is not None:
+                try:
+                    job.result()  # it reads the staging buffers the new copies write into
+                except BaseException:  # noqa: BLE001 - stale work: its error no longer matters
+                    pass
+        if b in st.landed or jobs:
+            st.stats["redone"] += 1
+        st.landed.pop(b, None)
+        st.coefs.pop(b, None)
+        st.waited.discard(b)
+        bucket = self._buckets[b]
+        for p in bucket.params:
+            if id(p) in st.copied:
+                st.copied.discard(id(p))
+                rec = st.seen.pop(id(p), None)
+                if isinstance(rec, tuple):
+                    st.keep.append(rec[0])  # a queued copy may still read it
+        st.remaining[b] = sum(1 for p in bucket.params if p.requires_grad)
 
     # ------------------------------------------------------------------------------------------
     # step
@@ -514,17 +737,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._step_state = None
         st.stats["step_called"] = time.perf_counter()
         try:
+            self._validate(st)
+            # gradients changed this step: expect them to change again (clipping every step),
+            # so the next backward does no early work; untouched ones: early work resumes
+            self._early = not st.invalid and all(
+                w is not None and w[1] is not _PENDING and w[0].grad is w[1]
+                and 0 <= w[2] == _version(w[1]) for w in st.watch.values())
             self._flush(st)
-            coef = st.clip_coef
+            todo = [b for b in range(len(self._buckets)) if b not in st.updates]
             if self.max_grad_norm is not None:
                 self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
-            if not st.updates:  # nothing started yet: a scheduler may have changed lr since
-                st.hypers = self._hyperparameters()
-            self._queue_updates(st, [b for b in range(len(self._buckets)) if b not in st.updates], coef)
+                st.coefs.update((b, coef) for b in todo)
+            self._queue_updates(st, todo)
             self._gpu_step(st.hypers)
             for ev in st.landed.values():  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(ev)
             st.keep.clear()
+            st.seen.clear()
+            st.watch.clear()
         except BaseException:
             self._drain(st)
             raise
@@ -578,6 +808,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "cpu_update_s": total,
             "cpu_update_before_step_s": before,
             "overlapped_with_backward": before / total if total else 0.0,
+            "redone_buckets": st.stats["redone"],
             "bytes_to_host": self._engine.bytes_out,
             "bytes_to_device": self._engine.bytes_in,
         }
@@ -605,8 +836,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 raise
 
     def _drain(self, st: _Step) -> None:
-        """After an error or an abandoned step: wait for every job, keep the device consistent
-        with the CPU (parameters a job already updated are copied back), swallow job errors."""
+        """After an error or an abandoned step: cancel the queued updates, wait for every job,
+        undo every early update not committed yet (``CpuBucket.restore``), keep the device
+        consistent with the CPU (parameters a committed update changed are copied back),
+        swallow job errors."""
+        with st.ready_lock:
+            taken = []
+            if not st.validated:  # an abandoned backward: its queued updates never run
+                taken, st.ready = st.ready, []
+            st.invalid.update(range(len(self._buckets)))  # early updates still running: no commit
+        for _, _, future in taken:
+            future.set_result(None)
         for b, f in list(st.updates.items()) + list(st.norms.items()):
             try:
                 ev = f.result()
@@ -615,9 +855,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if b in st.updates and st.updates[b] is f and b not in st.waited:
                 self._engine.fence_compute(ev)
         st.waited.update(st.updates)
+        with st.ready_lock:
+            spec, st.spec = st.spec, set()
+        for b in spec:
+            self._buckets[b].restore()
         for ev in st.landed.values():
             self._engine.fence_compute(ev)
         st.keep.clear()
+        st.seen.clear()
+        st.watch.clear()
 
     def _drain_all(self) -> None:
         with self._lock:
@@ -628,8 +874,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. A backward that never reached ``step()`` is
-        abandoned first (in the update-during-backward modes, buckets whose update had already
-        run keep it)."""
+        abandoned first: CPU updates it started are undone, so parameters and optimizer state
+        are those of the last ``step()``, as with the wrapped optimizer."""
         with self._lock:
             st, self._step_state = self._step_state, None
         if st is not None:
@@ -650,21 +896,45 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         backward and ``step()``. Returns the total norm.
 
         Same numbers as ``clip_grad_norm_`` on the same gradients: per-parameter norms are
-        combined in torch's order; offloaded gradients are scaled on the CPU in fp32 before the
-        update (for fp32 parameters that is torch's own operation). In the
-        ``backward_update``/``next_forward`` modes updates start before this could be called:
-        pass ``max_grad_norm=`` to the constructor instead.
+        combined in torch's order; in modes ``none`` and ``backward_copies`` the offloaded
+        gradients' norms come from their host copies and the copies are scaled on the CPU in
+        fp32 before the update (for fp32 parameters that is torch's own operation). In the
+        ``backward_update``/``next_forward`` modes updates start during backward, so this is
+        ``torch.nn.utils.clip_grad_norm_`` itself, and ``step()`` redoes those updates from the
+        clipped gradients (exact, but their overlap is lost): pass ``max_grad_norm=`` to the
+        constructor instead to clip inside ``step()`` and keep it.
+
+        Example::
+
+            >>> import torch, cpu_offload
+            >>> from cpu_offload.optim import HybridDeviceOptimizer
+            >>> model = torch.nn.Linear(4, 4)
+            >>> opt = HybridDeviceOptimizer(model.parameters(), 0.5, overlap="backward_copies",
+            ...                             lr=1e-2, device=cpu_offload.SimulatedDevice())
+            >>> model(torch.randn(2, 4)).sum().backward()
+            >>> total = opt.clip_grad_norm_(0.1)
+            >>> opt.step(); opt.close()
         """
+        params = [p for g in self.param_groups for p in g["params"]]
         if self._updates_in_backward:
-            raise OffloadUsageError(
-                f"clip_grad_norm_ cannot run in overlap={self.overlap!r}: CPU updates start "
-                "during backward. Pass max_grad_norm=... to HybridDeviceOptimizer (clipping then "
-                "happens inside step()), or use overlap='backward_copies'"
-            )
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         with self._lock:
             st = self._begin()
+        self._validate(st)
+        if st.coefs:  # clipped before: the copies predate that scaling, copy them again
+            for b in list(st.coefs):
+                self._reset(st, b)
         self._flush(st)
-        total, st.clip_coef = self._clip(st, max_norm, norm_type)
+        watched = [k for k, w in st.watch.items()
+                   if w is not None and w[1] is not _PENDING and w[0].grad is w[1] and w[2] == _version(w[1])]
+        total, coef = self._clip(st, max_norm, norm_type)
+        st.coefs.update((b, coef) for b in st.landed)
+        for p in params:  # the copies scaled by coef on the CPU stand for the scaled .grad
+            if isinstance(st.seen.get(id(p)), tuple) and p.grad is not None:
+                st.seen[id(p)] = (p.grad, _version(p.grad))
+        for k in watched:  # this scaling does not count as a change (see step)
+            p, g, _ = st.watch[k]
+            st.watch[k] = (p, g, _version(g))
         return total
 
     def _clip(self, st: _Step, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -724,7 +994,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``cpu_offload.optim.state``. ``to_wrapped_format(sd)`` converts it to the wrapped
         optimizer's own format."""
         self._drain_all()
-        return state_format.gather(self.param_groups, self._placements())
+        return state_format.gather(self.param_groups, self._placements(), self._implementation)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
@@ -770,11 +1040,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Under DDP a post-accumulate-grad hook sees the local, unreduced gradient, so calling
         this switches the optimizer to take offloaded gradients from DDP's reduced buckets
         instead: ``inner`` (default: DDP's ``allreduce_hook`` on the default group) reduces
-        the bucket, then each offloaded gradient in it is copied to the host as above.
+        the bucket, then each offloaded gradient in it is copied to the host as above. At the
+        end of backward, after DDP has written the reduced gradients into ``.grad``, the
+        optimizer records them, so that ``step()`` sees later changes (clipping, ...) as
+        without DDP.
         """
         ref = weakref.ref(self)
         state_and_hook = ddp.comm_hook(
-            lambda params, flat: _call(ref, "_on_reduced_bucket", params, flat), inner)
+            lambda params, flat: _call(ref, "_on_reduced_bucket", params, flat), inner,
+            on_start=lambda: _call(ref, "_queue_ddp_record"))
         self._ddp = True
         for h in self._hooks:
             h.remove()
@@ -789,8 +1063,46 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             n = p.numel()
             if id(p) in self._cpu and not self._no_sync:
                 with self._lock:
-                    self._copy_grad(self._begin(), p, flat[offset: offset + n].view(p.shape), True)
+                    if self._early:
+                        self._copy_grad(self._begin(), p, flat[offset: offset + n].view(p.shape), True,
+                                        is_param_grad=False)
+                    else:
+                        self._watch(self._begin(), p, flat, False)
             offset += n
+
+    def _queue_ddp_record(self) -> None:
+        """(Engine thread, during backward.) Queue ``_record_ddp_grads`` to run once DDP's own
+        end-of-backward callback has written the reduced gradients into ``.grad``: DDP queues
+        it after the last bucket's hook, so a callback queued now runs before it, and one that
+        callback queues runs after it (the engine runs callbacks queued by callbacks)."""
+        if not self._mode.copies_in_backward or self._no_sync:
+            return
+        with self._lock:
+            st = self._begin()
+            if st.record_queued:
+                return
+            st.record_queued = True
+        ref = weakref.ref(self)
+        engine = torch.autograd.Variable._execution_engine
+
+        def after_ddp() -> None:
+            _call(ref, "_record_ddp_grads", st)
+
+        try:
+            engine.queue_callback(lambda: engine.queue_callback(after_ddp))
+        except RuntimeError:  # not inside a backward: step() finds nothing recorded, copies again
+            pass
+
+    def _record_ddp_grads(self, st: _Step) -> None:
+        with self._lock:
+            for bucket in self._buckets:
+                for p in bucket.params:
+                    g = p.grad
+                    if st.seen.get(id(p)) is _PENDING:
+                        st.seen[id(p)] = None if g is None else (g, _version(g))
+                    w = st.watch.get(id(p))
+                    if w is not None and w[1] is _PENDING:
+                        st.watch[id(p)] = None if g is None else (p, g, _version(g))
 
 
 def _call(ref: "weakref.ref[HybridDeviceOptimizer]", name: str, *args: Any) -> None:

@@ -6,8 +6,8 @@ Each mode answers the three questions the optimizer asks, so adding a mode is on
 - ``copies_in_backward``: are offloaded gradients copied to the host as backward finalizes them
   (post-accumulate-grad hooks), or all at once inside ``step()``?
 - ``updates_in_backward``: does a bucket's CPU update start as soon as its gradients have
-  landed, during backward (so ``clip_grad_norm_`` is too late and a second backward before
-  ``step()`` is refused)?
+  landed, during backward? (A gradient changed before ``step()``, by ``clip_grad_norm_`` or a
+  second backward, makes ``step()`` undo and redo that bucket's update.)
 - ``forward_waits``: does ``step()`` return before the CPU part is done, leaving each module's
   next forward to wait for its own parameters (``register_forward_waits``)?
 

@@ -45,8 +45,14 @@ def hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def gather(param_groups: Sequence[dict], placements: Sequence[Placement]) -> dict[str, Any]:
-    """The hybrid state dict of a wrapper whose parameters (in group order) sit at ``placements``."""
+def gather(param_groups: Sequence[dict], placements: Sequence[Placement],
+           implementation: Optional[dict] = None) -> dict[str, Any]:
+    """The hybrid state dict of a wrapper whose parameters (in group order) sit at ``placements``.
+
+    ``implementation``: the wrapped class's implementation entries (``fused``, ``foreach``,
+    ``capturable``, ``differentiable``), added to every group as that class saves them (the
+    wrapper's own groups leave them out: each part keeps the implementation it was built with).
+    """
     state: dict[int, dict] = {}
     masters: dict[int, torch.Tensor] = {}
     for i, pl in enumerate(placements):
@@ -57,7 +63,8 @@ def gather(param_groups: Sequence[dict], placements: Sequence[Placement]) -> dic
             masters[i] = pl.master
     groups, start = [], 0
     for g in param_groups:
-        groups.append({**hyperparameters(g), "params": list(range(start, start + len(g["params"])))})
+        groups.append({**(implementation or {}), **hyperparameters(g),
+                       "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
     return {
         "state": state,
@@ -81,7 +88,10 @@ def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"state": ..., "param_groups": ...}`` without the ``"hybrid"`` entry (fp32 master
-        weights); state tensors stay where they were (CPU for offloaded parameters).
+        weights); state tensors stay where they were (CPU for offloaded parameters). Groups keep
+        every entry, the implementation choices (``fused``, ``foreach``, ``capturable``,
+        ``differentiable``) included, so ``AdamW(fused=True)`` resumes fused, as from its own
+        state dict.
 
     Example::
 
@@ -96,6 +106,8 @@ def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
         >>> plain.load_state_dict(to_wrapped_format(opt.state_dict()))
         >>> sorted(plain.state[model.weight])
         ['exp_avg', 'exp_avg_sq', 'step']
+        >>> plain.param_groups[0]["fused"]  # the hybrid optimizer's default class: fused AdamW
+        True
     """
     return {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
 

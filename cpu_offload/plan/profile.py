@@ -49,15 +49,16 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..core.checks import check_bool, check_int
 from ..compat import queue_backward_callback, saved_tensors_hooks
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError
 from ..core.units import format_bytes
 from ..tools.apply import OffloadDriver
 from ..tools.audit import audit_offload_selection, v2_verdict
-from ..tools.layers import as_layer_list, hidden_state, instrument
+from ..tools.layers import as_layer_list, first_tensor, hidden_state, instrument
 from ..v2.context import get_cpu_offload_context
-from ..v2.recompute import check_selective_scope
+from ..v2.recompute import SELECTIVE_SCOPES, check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .model import FREE_HOST, HostCost, LayerProfile, simulate
 
@@ -121,13 +122,6 @@ class StepProfile:
     device: Optional[OffloadDevice] = field(default=None, compare=False, repr=False)
 
 
-def _first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
-    for v in (*args, kwargs.get("hidden_states"), *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
-
-
 class _Clock:
     """CUDA events on the compute stream, or the host clock."""
 
@@ -187,6 +181,7 @@ class _StepRecorder:
         self.segments: list[int] = []  # peak of each segment so far (memory=True)
         self.hooks: Any = None
         self.current = -1
+        self.unpacked = 0  # saved tensors of the layers used by a backward (counting hook)
 
     # -- instrument's driver interface -----------------------------------------------------------
     def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> Optional[int]:
@@ -194,13 +189,13 @@ class _StepRecorder:
             self.passes += 1
         if self.passes != 1:
             return None  # only the first forward pass of the step is recorded
-        h = _first_tensor(args, kwargs)
+        h = first_tensor(args, kwargs)
         self.inputs[index] = 0 if h is None else h.untyped_storage().nbytes()
         if self.memory:
             self._close_segment()
         self.current = index
         if self.policy is not None:
-            self.hooks = saved_tensors_hooks(self._pack, _identity)
+            self.hooks = saved_tensors_hooks(self._pack, self._unpack)
             self.hooks.__enter__()
         self.fwd[index][0] = self.clock.mark()
         self.host[index][0] = time.perf_counter()
@@ -240,6 +235,10 @@ class _StepRecorder:
                 if key not in self.seen:
                     self.seen.add(key)
                     self.saved[self.current] += nbytes
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self.unpacked += 1
         return t
 
     def _close_segment(self) -> None:
@@ -290,10 +289,6 @@ class _BackwardMark:
 
     def __call__(self, grad_outputs: Any) -> None:
         self.recorder.backward_started(self.index)
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 class _Wrapped:
@@ -353,6 +348,19 @@ def _run(
         raise OffloadConfigError(
             "step_fn() ran none of the layers with grad enabled: pass the layers its forward "
             "calls (e.g. model.model.layers) and a step_fn that runs forward and backward"
+        )
+    ran = [i for i, (start_mark, _) in enumerate(recorder.fwd) if start_mark is not None]
+    if len(ran) < recorder.n:
+        raise OffloadConfigError(
+            f"step_fn() ran {len(ran)} of the {recorder.n} layers given (layers "
+            f"{', '.join(map(str, ran))}): every layer must run once per step, with grad "
+            "enabled; pass only the layers the step's forward calls"
+        )
+    if recorder.policy is not None and not recorder.bwd_queued and not recorder.unpacked:
+        raise OffloadConfigError(
+            "step_fn() ran the forward pass but no backward reached the layers: it must run "
+            "one whole training step, forward and backward (e.g. `loss.backward()`), since the "
+            "plan weighs what each layer costs in backward; add the backward to step_fn"
         )
     return clock.ms(start, end)
 
@@ -420,6 +428,10 @@ def profile_step(
         >>> plans = [cpu_offload.plan.plan(prof, budget) for budget in (0.6, 0.9)]
     """
     scope = _selective_scope(selective)
+    check_int("min_tensor_size_to_offload", min_tensor_size_to_offload, minimum=0, unit="elements")
+    check_bool("offload_weights", offload_weights)
+    check_int("warmup", warmup, minimum=0, meaning="the number of untimed steps first")
+    check_int("repeats", repeats, minimum=1, meaning="the number of timed steps")
     layers = as_layer_list(layers)
     given_device = device
     device = device or default_device()
@@ -583,6 +595,11 @@ def _offload_overhead(
 
 def _selective_scope(selective: Union[bool, str]) -> Optional[str]:
     """``selective=`` of ``profile_step``/``plan_offloading`` as a scope, or None (off)."""
+    if not isinstance(selective, bool) and selective not in SELECTIVE_SCOPES:
+        raise OffloadConfigError(
+            f"selective must be True, False or a scope ({', '.join(map(repr, SELECTIVE_SCOPES))}), "
+            f"got {selective!r}"
+        )
     if selective is True:
         return "modules"
     if selective is False:

@@ -17,14 +17,16 @@ its capacity.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
+from ..core.checks import check_bool
 from ..core.device import OffloadDevice
-from ..core.errors import OffloadConfigError
+from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from ..core.units import format_bytes
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerProfile, simulate, spread_layers
@@ -35,6 +37,14 @@ __all__ = ["Plan", "plan", "plan_offloading"]
 PARTIAL_FRACTIONS = (0.25, 0.5, 0.75)  # shares of the last offloaded layer's bytes a plan may move
 PEAK_MARGIN = 0.01  # of the peak without offloading: a plan's predicted peak stays this far under
 
+
+
+def ratio(value: float, baseline: float) -> float:
+    """``value / baseline``; with a zero baseline (a step that saves nothing offloadable), 1.0
+    for a zero value (the plan changes nothing), else infinity: never NaN."""
+    if baseline:
+        return value / baseline
+    return 1.0 if not value else float("inf")
 
 
 @dataclass(frozen=True)
@@ -92,11 +102,11 @@ class Plan:
 
     @property
     def time_ratio(self) -> float:
-        return self.step_ms / self.baseline_ms if self.baseline_ms else float("nan")
+        return ratio(self.step_ms, self.baseline_ms)
 
     @property
     def peak_ratio(self) -> float:
-        return self.peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else float("nan")
+        return ratio(self.peak_bytes, self.baseline_peak_bytes)
 
     def describe(self) -> str:
         rec = ", ".join(map(str, self.recompute)) or "none"
@@ -198,6 +208,8 @@ def plan(
         memory_budget_bytes: Optional[int] = int(memory_budget * base_peak)
     else:
         memory_budget_bytes = None if memory_budget is None else int(memory_budget)
+    if not any(p.activation_bytes for p in profiles):
+        return _nothing_to_offload(profile, base_ms, base_peak, memory_budget_bytes)
     selective = any(p.selective_bytes for p in profiles)
     limit = None if memory_budget_bytes is None else (
         # Measured peaks have landed within 0.7% of the baseline's peak of the prediction (H100,
@@ -259,6 +271,31 @@ def plan(
         d2h_gbps=d2h_gbps,
         h2d_gbps=h2d_gbps,
         profiles=tuple(profiles),
+        device=profile.device,
+    )
+
+
+def _nothing_to_offload(profile: StepProfile, base_ms: float, base_peak: int,
+                        memory_budget_bytes: Optional[int]) -> Plan:
+    """The plan of a step whose layers save nothing V2 would offload: offload and recompute
+    nothing, with a warning that says why."""
+    warnings.warn(
+        f"cpu_offload: nothing to offload: every saved tensor is below "
+        f"min_tensor_size_to_offload={profile.min_tensor_size_to_offload} elements (or is a "
+        "weight, or opted out), so the plan offloads and recomputes nothing; lower "
+        "min_tensor_size_to_offload to move smaller tensors",
+        UserWarning,
+        stacklevel=stacklevel_outside_package(),
+    )
+    return Plan(
+        0, (), base_ms, base_peak, base_ms, base_peak,
+        memory_budget_bytes=memory_budget_bytes,
+        min_tensor_size_to_offload=profile.min_tensor_size_to_offload,
+        selective_scope=profile.selective_scope,
+        d2h_gbps=profile.d2h_gbps,
+        h2d_gbps=profile.h2d_gbps,
+        profiles=tuple(profile.layers),
+        model_layers=len(profile.layers),
         device=profile.device,
     )
 
@@ -485,12 +522,22 @@ def plan_offloading(
 
     Raises:
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
-            message names it, and the exception's ``lowest_peak_bytes`` holds it), or a
-            ``step_fn`` that runs none of ``layers``.
+            message names it, and the exception's ``lowest_peak_bytes`` holds it), a flag that
+            is not a ``bool`` or a count that is not an ``int``, or a ``step_fn`` that runs
+            only some of ``layers`` or no backward through them.
 
-    Example::
+    Warns:
+        UserWarning: nothing to offload (every saved tensor is below
+        ``min_tensor_size_to_offload``): the plan then offloads and recomputes nothing.
+
+    Example (the same plan every run: on the simulated device the layers' times are the
+    host's own and vary from run to run, even by tens of milliseconds on a busy machine, so
+    this example plans where bytes decide: its link, 10 kB/s, makes every byte moved cost more
+    than any such noise; ``selective`` and ``partial`` are off, since their options differ
+    from the others by microseconds of host time)::
 
         >>> import torch, cpu_offload
+        >>> _ = torch.manual_seed(0)
         >>> layers = torch.nn.ModuleList(
         ...     torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4))
         >>> x0 = torch.randn(8, 64)
@@ -501,9 +548,12 @@ def plan_offloading(
         ...     x.sum().backward()
         >>> sim = cpu_offload.SimulatedDevice()   # on a GPU: leave out device= and link_gbps=
         >>> plan = cpu_offload.plan_offloading(
-        ...     step, layers, 0.8, device=sim, min_tensor_size_to_offload=1, link_gbps=1.0)
+        ...     step, layers, 0.5, device=sim, min_tensor_size_to_offload=1, link_gbps=1e-5,
+        ...     selective=False, partial=False)
+        >>> plan.num_layers, plan.recompute, plan.peak_ratio  # 0, 1 checkpointed, inputs moved
+        (2, (0, 1), 0.4)
         >>> print(plan.describe())   # doctest: +ELLIPSIS
-        offload the first ... layers (...), recompute layers: ...; predicted step ...
+        offload the first 2 layers (...), recompute layers: 0, 1 (of which 0, 1 offload ...
         >>> handle = cpu_offload.apply_offloading(layers, plan=plan)   # on the plan's device
         >>> step()
         >>> handle.remove()
@@ -520,6 +570,8 @@ def plan_offloading(
         )
     if isinstance(memory_budget, int) and memory_budget <= 0:
         raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+    check_bool("partial", partial)
+    check_bool("spread", spread)
     prof = profile_step(
         step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
         link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,

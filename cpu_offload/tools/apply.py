@@ -11,17 +11,24 @@ output through the sync function.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 
 from ..api import get_cpu_offload_context, use_v1
 from ..compat import is_compiled_module
+from ..core.checks import check_int
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from ..v2.recompute import check_selective_scope
 from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
-from .layers import as_layer_list, check_not_instrumented, driver_of, hidden_state, instrument
+from .layers import (
+    as_layer_list, base_class, check_not_instrumented, driver_of, first_tensor, hidden_state,
+    instrument,
+)
 
 __all__ = ["OffloadDriver", "OffloadingHandle", "apply_offloading", "offloading_handle"]
 
@@ -38,8 +45,13 @@ class OffloadDriver:
         self.sync = sync
         self.n = len(owner.layers)
         self.next_index = 0
+        self.last_hidden: Optional[weakref.ref] = None  # the last synced hidden state
+        synchronizer = getattr(context, "synchronizer", None)
+        if synchronizer is not None:
+            synchronizer.applied = True  # its errors name `layers`, not model_layers
 
     def before(self, index: int, layer: nn.Module, args: tuple, kwargs: dict) -> int:
+        synchronizer = getattr(self.context, "synchronizer", None)
         if index != self.next_index:
             if index != 0:
                 raise OffloadUsageError(
@@ -49,11 +61,34 @@ class OffloadDriver:
                     "single layers under torch.no_grad or checkpoint(use_reentrant=True), are not "
                     "supported; use use_reentrant=False)"
                 )
+            last = self.last_hidden() if self.last_hidden is not None else None
+            if last is not None and first_tensor(args, kwargs) is last:
+                raise OffloadUsageError(
+                    f"layer 0 ({base_class(layer).__name__}) ran again on the "
+                    f"output of layer "
+                    f"{self.next_index - 1}, before layer {self.n - 1} ran: a layer in `layers` "
+                    "called twice in one forward pass. apply_offloading needs every layer to run "
+                    "exactly once per forward pass; pass only layers called once (a layer "
+                    "applied repeatedly, with shared weights, cannot be one of them)"
+                )
             # A new forward pass began before the last one reached its last layer (an exception
             # between layers, an early exit): drop what the unfinished pass holds.
-            synchronizer = getattr(self.context, "synchronizer", None)
             if synchronizer is not None:
-                synchronizer.reset()
+                synchronizer.reset(
+                    f"layer 0 ran again before layer {self.n - 1} had run (an exception between "
+                    "layers, an early exit, or a layer in `layers` called twice in one forward "
+                    "pass); every layer in `layers` must run exactly once per forward pass"
+                )
+        elif index and synchronizer is not None and _hidden_dropped(synchronizer):
+            raise OffloadUsageError(
+                f"layer {index - 1}'s hidden state, the output apply_offloading passed through "
+                "the sync function, was dropped before layer "
+                f"{index} ran: it is not part of any autograd graph, so it cannot reach the loss "
+                "and the offload schedule would never see this layer's backward. apply_offloading "
+                "takes the output itself, the first tensor of a tuple/list or dataclass, or "
+                "'last_hidden_state'/'hidden_states' of a dict as the hidden state: return the "
+                "tensor the next layer takes in that place (first in a tuple)"
+            )
         self.context.__enter__()
         return index
 
@@ -62,11 +97,28 @@ class OffloadDriver:
         self.next_index = (index + 1) % self.n
         hidden, put = hidden_state(out)
         synced = self.sync(hidden)
+        self.last_hidden = weakref.ref(synced)
         return out if synced is hidden else put(synced)
 
     def abort(self, index: int, exc: BaseException) -> None:
         self.next_index = 0
+        self.last_hidden = None
         self.context.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def _hidden_dropped(synchronizer: Any) -> bool:
+    """Whether the previous layer's synced output left every autograd graph (V2: the backward
+    trigger on it was freed) while the graph of its forward pass lives on (tensors saved by
+    an offloaded layer are still held): then the hidden state is not what reaches the loss.
+    (A forward given up, whose graph is gone, just starts over.)"""
+    step = synchronizer.step
+    if step is None or step.complete or step.aborted or step.last_trigger is None:
+        return False
+    if step.last_trigger() is not None:
+        return False
+    return any(
+        entry.live for layer in step.layers if layer is not None for entry in layer.entries
+    )
 
 
 class OffloadingHandle:
@@ -127,9 +179,16 @@ class OffloadingHandle:
 
     def stats(self) -> Any:
         """What the last step did (V2): ``.summary()`` for humans, ``.to_dict()`` for loggers.
-        ``None`` when no layer is offloaded or the legacy V1 backend is in use."""
+        Empty statistics when no layer is offloaded or selective (e.g. a plan with nothing to
+        offload); ``None`` under the legacy V1 backend, which keeps none."""
         sync = self.synchronizer
-        return sync.stats() if sync is not None and hasattr(sync, "stats") else None
+        if sync is not None and hasattr(sync, "stats"):
+            return sync.stats()
+        if self.context is not None:
+            return None  # V1
+        from ..v2.stats import StepStats
+
+        return StepStats.empty()
 
     def remove(self) -> None:
         """Restore every layer exactly as it was (class, attributes, call path). Calling it
@@ -185,9 +244,10 @@ def apply_offloading(
     chosen by ``NVTE_CPU_OFFLOAD_V1`` as there) and its hidden-state output passes through the
     sync function: exactly the per-layer loop of the README, without writing it. Layers may take
     any positional and keyword arguments and return a tensor, a tuple/list (the hidden state is
-    its first tensor), a dict or a Hugging Face ``ModelOutput`` (``last_hidden_state`` /
-    ``hidden_states``, else the first tensor). ``state_dict()`` keys and parameter names do not
-    change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
+    its first tensor), a dataclass (its first tensor field), a dict or a Hugging Face
+    ``ModelOutput`` (``last_hidden_state`` / ``hidden_states``, else the first tensor). The
+    hidden state is what the next layer takes: it must reach the loss. ``state_dict()`` keys
+    and parameter names do not change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
     during backward (``torch.utils.checkpoint``, HF ``gradient_checkpointing_enable()``) run
     untouched. Layers compiled with ``torch.compile`` before or after applying keep working.
 
@@ -257,6 +317,8 @@ def apply_offloading(
     """
     layers = as_layer_list(layers)
     n = len(layers)
+    check_int("num_layers", num_layers, minimum=0, allow_none=True,
+              meaning="the number of layers to offload")
     used = sorted(_RESERVED & set(context_kwargs))
     if used:
         raise OffloadConfigError(
@@ -356,10 +418,13 @@ def _selective_layers(selective: Any, layers: list, recompute: tuple) -> tuple:
         sel = tuple(range(n))
     else:
         try:
+            if isinstance(selective, (str, bytes)):
+                raise TypeError  # a string is iterable, but its characters are no indices
             sel = tuple(sorted(set(selective)))
         except TypeError:
             raise OffloadConfigError(
-                f"selective must be True (every layer) or layer indices, got {selective!r}"
+                f"selective must be True (every layer) or layer indices (False or None: no "
+                f"layer), got {selective!r}"
             ) from None
         bad = [i for i in sel if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
         if bad:

@@ -26,6 +26,8 @@ The driver protocol (see ``instrument``):
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -36,7 +38,10 @@ from torch.utils.checkpoint import checkpoint
 from ..compat import compiler_disable, in_backward
 from ..core.errors import OffloadConfigError, OffloadUsageError
 
-__all__ = ["as_layer_list", "check_not_instrumented", "driver_of", "hidden_state", "instrument"]
+__all__ = [
+    "as_layer_list", "base_class", "check_not_instrumented", "driver_of", "first_tensor",
+    "hidden_state", "instrument",
+]
 
 _STATE_ATTR = "_cpu_offload_layer"
 _classes: dict[type, type] = {}  # original class -> its Offloaded<Name> subclass
@@ -158,6 +163,16 @@ def as_layer_list(layers: Union[nn.Module, Sequence[nn.Module]], what: str = "la
                 "once per forward pass; shared (weight-tied) layers are not supported"
             )
         seen[id(m)] = i
+    for i, m in enumerate(out):
+        for name, sub in m.named_modules(remove_duplicate=False):
+            j = seen.get(id(sub))
+            if j is not None and j != i:
+                raise OffloadConfigError(
+                    f"{what}[{i}] ({type(m).__name__}) contains {what}[{j}] "
+                    f"({type(sub).__name__}) as its submodule {name!r}: a layer runs inside its "
+                    "parent's forward, so the two cannot each be one layer of the forward pass; "
+                    f"pass either the parent or its children, not both"
+                )
     return out
 
 
@@ -229,8 +244,9 @@ _HIDDEN_KEYS = ("last_hidden_state", "hidden_states")
 def hidden_state(out: Any) -> tuple:
     """``(tensor, put)``: the hidden-state tensor of a layer's output, and ``put(t)`` that returns
     the output with it replaced. The hidden state is the output itself (a tensor), the first tensor
-    of a tuple/list/namedtuple, or ``last_hidden_state``/``hidden_states`` (else the first tensor)
-    of a dict or a Hugging Face ``ModelOutput``."""
+    of a tuple/list/namedtuple, the first tensor field of a dataclass, or
+    ``last_hidden_state``/``hidden_states`` (else the first tensor) of a dict or a Hugging Face
+    ``ModelOutput``."""
     if isinstance(out, torch.Tensor):
         return out, lambda t: t
     if isinstance(out, Mapping):
@@ -259,8 +275,39 @@ def hidden_state(out: Any) -> tuple:
                     return items if type(out) is tuple else type(out)(items)
 
                 return v, put_index
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        for f in dataclasses.fields(out):
+            v = getattr(out, f.name, None)
+            if isinstance(v, torch.Tensor):
+
+                def put_field(t: torch.Tensor, name: str = f.name) -> Any:
+                    # A shallow copy with the field replaced (also for frozen dataclasses, and
+                    # fields with init=False, which dataclasses.replace cannot set).
+                    new = copy.copy(out)
+                    object.__setattr__(new, name, t)
+                    return new
+
+                return v, put_field
+        raise TypeError(
+            f"the layer returned the dataclass {type(out).__name__}, which has no tensor field: "
+            "apply_offloading takes the first tensor field of a dataclass output as the hidden "
+            "state; return the hidden state in a field"
+        )
     raise TypeError(
         f"the layer returned {type(out).__name__}, which holds no tensor: apply_offloading needs "
-        "the hidden state as the output itself, the first tensor of a tuple/list, or "
-        "'last_hidden_state'/'hidden_states' of a dict or ModelOutput"
+        "the hidden state as the output itself, the first tensor of a tuple/list or dataclass, "
+        "or 'last_hidden_state'/'hidden_states' of a dict or ModelOutput"
     )
+
+
+def first_tensor(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The hidden-state input of a layer call: its first tensor argument (positional first)."""
+    for v in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def base_class(layer: nn.Module) -> type:
+    """The layer's own class, also while it is instrumented (its class swapped)."""
+    return _bases.get(type(layer), type(layer))

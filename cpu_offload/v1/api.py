@@ -7,6 +7,7 @@ from typing import Callable, ContextManager, Optional, Tuple
 
 import torch
 
+from ..core.checks import check_context_types, check_int
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from .async_handler import AsyncDoubleBufferGroupOffloadHandler
@@ -20,20 +21,21 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_layers(num_layers: object, model_layers: object) -> None:
-    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
-        raise OffloadConfigError(
-            f"model_layers must be the number of layers wrapped in the offload context (an int "
-            f">= 1), got {model_layers!r}"
-        )
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise OffloadConfigError(
-            f"num_layers must be the number of layers to offload (an int >= 0), got {num_layers!r}"
-        )
-    if num_layers >= model_layers:
+    check_int("model_layers", model_layers, minimum=1,
+              meaning="the number of layers wrapped in the offload context")
+    check_int("num_layers", num_layers, minimum=0, meaning="the number of layers to offload")
+    if num_layers >= model_layers:  # type: ignore[operator]
+        if model_layers == 1:
+            raise OffloadConfigError(
+                f"num_layers={num_layers} must be smaller than model_layers=1: model_layers is "
+                "the number of layers (`with ctx:` blocks) in one forward pass and defaults to "
+                "1; pass model_layers=len(layers)"
+            )
         raise OffloadConfigError(
             f"num_layers={num_layers} must be smaller than model_layers={model_layers}: the V1 "
             "layer-window schedule keeps at least one layer's activations on the device; pass "
-            f"num_layers <= {model_layers - 1}, and model_layers = the total number of layers"
+            f"num_layers <= {model_layers - 1}, and model_layers=len(layers) (the number of "
+            "layers in one forward pass)"
         )
 
 
@@ -53,6 +55,11 @@ def get_cpu_offload_context(
     the first ``num_layers`` of ``model_layers`` layers, the saved tensors tagged with
     ``mark_activation_offload`` are offloaded. ``device`` defaults to CUDA.
     """
+    check_context_types(
+        enabled=enabled, num_layers=num_layers, model_layers=model_layers,
+        offload_activations=offload_activations, offload_weights=offload_weights,
+        double_buffering=double_buffering,
+    )
     if not enabled:
         return nullcontext(), _identity  # as in the reference: disabled never raises
     if not offload_weights and not offload_activations:

@@ -47,4 +47,7 @@ def group_prefetch_offload_commit(tensor: torch.Tensor, cpu_offload_handler: Any
         if skipped is not None:
             skipped()
         return tensor
+    note = getattr(cpu_offload_handler, "note_group_output", None)
+    if note is not None:
+        note(tensor)
     return GroupCommitFunction.apply(tensor, cpu_offload_handler)

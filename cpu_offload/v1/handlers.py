@@ -11,6 +11,7 @@ handler state never loses data; it only stops scheduling it.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -92,6 +93,8 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self._seen = self._selected = 0  # saved tensors in offloaded groups, and tagged ones
         self._warned_empty = False
         self._groups: Dict[int, Dict[int, StorageRecord]] = {}
+        # The newest committed layer output's graph, weakly (see ``_step_abandoned``).
+        self._last_output: Optional[weakref.ref] = None
         self.groupid_reset()
 
     # -- step bookkeeping ---------------------------------------------------------------------
@@ -116,6 +119,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
             for record in records.values():
                 record.drop_force_clear(clear=False)  # never hold user tensors past the step
         self._groups.clear()
+        self._last_output = None
         self.groupid_reset()
         self.step += 1
         self._phase = "idle"
@@ -142,6 +146,27 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
                 "the previous layer's output; after each `with ctx:` block call `x = sync(x)` "
                 "(the second value returned by get_cpu_offload_context)"
             )
+        if torch.is_grad_enabled() and self._step_abandoned():
+            self._abort_step()  # this entry starts a fresh step, counted from group 0
+
+    def _step_abandoned(self) -> bool:
+        """Whether the open step was left half-way by an exception: a backward that raised (its
+        end-of-backward callback never ran), or a forward whose graph is gone (an exception
+        between layers). Without this, the next forward would continue the old step's group
+        count and offload the wrong layers."""
+        if self._phase == "backward":
+            return True
+        last = self._last_output
+        return self._phase == "forward" and last is not None and last() is None
+
+    def note_group_output(self, tensor: torch.Tensor) -> None:
+        """Called by the sync function with a layer's output: remember its graph weakly, through
+        a no-op pre-hook its ``grad_fn`` keeps alive (as long as any of that graph is)."""
+        node = tensor.grad_fn
+        if node is not None:
+            marker = _GraphMarker()
+            node.register_prehook(marker)
+            self._last_output = weakref.ref(marker)
 
     def on_context_exit(self) -> None:
         # Without grad nothing was saved and no backward will come: evaluation loops need not
@@ -236,3 +261,12 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
 
 def _keep(_: torch.Tensor) -> None:
     return None
+
+
+class _GraphMarker:
+    """A no-op backward pre-hook; alive exactly as long as the node it is registered on."""
+
+    __slots__ = ("__weakref__",)
+
+    def __call__(self, grad_outputs: Any) -> None:
+        return None

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..compat import in_backward, saved_tensors_hooks
+from ..compat import in_backward, in_checkpoint_region, saved_tensors_hooks
 from . import state
 from .handlers import OffloadHandler
 
@@ -64,7 +64,9 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
         self.debug = debug
         self.offload_handler = offload_handler
         self.handler_extra_kwargs = handler_extra_kwargs if handler_extra_kwargs is not None else {}
-        self._recomputing: List[bool] = []
+        # Per entry: True a recomputation in backward, None inside a checkpoint region (no
+        # hooks), False hooked.
+        self._recomputing: List[Optional[bool]] = []
         super().__init__()
 
     def __enter__(self) -> "CpuOffloadHookWithOffloadHandler":
@@ -73,19 +75,33 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
             # at once, and the layer was counted in forward. Nothing to hook or schedule.
             self._recomputing.append(True)
             return self
-        self._recomputing.append(False)
         on_enter = getattr(self.offload_handler, "on_context_enter", None)
         if on_enter is not None:
             on_enter()
-        super().__enter__()
+        if in_checkpoint_region():
+            # Inside a non-reentrant checkpoint region (checkpoint around the stack of layers):
+            # it stores nothing, and our hooks would shadow its own in forward but not in its
+            # recomputation (in backward, above), so it would pair recomputed tensors with the
+            # wrong saved slots. The layer is counted (entry, exit, commit); nothing is hooked.
+            self._recomputing.append(None)
+            state.push_enabled()
+            self.inside_context = True
+        else:
+            self._recomputing.append(False)
+            super().__enter__()
         state.push_handler(self.offload_handler)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._recomputing.pop():
+        mode = self._recomputing.pop()
+        if mode:
             return
         try:
-            super().__exit__(exc_type, exc, tb)
+            if mode is None:  # entered inside a checkpoint region: no hooks to remove
+                state.pop_enabled()
+                self.inside_context = bool(self._installed)
+            else:
+                super().__exit__(exc_type, exc, tb)
         finally:
             state.pop_handler()
             name = "on_context_error" if exc_type is not None else "on_context_exit"

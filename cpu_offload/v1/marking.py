@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ..core import markers
+from ..core.checks import check_bool
 
 FORCE_CLEAR_ATTR = "needs_force_clear"
 
@@ -18,6 +19,7 @@ def mark_activation_offload(*tensors: Optional[torch.Tensor], offload: bool = Tr
     itself in ``ctx``, which would keep its data alive after the offload; the handler therefore
     empties those inner tensors in place once their copy is on the host.
     """
+    check_bool("offload", offload)
     markers.tag_activation_offload(*tensors, offload=offload)
     for t in tensors:
         if t is None:

@@ -80,6 +80,7 @@ class StorageRecord:
         "reloaded",
         "reload_event",
         "reload_pending",
+        "reload_fence",
         "slot",
         "users",
         "version_refs",
@@ -96,6 +97,7 @@ class StorageRecord:
         self.reloaded: Optional[torch.Tensor] = None
         self.reload_event: Optional[Event] = None
         self.reload_pending = False
+        self.reload_fence: Optional[Stream] = None  # the stream the reload buffer belongs to
         self.slot: Optional[Tuple[ReloadBufferSet, int]] = None
         self.users: List[weakref.ref] = []  # the PackedTensors restored from this record
         self.version_refs: List[torch.Tensor] = []  # aliases emptied at release, see release_device
@@ -138,9 +140,21 @@ class StorageRecord:
     def start_reload(
         self, stream: Stream, buf: torch.Tensor, slot: Optional[Tuple[ReloadBufferSet, int]]
     ) -> None:
-        """Queue the host-to-device copy into ``buf`` (allocated on the compute stream)."""
+        """Queue the host-to-device copy into ``buf`` (allocated on the compute stream, which is
+        current now)."""
         self.device.copy(stream, buf, self.host)
         self.reloaded, self.slot, self.reload_pending = buf, slot, True
+        self.reload_fence = self.device.current_stream()
+
+    def __del__(self) -> None:
+        # The graph that owns this record is gone (a backward that raised, a graph dropped after
+        # a partial backward). A reload buffer of our own dies with it: if its copy was never
+        # waited for, make the stream it was allocated on wait for the copy first, so the caching
+        # allocator cannot hand that memory to a new tensor that the late copy then overwrites
+        # (nor a double-buffer set free or refill it while the copy still writes).
+        fence = getattr(self, "reload_fence", None)  # None also if __init__ did not finish
+        if fence is not None and self.reload_pending and self.reload_event is not None:
+            self.device.wait_event(fence, self.reload_event)
 
     def _reload_valid(self) -> bool:
         if self.reloaded is None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager, Optional, Tuple, Union
 import torch
 
 from ..core import markers
+from ..core.checks import check_context_types, check_int
 from ..compat import compiler_disable, saved_tensors_hooks
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
@@ -153,6 +154,14 @@ def get_cpu_offload_context(
     max_host_bytes: Optional[int] = None,
 ) -> Union[Tuple[ContextManager, Callable], Tuple[ContextManager, Callable, Any]]:
     """V2 implementation of ``cpu_offload.get_cpu_offload_context`` (see ``cpu_offload.api``)."""
+    check_context_types(
+        enabled=enabled, num_layers=num_layers, model_layers=model_layers,
+        offload_activations=offload_activations, offload_weights=offload_weights,
+        double_buffering=double_buffering, manual_synchronization=manual_synchronization,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        min_tensor_size_to_offload=min_tensor_size_to_offload, verify=verify,
+        max_host_bytes=max_host_bytes,
+    )
     if not enabled:
         # As in the reference: a disabled context is a null context, whatever else is passed
         # (configs often set enabled=False and leave the other fields as they are).
@@ -186,28 +195,12 @@ def get_cpu_offload_context(
             "synchronization_dict configures the automatic schedule and cannot be combined with "
             "manual_synchronization=True; choose one"
         )
-    if (
-        isinstance(min_tensor_size_to_offload, bool)
-        or not isinstance(min_tensor_size_to_offload, int)
-        or min_tensor_size_to_offload < 0
-    ):
-        raise OffloadConfigError(
-            f"min_tensor_size_to_offload must be an int >= 0 (elements), got "
-            f"{min_tensor_size_to_offload!r}"
-        )
-    if max_host_bytes is not None and (
-        isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0
-    ):
-        raise OffloadConfigError(
-            f"max_host_bytes must be None (no limit) or an int >= 0 (bytes of pinned host memory), "
-            f"got {max_host_bytes!r}"
-        )
+    check_int("min_tensor_size_to_offload", min_tensor_size_to_offload, minimum=0, unit="elements")
+    check_int("max_host_bytes", max_host_bytes, minimum=0, allow_none=True,
+              unit="bytes of pinned host memory; None: no limit")
     if verify is None:
         verify = os.environ.get(VERIFY_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
-        raise OffloadConfigError(
-            f"model_layers must be the total number of layers (an int >= 1), got {model_layers!r}"
-        )
+    check_int("model_layers", model_layers, minimum=1, meaning="the total number of layers")
     if manual_synchronization:
         schedule = None
     elif synchronization_dict is not None:

@@ -297,7 +297,7 @@ class SavedRef:
         self.watch.check()  # per saved tensor, as autograd itself checks
         entry = self.entry
         if entry.error is not None:
-            raise RuntimeError(entry.error)
+            raise OffloadUsageError(entry.error)
         flat = entry.device_bytes_for_unpack()
         t = restore_view(flat, self.meta)
         if self.cls is not torch.Tensor:
@@ -514,13 +514,14 @@ class LayerState:
             entry.free_reload()
 
     # -- lifetime ------------------------------------------------------------------------------
-    def abort(self) -> None:
-        """The forward was interrupted: hold nothing any more (pending copies are fenced)."""
+    def abort(self, reason: Optional[str] = None) -> None:
+        """The forward was interrupted: hold nothing any more (pending copies are fenced).
+        ``reason``: what unpacking one of its saved tensors raises (default: an exception)."""
         dev = self.rt.device
         dev.wait_stream(dev.current_stream(), self.rt.stream)
         self.pending = []  # never queued: their host buffers go back below
         for entry in self.entries:
-            entry.error = (
+            entry.error = reason or (
                 "this saved tensor belongs to a forward pass interrupted by an exception inside "
                 "the cpu_offload context; run the forward pass again"
             )

@@ -30,6 +30,13 @@ Exact: a deterministic op run on the same device with the same inputs (same byte
 alignment) gives the same bits. Random ops are never recipes (none is in ``CHEAP_OPS``); a saved
 tensor changed in place after its op (or whose inputs were) is stored as bytes; one changed
 after it was saved raises autograd's "modified by an inplace operation" error at backward.
+
+An input held as it is (a tiny tensor or a parameter) that nothing saved may legally be changed
+in place after the op read it, even after the op's output was saved (``t = tanh(a); a.mul_(2)``).
+Outputs whose recipes rerun from such a tiny tensor are held until the layer's forward ends;
+if the tensor changed by then, the output is stored the ordinary way (offloaded or kept)
+instead. A change after the layer's forward (or to a parameter, whose outputs are not held,
+during it) raises at backward, naming the fix.
 """
 from __future__ import annotations
 
@@ -78,7 +85,7 @@ def cheap_ops() -> frozenset:
 class InputSpec:
     """One tensor argument of a recorded op: where its bytes were, and how to find them again."""
 
-    __slots__ = ("key", "storage", "version", "meta", "held", "producer")
+    __slots__ = ("key", "storage", "version", "meta", "held", "param", "producer")
 
     def __init__(self, t: torch.Tensor, storage: Any, producer: Optional["Recipe"]) -> None:
         self.key = storage.data_ptr()
@@ -90,6 +97,7 @@ class InputSpec:
         # (Detached only when packed: below autograd, detach() would not share the version.)
         param = is_parameter(t) or (base is not None and is_parameter(base))
         self.held = t if param or storage.nbytes() <= TINY_BYTES else None
+        self.param = param
         self.producer = producer  # the recipe that made this storage, if recorded
 
 
@@ -262,7 +270,7 @@ class RecomputeEntry:
     saved view of the storage, freed after the last unpack of a backward."""
 
     __slots__ = ("recipe", "inputs", "lstats", "live", "pops", "generation", "cached", "watch",
-                 "__weakref__")
+                 "fragile", "stored", "__weakref__")
 
     def __init__(self, recipe: Recipe, inputs: list, lstats: LayerStats) -> None:
         self.recipe = recipe
@@ -273,6 +281,31 @@ class RecomputeEntry:
         self.generation = 0
         self.cached: Optional[torch.Tensor] = None
         self.watch: Optional[VersionWatch] = None  # the original's version counter, no memory
+        # Whether an input it reruns from (itself, or through the recipes of its inputs) is a
+        # tensor held as it is that is no parameter: the model may legally change such a tensor
+        # in place after the op read it (nothing saved it), which ``intact`` tells at the end of
+        # the layer's forward.
+        self.fragile = any(
+            (type(ref) is HeldInput and not ref.param)
+            or (type(ref) is RecomputedRef and ref.entry.fragile)
+            for ref in inputs
+        )
+        # The output's bytes stored the ordinary way (a SavedRef or KeptRef), when an input
+        # changed in place before the layer's forward ended: then nothing is rerun.
+        self.stored: Any = None
+
+    def intact(self) -> bool:
+        """Whether rerunning the recipe still gives the original bytes: no held input changed
+        in place since the op read it (a stored input entry counts as intact)."""
+        if self.stored is not None:
+            return True
+        for ref in self.inputs:
+            if type(ref) is HeldInput:
+                if ref.alias._version != ref.version:
+                    return False
+            elif type(ref) is RecomputedRef and not ref.entry.intact():
+                return False
+        return True
 
     def original(self) -> Optional[torch.Tensor]:
         """The original storage, if something else kept it alive unchanged (then it is used
@@ -287,9 +320,12 @@ class RecomputeEntry:
         """The storage's bytes (flat ``uint8``): cached, the original, or recomputed now."""
         if self.cached is not None:
             return self.cached
-        flat = self.original()
-        if flat is None:
-            flat = self._recompute()
+        if self.stored is not None:
+            flat = storage_bytes(self.stored.unpack())
+        else:
+            flat = self.original()
+            if flat is None:
+                flat = self._recompute()
         self.cached = flat
         return flat
 
@@ -335,6 +371,7 @@ class RecomputeEntry:
     def drop(self) -> None:
         self.cached = None
         self.inputs = []
+        self.stored = None
 
 
 class RecomputedRef:
@@ -374,15 +411,29 @@ class RecomputedRef:
 
 
 class HeldInput(KeptRef):
-    """A recipe input held as it is (a parameter or a tiny tensor), checked for in-place
-    changes as autograd checks a saved tensor: a ``KeptRef`` whose expected version is the one
-    the recorded op saw."""
+    """A recipe input held as it is (a parameter or a tiny tensor): a ``KeptRef`` whose
+    expected version is the one the recorded op saw. A change before the layer's forward ends
+    makes the layer store the recipe's output instead (``SelectiveLayer.end``); one after it
+    raises at backward, naming the fix."""
 
-    __slots__ = ()
+    __slots__ = ("param",)
 
-    def __init__(self, t: torch.Tensor, version: int) -> None:
+    def __init__(self, t: torch.Tensor, version: int, param: bool = False) -> None:
         super().__init__(t)
         self.version = version
+        self.param = param
+
+    def check(self) -> None:
+        if self.alias._version != self.version:
+            what = "parameter" if self.param else "tensor"
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a {what} of shape {list(self.size)} that an op of a "
+                "selective layer read in forward (to recompute its output in backward) was "
+                f"changed in place after that layer's forward (version {self.alias._version}, "
+                f"expected {self.version}). Change it before or inside that forward, clone it "
+                "before changing it, or leave the layer out of apply_offloading(selective=...)"
+            )
 
 
 class KeptInput:
@@ -404,7 +455,8 @@ class SelectiveLayer:
     """Per step, one selective layer's forward: the recorder while it runs, the saved states
     its pack hook produced (by storage), and the recompute entries it made."""
 
-    __slots__ = ("index", "lstats", "scope", "recorder", "sources", "by_recipe", "entries")
+    __slots__ = ("index", "lstats", "scope", "recorder", "sources", "by_recipe", "entries",
+                 "pending")
 
     def __init__(self, index: int, lstats: LayerStats, scope: str = "modules") -> None:
         self.index = index
@@ -414,17 +466,31 @@ class SelectiveLayer:
         self.sources: dict[int, Any] = {}  # storage data_ptr -> SavedRef / KeptRef packed last
         self.by_recipe: dict[int, RecomputeEntry] = {}  # id(Recipe) -> its entry, this forward
         self.entries: list = []  # weak references to every RecomputeEntry made
+        # id(entry) -> [entry, a saved tensor of it, how many were saved] for fragile entries
+        # (``RecomputeEntry.fragile``): their output is held until the forward ends, when it
+        # is known whether the recipe still holds.
+        self.pending: dict[int, list] = {}
 
     def begin(self) -> None:
         recorder = RecipeRecorder() if self.scope == "layer" else ModuleScopedRecorder()
         recorder.__enter__()
         self.recorder = recorder
 
-    def end(self) -> None:
-        """The layer's forward is over (or failed): stop recording, forget what was recorded."""
+    def end(self, store: Optional[Any] = None) -> None:
+        """The layer's forward is over (or failed): stop recording, forget what was recorded.
+        ``store`` (the synchronizer's pack hook; ``None`` when the forward failed): stores the
+        output of every recipe whose held input was changed in place during the forward (legal
+        when nothing saved that input), which a rerun could no longer reproduce."""
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
             recorder.__exit__(None, None, None)
+        pending, self.pending = self.pending, {}
+        if store is not None:
+            for entry, t, count in pending.values():
+                if not entry.intact():
+                    entry.stored = store(t)
+                    self.lstats.recipe_bytes -= entry.recipe.nbytes
+                    self.lstats.recipe_tensors -= count
         self.sources = {}
         self.by_recipe = {}
 
@@ -451,6 +517,12 @@ class SelectiveLayer:
             entry.watch = watch
             self.lstats.recipe_bytes += recipe.nbytes
         self.lstats.recipe_tensors += 1
+        if entry.fragile:
+            held = self.pending.get(id(entry))
+            if held is None:
+                self.pending[id(entry)] = [entry, t, 1]
+            else:
+                held[2] += 1
         return RecomputedRef(entry, ViewMeta.of(t), watch)
 
     def note(self, t: torch.Tensor, ref: Any) -> None:
@@ -479,7 +551,9 @@ class SelectiveLayer:
         """A reference that gives ``spec``'s tensor back in backward, holding no new memory;
         ``None`` if there is none."""
         if spec.held is not None:
-            return HeldInput(spec.held, spec.version)
+            if spec.held._version != spec.version:
+                return None  # changed in place since the op read it: a rerun would differ
+            return HeldInput(spec.held, spec.version, spec.param)
         src = self.sources.get(spec.key)
         if type(src) is SavedRef:
             entry = src.entry

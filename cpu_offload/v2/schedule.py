@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from ..core.checks import check_int
 from ..core.errors import OffloadConfigError
 
 SyncEntry = tuple  # (offload_fwd: bool, offload_num: int, reload_fwd: bool, reload_num: int)
@@ -132,9 +133,18 @@ def validate_synchronization_dict(
         for name, v in (("offload_num", off_num), ("reload_num", rel_num)):
             top = n + 1 if name == "offload_num" and off_fwd else n  # n + 1: the forward's end
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+                if name == "offload_num":
+                    hint = f"offload_fwd=True, offload_num={n + 1}: released when the forward ends"
+                else:
+                    hint = (
+                        "the reload starts when reload_num layers have begun their forward "
+                        f"(reload_fwd=True) or backward (reload_fwd=False); layer {layer}'s "
+                        f"reload must start by its own backward: reload_fwd=False, reload_num "
+                        f"<= {n - layer}"
+                    )
                 raise OffloadConfigError(
                     f"{where}: {name} must be an int in [1, model_layers={n}], got {v!r} "
-                    f"(offload_fwd=True, offload_num={n + 1}: released when the forward ends)"
+                    f"({hint})"
                 )
         off_pos, rel_pos = position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
         own_fwd_end, own_bwd_start = layer + 2, position(False, n - layer, n)
@@ -237,15 +247,16 @@ class Schedule:
 
 def check_default_arguments(num_layers: Optional[int], model_layers: int) -> list[str]:
     """Validate ``num_layers``/``model_layers`` for the default schedule; return warnings."""
-    if isinstance(model_layers, bool) or not isinstance(model_layers, int) or model_layers < 1:
+    check_int("model_layers", model_layers, minimum=1, meaning="the total number of layers")
+    check_int("num_layers", num_layers, minimum=0, meaning="the number of layers to offload")
+    if num_layers >= model_layers == 1:  # type: ignore[operator]
+        # model_layers left at its default: the count of the layers is what is missing.
         raise OffloadConfigError(
-            f"model_layers must be the total number of layers (an int >= 1), got {model_layers!r}"
+            f"num_layers={num_layers} must be smaller than model_layers=1: model_layers is the "
+            "number of layers (`with ctx:` blocks) in one forward pass and defaults to 1; pass "
+            "model_layers=len(layers)"
         )
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise OffloadConfigError(
-            f"num_layers must be the number of layers to offload (an int >= 0), got {num_layers!r}"
-        )
-    if num_layers >= model_layers:
+    if num_layers >= model_layers:  # type: ignore[operator]
         raise OffloadConfigError(
             f"num_layers={num_layers} must be smaller than model_layers={model_layers}: at least "
             f"one layer's activations stay on the GPU; use num_layers <= {model_layers - 2} "

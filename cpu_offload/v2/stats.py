@@ -53,6 +53,19 @@ class LayerStats:
         return out
 
 
+class _Nothing:
+    """Device and pinned pool of ``StepStats.empty()``: nothing timed, nothing pinned."""
+
+    times_events = False
+    in_use_bytes = peak_in_use_bytes = 0
+
+    def cached_bytes(self) -> int:
+        return 0
+
+    def retained_bytes(self) -> int:
+        return 0
+
+
 class StepStats:
     """Per-layer counters of one forward pass and its backward passes, plus copy waits."""
 
@@ -61,8 +74,16 @@ class StepStats:
         self._pool = pool
         self.layers: dict[int, LayerStats] = {}
         self.layers_without_grad = 0  # offloaded positions entered with grad disabled
+        # Offloaded positions run inside a non-reentrant checkpoint region: it keeps none of
+        # their activations (recomputed in backward), so there is nothing to offload.
+        self.layers_in_checkpoint = 0
         self._waits: list = []  # (compute reached the wait, awaited copy done) event pairs
         self.checked = False  # the "did nothing" warning was considered for this step
+
+    @classmethod
+    def empty(cls) -> "StepStats":
+        """The statistics of a step that offloaded nothing (no offload context was needed)."""
+        return cls(_Nothing(), _Nothing())
 
     def layer(self, index: int) -> LayerStats:
         stats = self.layers.get(index)
@@ -119,6 +140,7 @@ class StepStats:
             "compute_wait_ms": wait,
             "waits_pending": pending,
             "layers_without_grad": self.layers_without_grad,
+            "layers_in_checkpoint": self.layers_in_checkpoint,
         }
 
     def summary(self) -> str:
@@ -159,7 +181,7 @@ class StepStats:
 
     def nothing_done_reason(self, threshold: int) -> Optional[str]:
         """Why this step freed no GPU memory (None if it freed some, or offloaded no layer)."""
-        if not self.layers and not self.layers_without_grad:
+        if not self.layers and not self.layers_without_grad and not self.layers_in_checkpoint:
             return None
         if self.total("freed_bytes") > 0 or self.total("recipe_bytes") > 0:
             return None
@@ -179,6 +201,13 @@ class StepStats:
                 "mark_not_offload": "marked with mark_not_offload",
             }.get(reason, reason)
             return f"every saved tensor stayed on the GPU ({hint})"
+        if self.layers_in_checkpoint and not self.total("offloaded_tensors"):
+            return (
+                "the offloaded layers ran inside a non-reentrant torch.utils.checkpoint region, "
+                "which keeps none of their activations (it recomputes them in backward), so there "
+                "was nothing to offload; to offload, checkpoint inside each `with ctx:` block, "
+                "not around the stack of them"
+            )
         if self.layers_without_grad:
             return (
                 "the offloaded layers ran without grad, so they saved nothing: a reentrant "

@@ -17,6 +17,7 @@ from ..compat import (
     compiler_disable,
     graph_task_id,
     in_backward,
+    in_checkpoint_region,
     is_parameter,
     is_traceable_wrapper_subclass,
     queue_backward_callback,
@@ -39,12 +40,13 @@ class Step:
     __slots__ = (
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
-        "selective_indices", "selective", "selective_scope",
+        "selective_indices", "selective", "selective_scope", "applied",
     )
 
     def __init__(
         self, rt: Runtime, schedule: Optional[Schedule], model_layers: int,
         selective: frozenset = frozenset(), selective_scope: str = "modules",
+        applied: bool = False,
     ) -> None:
         self.rt = rt
         self.stats = StepStats(rt.device, rt.pool)
@@ -62,6 +64,7 @@ class Step:
         self.selective_indices = selective  # layers whose cheap saved tensors are recomputed
         self.selective: dict[int, SelectiveLayer] = {}  # of this step, made as they run
         self.selective_scope = selective_scope
+        self.applied = applied  # installed by apply_offloading: model_layers = len(layers)
 
     @property
     def complete(self) -> bool:
@@ -76,7 +79,10 @@ class Step:
             return self.last_trigger() is None
         return self.grad_layers == 0 and torch.is_grad_enabled()
 
-    def begin_forward(self) -> Optional[LayerState]:
+    def begin_forward(self, checkpointed: bool = False) -> Optional[LayerState]:
+        """Count a layer's forward. ``checkpointed``: it runs inside a non-reentrant checkpoint
+        region, which stores none of its saved tensors (it recomputes them in backward): the
+        layer is counted, but neither offloaded nor selective, and gets no hooks."""
         index = self.fwd_count
         self.fwd_count += 1
         grad = torch.is_grad_enabled()
@@ -87,12 +93,14 @@ class Step:
         offloaded = manual or self.schedule.is_offloaded(index)
         if offloaded and not grad:
             self.stats.layers_without_grad += 1
+        if offloaded and grad and checkpointed:
+            self.stats.layers_in_checkpoint += 1
         layer = (
             LayerState(index, self.rt, not manual, self.shared, self.stats)
-            if offloaded and grad else None
+            if offloaded and grad and not checkpointed else None
         )
         self.layers.append(layer)
-        if grad and index in self.selective_indices:
+        if grad and index in self.selective_indices and not checkpointed:
             self.selective[index] = SelectiveLayer(
                 index, self.stats.layer(index), self.selective_scope
             )
@@ -122,13 +130,23 @@ class Step:
             queue_backward_callback(self.end_backward)
         if index in self.bwd_layers:
             return
-        if not self.complete:
+        if self.schedule is not None and not self.complete:
+            # Only a schedule counts layers: positions in it are layer counts. With manual
+            # synchronization the caller drives every transfer, and ``model_layers`` only bounds
+            # the layers of one step (a forward may run fewer, e.g. one pipeline chunk).
             if torch.is_grad_enabled():
                 # ``torch.autograd.grad(..., create_graph=True)`` in mid-forward (physics-
                 # informed losses, gradient penalties): nothing to schedule yet; released layers
                 # reload on demand.
                 return
             self.invalid = True
+            if self.applied:
+                raise OffloadUsageError(
+                    f"backward started after {self.fwd_count} of the {self.model_layers} layers "
+                    "given to apply_offloading ran in forward: every layer in `layers` must run "
+                    "exactly once per forward pass (a layer called twice starts a new pass); "
+                    "pass only the layers the forward calls, each once"
+                )
             raise OffloadUsageError(
                 f"backward started after {self.fwd_count} offload-context layers in forward, but "
                 f"get_cpu_offload_context(model_layers={self.model_layers}); set model_layers to "
@@ -161,7 +179,9 @@ class Step:
         """Offloading that frees nothing is worse than none: say so once per context."""
         if self.stats.checked or self.schedule is None:
             return
-        if not any(layer is not None for layer in self.layers):
+        if not self.stats.layers_in_checkpoint and not any(
+            layer is not None for layer in self.layers
+        ):
             return  # only selective layers: nothing was to be offloaded
         self.stats.checked = True
         reason = self.stats.nothing_done_reason(self.rt.threshold)
@@ -177,14 +197,23 @@ class Step:
             if layer is not None:
                 layer.reload_started = False
 
-    def abort(self) -> None:
+    def abort(self, reason: Optional[str] = None) -> None:
+        """Drop everything the step holds; ``reason``: what a saved tensor of it says when
+        backward unpacks it (default: an exception inside a layer)."""
         self.aborted = True
         self.shared = {}
         for selective in self.selective.values():
             selective.end()
         for layer in self.layers:
             if layer is not None:
-                layer.abort()
+                layer.abort(reason)
+
+    def given_up_reason(self, why: str) -> str:
+        """What a saved tensor of this step says after a later forward gave the step up."""
+        return (
+            f"this saved tensor belongs to a forward pass that was given up after "
+            f"{self.fwd_count} of {self.model_layers} layers: {why}; run the forward pass again"
+        )
 
     def _apply(self, pos: int) -> None:
         if self.schedule is None:
@@ -240,6 +269,9 @@ class OffloadSynchronizer:
         self.inside = False
         self.awaiting_sync = False
         self.refused = False  # an entry was refused for a missing sync
+        # Installed by apply_offloading (or the planner): model_layers is len(layers), which
+        # errors name instead of the get_cpu_offload_context argument.
+        self.applied = False
 
     @property
     def device(self) -> OffloadDevice:
@@ -276,14 +308,27 @@ class OffloadSynchronizer:
         step = self.step
         if step is None or step.complete or step.invalid or step.abandoned():
             if step is not None and not step.complete:
-                step.abort()  # a forward left half-way: its graph is gone or unusable
+                # A forward left half-way: its graph is gone or unusable.
+                step.abort(None if step.invalid else step.given_up_reason(
+                    f"when the next `with ctx:` block began, the output of layer "
+                    f"{step.fwd_count - 1} that went through the sync function was no longer "
+                    "part of any autograd graph (after an exception between layers, or because "
+                    "the tensor passed to the sync function is not the one the next layer "
+                    "takes). Pass the tensor that reaches the loss through the sync function "
+                    "(with apply_offloading: return it as the first tensor of a tuple output)"
+                ))
             if step is not None:
                 step.stats.log()
             self.step = step = Step(
-                self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope
+                self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope,
+                self.applied,
             )
             self.rt.pool.trim()
-        self.current = step.begin_forward()
+        # Inside a non-reentrant checkpoint region (checkpoint around the stack of layers) the
+        # layer gets no hooks: ours would shadow checkpoint's in forward but not in its
+        # recomputation (entered in backward, where the context does nothing), so checkpoint
+        # would pair recomputed tensors with the wrong saved slots.
+        self.current = step.begin_forward(checkpointed=in_checkpoint_region())
         self.current_index = step.fwd_count - 1
         self.current_selective = step.selective.get(self.current_index)
         self.inside = True
@@ -292,10 +337,11 @@ class OffloadSynchronizer:
     def end_fwd_layer(self) -> None:
         self.inside = False
         self.awaiting_sync = torch.is_grad_enabled()
+        # First: outputs a selective layer stores after all are pushed as the layer's own.
+        self._end_selective(store=True)
         if self.current is not None:
             self.current.finish_forward()
         self.current = None
-        self._end_selective()
         if self.step is not None:
             self.step.end_forward_layer()
 
@@ -318,17 +364,20 @@ class OffloadSynchronizer:
             step.last_trigger = weakref.ref(trigger)
         return tensor
 
-    def reset(self) -> None:
+    def reset(self, why: Optional[str] = None) -> None:
         """Drop an unfinished forward pass: the next `with ctx:` starts a new step (callers
-        that know where a forward begins, such as ``apply_offloading``, say so)."""
-        if self.step is not None and not self.step.complete:
-            self.abort()
+        that know where a forward begins, such as ``apply_offloading``, say so; ``why``: what
+        its saved tensors say if a backward reaches them)."""
+        step = self.step
+        if step is not None and not step.complete:
+            self.abort(None if why is None else step.given_up_reason(why))
         self.awaiting_sync = self.refused = False
 
-    def abort(self) -> None:
-        """An exception escaped a layer: drop the step and everything it held."""
+    def abort(self, reason: Optional[str] = None) -> None:
+        """An exception escaped a layer: drop the step and everything it held (``reason``: see
+        ``Step.abort``)."""
         if self.step is not None:
-            self.step.abort()
+            self.step.abort(reason)
         self._end_selective()
         self.step = None
         self.current = None
@@ -365,10 +414,10 @@ class OffloadSynchronizer:
         self.selective = layers
         self.selective_scope = scope
 
-    def _end_selective(self) -> None:
+    def _end_selective(self, store: bool = False) -> None:
         selective, self.current_selective = self.current_selective, None
         if selective is not None:
-            selective.end()
+            selective.end(self.push if store else None)
 
     # -- saved-tensor hooks ------------------------------------------------------------------------
     @property

@@ -1,0 +1,396 @@
+"""A ``ProgramSpec`` as Python source: the program the fuzzer runs is exactly the reproducer it
+prints. ``program(rec, offload)`` runs the training program with offloading (``offload=True``)
+or without it (the same code with a null context, no ``apply_offloading``, the wrapped torch
+optimizer) and records outputs, gradients, parameters and the hygiene checks into ``rec``;
+``differences`` compares two runs."""
+from __future__ import annotations
+
+import inspect
+import textwrap
+from typing import List
+
+from . import layers as layer_module
+from . import prelude
+from .spec import APPLY_ENTRIES, UPDATING_MODES, LayerSpec, ProgramSpec, features, layer_kwargs
+
+HEADER = '''\
+"""A fuzz program, standalone: run it from the repository root with PYTHONPATH=. (exit status 1:
+the run with offloading differs from the run without it).
+
+{spec}
+
+Features: {features}.
+"""
+import contextlib
+import gc
+import os
+import traceback
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import cpu_offload
+from cpu_offload.compat import top_saved_tensors_hooks
+from cpu_offload import OffloadUsageError
+from cpu_offload.optim import HybridDeviceOptimizer
+from cpu_offload.optim.reference import MasterWeightOptimizer
+from cpu_offload import Plan
+
+SEQ = {seq}
+'''
+
+MAIN = '''
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    for offload in (False, True):  # once to warm up: a first import inside a step keeps its frame
+        outcome(program, offload)
+    runs = [outcome(program, offload) for offload in (False, True)]
+    for offload, run in zip((False, True), runs):
+        if run.error is not None:
+            print(f"--- the run {'with' if offload else 'without'} offloading raised:")
+            traceback.print_exception(type(run.error), run.error, run.error.__traceback__)
+    problems = differences(*runs)
+    print("\\n".join(problems) or "the runs agree")
+    raise SystemExit(1 if problems else 0)
+'''
+
+PRELUDE = (
+    prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
+    prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
+    prelude.zero_grad_of, prelude.boom_hook, prelude.identity,
+)
+
+
+def _source(obj) -> str:
+    return inspect.getsource(obj).rstrip() + "\n"
+
+
+def layer_ctor(layer: LayerSpec, width: int) -> str:
+    cls = layer_module.LAYER_CLASSES[layer.kind]
+    args = ", ".join(f"{k}={v!r}" for k, v in layer_kwargs(layer, width).items())
+    return f"{cls.__name__}({args})"
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __call__(self, indent: int, *texts: str) -> None:
+        for text in texts:
+            self.lines.append(" " * (4 * indent) + text if text else "")
+
+
+def _kwargs(**kw) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kw.items())
+
+
+def _min_size(spec: ProgramSpec) -> dict:
+    return {} if spec.min_size is None else {"min_tensor_size_to_offload": spec.min_size}
+
+
+def _entry_setup(spec: ProgramSpec, out: _Lines) -> None:
+    n, dev = spec.n, "dev"
+    if spec.entry in ("ctx", "sync_dict", "manual"):
+        kw = {"enabled": True}
+        if spec.entry == "ctx":
+            kw.update(num_layers=spec.num_layers, model_layers=n)
+        elif spec.entry == "sync_dict":
+            kw.update(model_layers=n, synchronization_dict=dict(spec.sync_dict))
+        else:
+            kw.update(model_layers=n + spec.extra_model_layers, manual_synchronization=True)
+        kw.update(_min_size(spec), device=dev)
+        names = "ctx, sync, manual" if spec.entry == "manual" else "ctx, sync"
+        null = "contextlib.nullcontext(), identity" + (", None" if spec.entry == "manual" else "")
+        out(2, "if offload:",
+            f"    {names} = cpu_offload.get_cpu_offload_context(",
+            f"        {_kwargs(**kw)})",
+            "else:",
+            f"    {names} = {null}")
+        return
+    out(2, "if offload:")
+    kw: dict = {}
+    if spec.entry == "plan":
+        plan = dict(num_layers=spec.num_layers, recompute=spec.recompute, offloaded=spec.spread,
+                    selective=spec.selective, selective_scope=repr(spec.selective_scope),
+                    model_layers=n, min_tensor_size_to_offload=spec.min_size,
+                    partial_bytes=spec.partial_bytes)
+        out(3, f"plan = Plan({_kwargs(**plan)})")
+        kw.update(plan="plan")
+    elif spec.entry == "apply":
+        kw.update(num_layers=spec.num_layers)
+    else:
+        kw.update(synchronization_dict=dict(spec.sync_dict))
+    if spec.selective and spec.entry != "plan":
+        every = spec.selective == tuple(range(n))
+        kw.update(selective=True if every else spec.selective,
+                  selective_scope=repr(spec.selective_scope))
+    if spec.entry != "plan":
+        kw.update(_min_size(spec))
+    kw.update(device=dev)
+    out(3, f"handle = cpu_offload.apply_offloading(layers, {_kwargs(**kw)})")
+
+
+def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
+    opt = spec.optimizer
+    bf16 = spec.dtype == "bfloat16"
+    kw = dict(offload_fraction=opt.fraction, overlap=repr(opt.overlap),
+              bucket_bytes=opt.bucket_bytes, cpu_chunk_bytes=opt.chunk_bytes, cpu_threads=1,
+              lr=0.01, weight_decay=opt.weight_decay)
+    if opt.max_grad_norm is not None:
+        kw.update(max_grad_norm=opt.max_grad_norm)
+    if bf16:
+        kw.update(param_update_in_fp32=True)
+    kw.update(device="dev" if opt.shared_device else "opt_dev")
+    if not opt.shared_device:
+        out(2, "opt_dev = TrackingDevice()")
+    out(2, "if offload:",
+        f"    opt = HybridDeviceOptimizer(params, {_kwargs(**kw)})")
+    if opt.overlap == "next_forward":
+        out(3, "opt.register_forward_waits(layers)")
+    out(2, "else:")
+    if bf16:  # the hybrid optimizer keeps fp32 master weights: compare with a master-weight run
+        out(3, f"opt = MasterWeightOptimizer(params, lr=0.01, weight_decay={opt.weight_decay})")
+    else:
+        out(3, f"opt = torch.optim.AdamW(params, lr=0.01, weight_decay={opt.weight_decay}, "
+               "fused=True)")
+
+
+def _stack(spec: ProgramSpec, out: _Lines) -> None:
+    ctx_entry = spec.entry in ("ctx", "sync_dict", "manual")
+    n = spec.n
+    out(2, "def stack(h, train=True, faulty=False):", "    aux = torch.zeros(())")
+    for i, layer in enumerate(spec.layers):
+        call = f"layers[{i}](h)"
+        if layer.ckpt != "none":
+            call = f"checkpoint(layers[{i}], h, use_reentrant={layer.ckpt == 'reentrant'})"
+        if ctx_entry:
+            out(3, "with ctx:", f"    out = {call}")
+        else:
+            out(3, f"out = {call}")
+        if layer.out == "tuple":
+            out(3, "h, a = out")
+        elif layer.out == "dict":
+            out(3, 'h, a = out["hidden_states"], out["aux"]')
+        else:
+            out(3, "h = out")
+        if ctx_entry:
+            out(3, "h = sync(h)")
+        if layer.out != "tensor":
+            out(3, "aux = aux + a.float().sum() * 0.01")
+        _manual_after(spec, i, out)
+        if spec.fault and spec.fault[1] == i and spec.fault[0] in ("bwd", "between"):
+            action = ("h.register_hook(boom_hook)" if spec.fault[0] == "bwd"
+                      else 'raise Boom("raised between layers")')
+            out(3, "if faulty:", f"    {action}")
+    _manual_after(spec, n, out)
+    out(3, "return h, aux")
+
+
+def _manual_after(spec: ProgramSpec, i: int, out: _Lines) -> None:
+    """Manual synchronization calls after layer ``i`` (``i == n``: after the stack)."""
+    calls = [f"manual.start_offload_layer({i})" for layer, _ in spec.manual if layer == i]
+    calls += [f"manual.release_activation_forward_gpu_memory({layer})"
+              for layer, release in spec.manual if release == i]
+    if calls:
+        out(3, "if offload and train:", *("    " + c for c in calls))
+
+
+def program_source(spec: ProgramSpec) -> str:
+    """The standalone Python program of ``spec``."""
+    from .shrink import spec_repr
+
+    kinds = {l.kind for l in spec.layers}
+    classes = [layer_module.Boom, layer_module.FuzzLayer]
+    if "custom_function" in kinds:
+        classes.append(layer_module._TanhMatmul)
+    classes += [layer_module.LAYER_CLASSES[k] for k in layer_module.LAYER_CLASSES if k in kinds]
+    parts = [HEADER.format(spec=textwrap.fill(spec_repr(spec), 99, break_long_words=False),
+                           features=", ".join(sorted(features(spec))), seq=layer_module.SEQ)]
+    parts += [_source(c) for c in classes + list(PRELUDE)]
+    out = _Lines()
+    _build(spec, out)
+    out(0, "def program(rec, offload):")
+    if spec.backend == "v1":
+        out(1, 'os.environ["NVTE_CPU_OFFLOAD_V1"] = "1"  # the legacy backend')
+    else:
+        out(1, 'os.environ.pop("NVTE_CPU_OFFLOAD_V1", None)')
+    out(1, "layers = build()", "params = list(layers.parameters())", "dev = TrackingDevice()",
+        "watch = Watch(layers)", "handle = opt = None", "try:")
+    _entry_setup(spec, out)
+    if spec.optimizer is not None:
+        _optimizer_setup(spec, out)
+    out(2, "")
+    _stack(spec, out)
+    _micro_batch(spec, out)
+    _steps(spec, out)
+    _final(spec, out)
+    parts.append("\n".join(out.lines) + "\n")
+    parts.append(MAIN)
+    return "\n\n".join(p.rstrip() + "\n" for p in parts)
+
+
+def _build(spec: ProgramSpec, out: _Lines) -> None:
+    dtype = f"torch.{spec.dtype}"
+    out(0, "def build():", f"    torch.manual_seed({spec.seed})", "    layers = nn.ModuleList([")
+    for layer in spec.layers:
+        out(2, layer_ctor(layer, spec.width) + ",")
+    out(1, "])", f"return layers.to({dtype})")
+    out(0, "", "",
+        "def make_input(step, mb):",
+        "    g = torch.Generator().manual_seed(1000 * step + mb)",
+        f"    return torch.randn(2 * SEQ, {spec.width}, generator=g).to({dtype}).requires_grad_()",
+        "", "")
+
+
+def _released(spec: ProgramSpec) -> list:
+    return [layer for layer, release in spec.manual if release >= 0]
+
+
+def _nosync(spec: ProgramSpec) -> bool:
+    return spec.optimizer is not None and spec.optimizer.no_sync
+
+
+def _micro_batch(spec: ProgramSpec, out: _Lines) -> None:
+    """``forward``, ``reload``, ``accumulate``, ``micro_batch``, ``evaluate`` and
+    ``faulty_micro_batch``, as the program needs them."""
+    out(2, "", "def forward(x, train=True):")
+    if spec.stack_ckpt != "none":
+        out(3, f"return checkpoint(stack, x, use_reentrant={spec.stack_ckpt == 'reentrant'})")
+    else:
+        out(3, "return stack(x, train)")
+    released, nosync = _released(spec), _nosync(spec)
+    if released:
+        out(2, "", "def reload():", "    if offload:",
+            *(f"        manual.start_reload_layer({layer})" for layer in released))
+    if nosync:
+        out(2, "", "def accumulate(last):",
+            "    return opt.no_sync() if offload and not last else contextlib.nullcontext()")
+    hows = {h for step in spec.backwards for h in step}
+    out(2, "", "def micro_batch(step, mb, how, last):",
+        "    x = make_input(step, mb)",
+        "    h, aux = forward(x)",
+        "    loss = loss_of(h, aux)",
+        '    rec.put(f"step{step}.mb{mb}.out", h)',
+        '    rec.put(f"step{step}.mb{mb}.loss", loss)')
+    if spec.eval_forward == "inside":
+        out(3, "evaluate(step, mb)")
+    if released:
+        out(3, "reload()")
+    if "autograd_grad" in hows:
+        out(3, 'if how == "autograd_grad":',
+            "    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)",
+            '    rec.put(f"step{step}.mb{mb}.autograd_grad", grads)',
+            "    return")
+    if "retain_double" in hows:
+        out(3, 'if how == "retain_double":')
+        if nosync:
+            out(4, "with accumulate(False):", "    loss.backward(retain_graph=True)")
+        else:
+            out(4, "loss.backward(retain_graph=True)")
+    if nosync:
+        out(3, "with accumulate(last):", "    loss.backward()")
+    else:
+        out(3, "loss.backward()")
+    out(3, 'rec.put(f"step{step}.mb{mb}.x_grad", x.grad)')
+    if spec.eval_forward != "none":
+        out(2, "", "def evaluate(step, mb):", "    with torch.no_grad():",
+            "        h, aux = forward(make_input(50 + step, mb), train=False)",
+            '    rec.put(f"step{step}.mb{mb}.eval", h)')
+    if spec.fault:
+        updating = spec.optimizer is not None and spec.optimizer.overlap in UPDATING_MODES
+        _faulty_micro_batch(spec, out, updating and nosync, bool(released))
+
+
+def _steps(spec: ProgramSpec, out: _Lines) -> None:
+    """The training loop, and the checks after each step."""
+    opt = spec.optimizer
+    out(2, "", "host0 = 0", f"for step, hows in enumerate({spec.backwards!r}):")
+    if spec.fault:
+        out(3, "if step == 0:", "    faulty_micro_batch()",
+            "    opt.zero_grad()" if opt is not None else "    layers.zero_grad()")
+    if spec.eval_forward == "before":
+        out(3, "evaluate(step, -1)")
+    out(3, "for mb, how in enumerate(hows):",
+        "    micro_batch(step, mb, how, last=mb == len(hows) - 1)",
+        'rec.grads(f"step{step}.grads", params)')
+    if opt is not None:
+        _optimizer_step(spec, out)
+    else:
+        out(3, "layers.zero_grad()")
+    out(3, 'rec.put(f"step{step}.hooks_left", top_saved_tensors_hooks() is not None)',
+        'rec.put(f"step{step}.context_active", cpu_offload.is_cpu_offload_enabled())',
+        'rec.put(f"step{step}.live_activations", watch.alive())',
+        'rec.put(f"step{step}.live_device_buffers", dev.live_device_buffers())',
+        "host0 = host0 or dev.live_host_buffers()",
+        'rec.put(f"step{step}.host_buffer_growth", max(0, dev.live_host_buffers() - host0))')
+
+
+def _final(spec: ProgramSpec, out: _Lines) -> None:
+    """After the last step: queued copies, the layers restored, parameters and buffers."""
+    opt = spec.optimizer
+    if opt is not None and opt.overlap == "next_forward":
+        out(2, "if offload:", "    opt.wait_params()")
+    devices = "(dev, opt_dev)" if opt is not None and not opt.shared_device else "(dev,)"
+    out(2, f"for d in {devices}:", "    d.synchronize()",
+        '    rec.put("final.pending_copies", d.pending_ops())')
+    if spec.entry in APPLY_ENTRIES:
+        out(2, "if handle is not None:", "    handle.remove()")
+    out(2, 'rec.put("final.layer_classes", tuple(type(l).__name__ for l in layers))',
+        'rec.put("final.params", params)')
+    if not spec.recompute:  # a plan's checkpoints update BatchNorm running stats twice, as torch's do
+        out(2, 'rec.put("final.buffers", tuple(layers.buffers()))')
+    out(1, "finally:", "    watch.remove()")
+    if spec.entry in APPLY_ENTRIES:
+        out(2, "if handle is not None:", "    handle.remove()")
+    if opt is not None:
+        out(2, "if offload and opt is not None:", "    opt.close()")
+
+
+def _faulty_micro_batch(spec: ProgramSpec, out: _Lines, nosync: bool, reload: bool) -> None:
+    kind, layer = spec.fault
+    out(2, "", "def faulty_micro_batch():", "    x = make_input(99, 0)")
+    if kind == "fwd":
+        out(3, f"layers[{layer}].armed = True")
+    out(3, "try:")
+    body = ["h, aux = stack(x, faulty=True)", "loss = loss_of(h, aux)"]
+    body += ["reload()"] if reload else []
+    body += ["loss.backward()"]
+    if nosync:  # a step that fails must not have started CPU updates: keep its gradients here
+        out(4, "with accumulate(False):", *("    " + b for b in body))
+    else:
+        out(4, *body)
+    out(3, "except Boom as exc:", '    rec.put("fault", str(exc))')
+    if kind == "fwd":
+        out(3, "finally:", f"    layers[{layer}].armed = False")
+
+
+def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
+    opt = spec.optimizer
+    lines = []
+    for edit in opt.edits:
+        if edit[0] == "clip":
+            lines.append(f"torch.nn.utils.clip_grad_norm_(params, {edit[1]})")
+        elif edit[0] == "scale":
+            lines.append(f"scale_grad(params[{edit[1]}], {edit[2]})")
+        elif edit[0] == "zero":
+            lines.append(f"zero_grad_of(params[{edit[1]}])")
+        elif edit[0] == "none":
+            lines.append(f"params[{edit[1]}].grad = None")
+        else:
+            lines.append(f"opt.zero_grad(set_to_none={edit[1]})")
+    if opt.max_grad_norm is not None:  # the hybrid optimizer clips inside step()
+        lines.append(f"if not offload:\n    torch.nn.utils.clip_grad_norm_(params, {opt.max_grad_norm})")
+    lines.append("opt.step()")
+    lines = [l for line in lines for l in line.split("\n")]
+    if opt.edits and opt.overlap != "none":
+        # Loud refusal (OffloadUsageError naming the supported way) is an acceptable answer to
+        # gradients changed between backward and step(); a silent difference is not.
+        out(3, "with rec.refusal_allowed():", *("    " + l for l in lines))
+    else:
+        out(3, *lines)
+    out(3, "opt.zero_grad()")
+    if opt.overlap != "next_forward":  # next_forward: read after opt.wait_params(), at the end
+        out(3, 'rec.put(f"step{step}.params", params)')

@@ -1,0 +1,210 @@
+"""Run fuzz programs: each one with and without offloading, compared (``check``), many of them
+from a seed (``run_many``), with known-defect features left out on request (``EXCLUDE_ENV``)."""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import fnmatch
+import io
+import os
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence
+
+import torch
+
+from cpu_offload.compat import pop_saved_tensors_hooks, top_saved_tensors_hooks
+
+from .codegen import program_source
+from .spec import ProgramSpec, features, generate
+
+EXCLUDE_ENV = "CPU_OFFLOAD_FUZZ_EXCLUDE"
+V1_ENV = "NVTE_CPU_OFFLOAD_V1"
+PROGRAM_TIMEOUT_S = 300  # one program takes well under a second
+
+
+@dataclass
+class Result:
+    """One program's verdict: ``problems`` (empty: the runs agree), ``invalid``: the program
+    failed without offloading too (same exception type with offloading: not a failure, but a
+    program the generator should not make)."""
+
+    spec: ProgramSpec
+    problems: List[str]
+    seconds: float
+    invalid: Optional[str] = None
+    trace: Optional[str] = None  # the offloaded run's exception, formatted
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.problems)
+
+    @property
+    def signature(self) -> str:
+        """A coarse class of the failure, kept while shrinking: the offloaded run's exception
+        type, or which kind of recorded value differs."""
+        if not self.problems:
+            return ""
+        first = self.problems[0]
+        if first.startswith("exception:"):
+            return "exception:" + first.split("with offloading ", 1)[1].split(":", 1)[0]
+        name = first.split(":", 1)[0].rsplit(".", 1)[-1]
+        hygiene = ("hooks_left", "context_active", "live_activations", "live_device_buffers",
+                   "host_buffer_growth", "pending_copies", "layer_classes")
+        return "hygiene" if name in hygiene else f"mismatch:{name}"
+
+
+@contextlib.contextmanager
+def _isolated() -> Iterator[None]:
+    """Restore the backend switch, warnings and the thread count; silence expected warnings."""
+    before = os.environ.get(V1_ENV)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        if before is None:
+            os.environ.pop(V1_ENV, None)
+        else:
+            os.environ[V1_ENV] = before
+
+
+def _leftovers() -> List[str]:
+    """Saved-tensor hooks or active offload contexts a program left behind (removed here, so
+    that the next program starts clean)."""
+    found = []
+    while top_saved_tensors_hooks() is not None:
+        pop_saved_tensors_hooks()
+        found.append("a saved-tensor hook was still installed after the program")
+    from cpu_offload.v2 import context as v2_context
+
+    if v2_context._state.active:
+        v2_context._state.active.clear()
+        found.append("an offload context was still active after the program")
+    return found
+
+
+def check(spec: ProgramSpec) -> Result:
+    """Run ``spec``'s program without and with offloading; compare everything it records.
+
+    A hygiene difference (live tensors...) is confirmed by a second run: the first import of a
+    module inside a step can leave a frame, and the tensors it refers to, alive once.
+    """
+    result = _check_once(spec)
+    if result.signature == "hygiene":
+        result = _check_once(spec)
+    return result
+
+
+def _check_once(spec: ProgramSpec) -> Result:
+    source = program_source(spec)
+    namespace: dict = {"__name__": f"fuzz_program_{spec.seed}"}
+    start = time.perf_counter()
+    exec(compile(source, f"<fuzz program {spec.seed}>", "exec"), namespace)  # noqa: S102
+    with _isolated():
+        base = namespace["outcome"](namespace["program"], False)
+        offl = namespace["outcome"](namespace["program"], True)
+    problems = namespace["differences"](base, offl) + _leftovers()
+    invalid = None
+    if base.error is not None:
+        invalid = f"{type(base.error).__name__}: {base.error}"
+    trace = None
+    if offl.error is not None:
+        trace = "".join(traceback.format_exception(type(offl.error), offl.error,
+                                                   offl.error.__traceback__))
+    return Result(spec, problems, time.perf_counter() - start, invalid, trace)
+
+
+# --- excluding known-defect features --------------------------------------------------------------
+
+
+def exclusions(text: Optional[str] = None) -> List[List[str]]:
+    """``CPU_OFFLOAD_FUZZ_EXCLUDE`` parsed: comma-separated patterns, each a ``+``-joined
+    conjunction of ``fnmatch`` patterns over ``features`` (``ckpt_stack=nonreentrant``,
+    ``overlap=backward_update+edit=*``).
+
+    Example::
+
+        >>> exclusions("ckpt_stack=nonreentrant, overlap=next_forward+edit=*")
+        [['ckpt_stack=nonreentrant'], ['overlap=next_forward', 'edit=*']]
+    """
+    text = os.environ.get(EXCLUDE_ENV, "") if text is None else text
+    return [[p.strip() for p in item.split("+")] for item in text.split(",") if item.strip()]
+
+
+def excluded_by(spec: ProgramSpec, patterns: Sequence[Sequence[str]]) -> Optional[str]:
+    """The excluded feature ``spec`` has (the last term of a matching conjunction), or None."""
+    have = features(spec)
+    for conj in patterns:
+        matches = [[f for f in have if fnmatch.fnmatchcase(f, p)] for p in conj]
+        if all(matches):
+            return sorted(matches[-1])[0]
+    return None
+
+
+def without_excluded(spec: ProgramSpec, patterns: Sequence[Sequence[str]]) -> ProgramSpec:
+    """``spec`` with every excluded feature removed (by the shrinker's reductions)."""
+    from .shrink import remove_feature
+
+    for _ in range(50):
+        feature = excluded_by(spec, patterns)
+        if feature is None:
+            return spec
+        spec = remove_feature(spec, feature)
+    raise RuntimeError(f"could not remove the excluded features from {spec!r}")
+
+
+# --- many programs -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _watchdog() -> Iterator[None]:
+    """``faulthandler``'s timer on the real stderr (pytest's captured one has no file number)."""
+    try:
+        faulthandler.dump_traceback_later(PROGRAM_TIMEOUT_S, exit=True, file=sys.__stderr__)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        yield  # no usable stderr: run without the watchdog
+        return
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@dataclass
+class Summary:
+    results: List[Result] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> List[Result]:
+        return [r for r in self.results if r.failed]
+
+    @property
+    def invalid(self) -> List[Result]:
+        return [r for r in self.results if r.invalid and not r.failed]
+
+
+def run_many(seed: int, count: int, exclude: Optional[Sequence[Sequence[str]]] = None,
+             progress: Optional[Callable[[Result], None]] = None) -> Summary:
+    """Programs ``seed``, ``seed + 1``, ..., ``seed + count - 1``."""
+    patterns = exclusions() if exclude is None else exclude
+    summary = Summary()
+    start = time.perf_counter()
+    for s in range(seed, seed + count):
+        spec = without_excluded(generate(s), patterns)
+        # A hang (a worker thread waiting forever) must not stall CI silently: dump every
+        # thread's stack (the program's frames are named "<fuzz program SEED>") and exit.
+        with _watchdog():
+            result = check(spec)
+        summary.results.append(result)
+        if progress is not None:
+            progress(result)
+    summary.seconds = time.perf_counter() - start
+    return summary

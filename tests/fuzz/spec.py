@@ -1,0 +1,375 @@
+"""What a fuzz program is (``ProgramSpec``), how one is drawn from a seed (``generate``), and the
+rules that keep it valid (``normalize``: every program it returns is one plain torch runs
+without error, and one the library documents as supported).
+
+A spec is plain data: ``repr(spec)`` rebuilds it, ``features(spec)`` names what it combines (for
+``CPU_OFFLOAD_FUZZ_EXCLUDE`` and the statistics), ``codegen.program_source(spec)`` turns it into
+the Python program that runs.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Optional
+
+from cpu_offload.optim import OVERLAP_MODES
+from cpu_offload.v2.schedule import validate_synchronization_dict
+
+from .layers import LAYER_CLASSES
+
+KINDS = tuple(LAYER_CLASSES)
+ENTRIES = ("ctx", "sync_dict", "manual", "apply", "apply_dict", "plan")
+V1_ENTRIES = ("ctx", "apply", "plan")
+APPLY_ENTRIES = ("apply", "apply_dict", "plan")
+DTYPES = ("float32", "float64", "bfloat16")
+BACKWARDS = ("backward", "retain_double", "autograd_grad")
+EDITS = ("clip", "scale", "zero", "none", "zero_grad")
+UPDATING_MODES = ("backward_update", "next_forward")  # the CPU update starts during backward
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer: its kind (``layers.LAYER_CLASSES``), its constructor variant, its output type
+    (``tensor``, ``tuple``, ``dict``) and the checkpoint the user wraps it in."""
+
+    kind: str
+    variant: int = 0
+    out: str = "tensor"
+    ckpt: str = "none"  # none | reentrant | nonreentrant
+
+
+@dataclass(frozen=True)
+class OptSpec:
+    """``HybridDeviceOptimizer`` against the wrapped torch optimizer, and what the user does to
+    the gradients between backward and ``step()`` (``edits``: ``("clip", max_norm)``,
+    ``("scale", param, factor)``, ``("zero", param)``, ``("none", param)``,
+    ``("zero_grad", set_to_none)``)."""
+
+    fraction: float = 0.5
+    overlap: str = "backward_update"
+    bucket_bytes: int = 512
+    chunk_bytes: int = 0
+    max_grad_norm: Optional[float] = None
+    edits: tuple = ()
+    no_sync: bool = True  # accumulate micro-batches inside opt.no_sync()
+    weight_decay: float = 0.0
+    shared_device: bool = True  # the optimizer uses the activation offloading's device
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """A training program: a stack of layers, how offloading is applied to it, and the steps.
+
+    ``backwards`` has one tuple per optimizer step with one entry per micro-batch (``backward``,
+    ``retain_double``: two backwards with ``retain_graph``, ``autograd_grad``). ``manual``:
+    ``(layer, release_after)`` pairs (offload after the layer's forward, release after the
+    forward of layer ``release_after``, ``n``: after the stack, ``-1``: never; reload what was
+    released before backward). ``fault``: ``(kind, layer)``, an extra micro-batch before the
+    first step that raises (``fwd``: in the layer's forward, ``bwd``: in backward, at the layer's
+    output, ``between``: after the layer)."""
+
+    seed: int
+    layers: tuple
+    width: int = 8
+    dtype: str = "float32"
+    backend: str = "v2"
+    entry: str = "ctx"
+    num_layers: int = 0
+    min_size: Optional[int] = 0  # None: the library's default
+    sync_dict: tuple = ()  # ((layer, (offload_fwd, offload_num, reload_fwd, reload_num)), ...)
+    manual: tuple = ()
+    extra_model_layers: int = 0  # manual: model_layers = len(layers) + this
+    recompute: tuple = ()  # plan
+    spread: tuple = ()  # plan.offloaded
+    partial_bytes: Optional[int] = None  # plan
+    selective: tuple = ()
+    selective_scope: str = "modules"
+    stack_ckpt: str = "none"
+    backwards: tuple = (("backward",),)
+    eval_forward: str = "none"  # none | before (each step) | inside (between forward and backward)
+    fault: tuple = ()
+    optimizer: Optional[OptSpec] = None
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+
+def features(spec: ProgramSpec) -> set:
+    """Names of what the program combines, e.g. ``entry=manual``, ``ckpt_stack=nonreentrant``."""
+    return set(feature_counts(spec))
+
+
+def feature_counts(spec: ProgramSpec) -> Counter:
+    """``features`` with how often each occurs (per layer, per edit...)."""
+    f = Counter({f"backend={spec.backend}", f"entry={spec.entry}", f"dtype={spec.dtype}"})
+    for layer in spec.layers:
+        f[f"layer={layer.kind}"] += 1
+        if layer.out != "tensor":
+            f[f"out={layer.out}"] += 1
+        if layer.ckpt != "none":
+            f[f"ckpt_layer={layer.ckpt}"] += 1
+    if spec.stack_ckpt != "none":
+        f[f"ckpt_stack={spec.stack_ckpt}"] += 1
+    if spec.min_size is None:
+        f["min_size=default"] += 1
+    elif spec.min_size:
+        f["min_size>0"] += 1
+    if spec.sync_dict:
+        f["sync_dict"] += 1
+    if spec.extra_model_layers:
+        f["manual_extra_model_layers"] += 1
+    if spec.recompute:
+        f["plan_recompute"] += 1
+    if spec.spread:
+        f["plan_spread"] += 1
+    if spec.partial_bytes is not None:
+        f["plan_partial"] += 1
+    if spec.selective:
+        f.update(["selective", f"selective_scope={spec.selective_scope}"])
+    if len(spec.backwards) > 1:
+        f["steps>1"] += 1
+    for step in spec.backwards:
+        if len(step) > 1:
+            f["accumulation"] += 1
+        f.update(f"backward={b}" for b in step if b != "backward")
+    if spec.eval_forward != "none":
+        f[f"eval={spec.eval_forward}"] += 1
+    if spec.fault:
+        f[f"fault={spec.fault[0]}"] += 1
+    opt = spec.optimizer
+    if opt is not None:
+        f.update(["optimizer", f"overlap={opt.overlap}"])
+        f.update(f"edit={e[0]}" for e in opt.edits)
+        if opt.max_grad_norm is not None:
+            f["max_grad_norm"] += 1
+    return f
+
+
+def layer_kwargs(layer: LayerSpec, width: int) -> dict:
+    """The constructor arguments of a layer (its ``variant`` picks the options)."""
+    kw: dict = {"width": width}
+    if layer.kind == "attention":
+        kw.update(causal=not layer.variant & 1, cuda_layout=not layer.variant & 2)
+    elif layer.kind == "rnn":
+        kw.update(gru=layer.variant % 2 == 0)
+    elif layer.kind == "inplace_after_recipe":
+        kw.update(module_act=layer.variant % 2 == 1)
+    if layer.out != "tensor":
+        kw.update(out=layer.out)
+    return kw
+
+
+@lru_cache(maxsize=None)
+def param_count(kind: str, variant: int, width: int) -> int:
+    """How many parameter tensors a layer has (edits name parameters by index)."""
+    layer = LAYER_CLASSES[kind](**layer_kwargs(LayerSpec(kind, variant), width))
+    return len(list(layer.parameters()))
+
+
+# --- validity ------------------------------------------------------------------------------------
+
+
+def sync_entry_valid(layer: int, entry: tuple, n: int) -> bool:
+    try:
+        validate_synchronization_dict({layer: entry}, n)
+    except Exception:  # noqa: BLE001 - any refusal: not a valid entry for this n
+        return False
+    return True
+
+
+def spread_valid(spread: tuple, n: int) -> bool:
+    """``spread_synchronization_dict``'s rule: the j-th of k layers is at most n-k+j-1."""
+    k = len(spread)
+    return (list(spread) == sorted(set(spread)) and k < n
+            and all(0 <= s <= n - k + j - 1 for j, s in enumerate(spread)))
+
+
+def normalize(spec: ProgramSpec) -> ProgramSpec:
+    """The valid program closest to ``spec``: drops or clamps whatever breaks a rule. Idempotent;
+    ``generate`` and every shrinking step pass through it."""
+    n = spec.n
+    s = spec
+    v1 = s.backend == "v1"
+    entry = s.entry
+    if v1 and entry not in V1_ENTRIES:
+        entry = {"sync_dict": "ctx", "manual": "ctx", "apply_dict": "apply"}[entry]
+    s = replace(s, entry=entry)
+    k = s.num_layers
+    recompute = tuple(sorted({r for r in s.recompute if r < n})) if entry == "plan" else ()
+    spread = s.spread if entry == "plan" else ()
+    partial = s.partial_bytes if entry == "plan" else None
+    if entry in ("ctx", "apply"):
+        k = max(0, min(k, n - 1))
+    elif entry == "plan":
+        k = max(0, min(k, n))
+        if k == n and (n - 1 not in recompute or v1):
+            k = n - 1
+        if spread and (len(spread) != k or not spread_valid(spread, n) or v1):
+            spread = ()
+        if v1:
+            offloaded = set(range(k))
+            recompute = tuple(r for r in recompute if r not in offloaded)
+            partial = None
+        if k == 0:
+            partial = None
+    else:
+        k = 0
+    sync = ()
+    if entry in ("sync_dict", "apply_dict"):
+        sync = tuple((i, e) for i, e in s.sync_dict if i < n and sync_entry_valid(i, e, n))
+    manual, extra = (), 0
+    if entry == "manual":
+        seen = set()
+        for i, r in s.manual:
+            if i < n and i not in seen:
+                seen.add(i)
+                manual += ((i, r if r < 0 else max(i, min(r, n))),)
+        extra = s.extra_model_layers
+    selective = ()
+    if entry in APPLY_ENTRIES and not v1:
+        selective = tuple(sorted({i for i in s.selective if i < n and i not in recompute}))
+    reentrant_ok = entry in ("ctx", "sync_dict", "manual")
+    layers = tuple(
+        replace(l, ckpt="nonreentrant") if l.ckpt == "reentrant" and (not reentrant_ok or l.out == "dict")
+        else l
+        for l in s.layers
+    )
+    stack_ckpt = s.stack_ckpt if entry != "manual" else "none"
+    fault = s.fault if s.fault and s.fault[1] < n and stack_ckpt == "none" else ()
+    reentrant = stack_ckpt == "reentrant" or any(l.ckpt == "reentrant" for l in layers)
+    backwards = tuple(
+        tuple("backward" if b == "autograd_grad" and reentrant else b for b in step) or ("backward",)
+        for step in s.backwards
+    ) or (("backward",),)
+    opt = s.optimizer
+    if opt is not None:
+        count = sum(param_count(l.kind, l.variant, s.width) for l in layers)
+        edits = tuple(
+            (e[0], e[1] % count, *e[2:]) if e[0] in ("scale", "zero", "none") else e
+            for e in opt.edits
+        )
+        # bf16: the hybrid optimizer clips its CPU part in fp32 (documented), torch in bf16
+        mgn = None if s.dtype == "bfloat16" else opt.max_grad_norm
+        opt = replace(opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
+                      max_grad_norm=mgn)
+    return replace(
+        s, layers=layers, num_layers=k, min_size=None if v1 else s.min_size, sync_dict=sync,
+        manual=manual, extra_model_layers=extra, recompute=recompute, spread=spread,
+        partial_bytes=partial, selective=selective,
+        selective_scope=s.selective_scope if selective else "modules", stack_ckpt=stack_ckpt,
+        backwards=backwards, fault=fault, optimizer=opt,
+    )
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+
+def _sync_dict(rng: random.Random, n: int) -> tuple:
+    """Random valid ``synchronization_dict`` entries for some of the layers."""
+    out = []
+    for layer in range(n):
+        if rng.random() < 0.5:
+            continue
+        for _ in range(20):
+            off_fwd = rng.random() < 0.6
+            off_num = rng.randint(1, n + 1 if off_fwd else n)
+            rel_fwd = rng.random() < 0.2
+            rel_num = rng.randint(1, n)
+            entry = (off_fwd, off_num, rel_fwd, rel_num)
+            if sync_entry_valid(layer, entry, n):
+                out.append((layer, entry))
+                break
+    return tuple(out)
+
+
+def _spread(rng: random.Random, k: int, n: int) -> tuple:
+    out, prev = [], -1
+    for j in range(k):
+        prev = rng.randint(prev + 1, n - k + j - 1)
+        out.append(prev)
+    return tuple(out)
+
+
+def _optimizer(rng: random.Random) -> OptSpec:
+    edits = []
+    for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
+        kind = rng.choice(EDITS)
+        if kind == "clip":
+            edits.append(("clip", rng.choice((0.01, 0.1, 1.0))))
+        elif kind == "scale":
+            edits.append(("scale", rng.randrange(1000), rng.choice((0.0, 0.5, 2.0, -1.0))))
+        elif kind in ("zero", "none"):
+            edits.append((kind, rng.randrange(1000)))
+        else:
+            edits.append(("zero_grad", rng.random() < 0.5))
+    return OptSpec(
+        fraction=rng.choice((0.0, 0.25, 0.5, 0.75, 1.0, round(rng.random(), 2))),
+        overlap=rng.choice(OVERLAP_MODES),
+        bucket_bytes=rng.choice((64, 512, 4096, 1 << 26)),
+        chunk_bytes=rng.choice((0, 4096, 1 << 22)),
+        max_grad_norm=rng.choice((None, None, None, 0.05, 1.0)),
+        edits=tuple(edits),
+        no_sync=rng.random() < 0.5,
+        weight_decay=rng.choice((0.0, 0.1)),
+        shared_device=rng.random() < 0.5,
+    )
+
+
+def generate(seed: int) -> ProgramSpec:
+    """The program of ``seed`` (the same seed always gives the same program).
+
+    Example::
+
+        >>> generate(7) == generate(7)
+        True
+        >>> normalize(generate(7)) == generate(7)
+        True
+    """
+    rng = random.Random(seed)
+    n = rng.choice((1, 2, 2, 3, 3, 3, 4, 4, 5))
+    layers = tuple(
+        LayerSpec(
+            kind=rng.choice(KINDS),
+            variant=rng.randrange(4),
+            out=rng.choice(("tensor", "tensor", "tuple", "dict")),
+            ckpt=rng.choice(("none",) * 6 + ("reentrant", "nonreentrant")),
+        )
+        for _ in range(n)
+    )
+    backend = "v1" if rng.random() < 0.3 else "v2"
+    entry = rng.choice(ENTRIES)
+    k = rng.randint(0, n)
+    steps = rng.choice((1, 1, 2, 2, 3))
+    backwards = tuple(
+        tuple(rng.choice(BACKWARDS[:1] * 4 + BACKWARDS) for _ in range(rng.choice((1, 1, 2, 3))))
+        for _ in range(steps)
+    )
+    spec = ProgramSpec(
+        seed=seed,
+        layers=layers,
+        width=rng.choice((8, 16)),
+        dtype=rng.choice(DTYPES),
+        backend=backend,
+        entry=entry,
+        num_layers=k,
+        min_size=rng.choice((0, 0, 0, 16, 64, None)),
+        sync_dict=_sync_dict(rng, n),
+        manual=tuple(
+            (i, rng.choice((i, rng.randint(i, n), n, -1))) for i in range(n) if rng.random() < 0.6
+        ),
+        extra_model_layers=rng.choice((0, 0, 1, 2)),
+        recompute=tuple(i for i in range(n) if rng.random() < 0.3),
+        spread=_spread(rng, k, n) if 0 < k < n and rng.random() < 0.4 else (),
+        partial_bytes=rng.choice((None, None, 64, 1024)),
+        selective=tuple(i for i in range(n) if rng.random() < 0.6) if rng.random() < 0.5 else (),
+        selective_scope=rng.choice(("modules", "layer")),
+        stack_ckpt=rng.choice(("none",) * 5 + ("reentrant", "nonreentrant")),
+        backwards=backwards,
+        eval_forward=rng.choice(("none",) * 4 + ("before", "inside")),
+        fault=(rng.choice(("fwd", "bwd", "between")), rng.randrange(n)) if rng.random() < 0.25 else (),
+        optimizer=_optimizer(rng) if rng.random() < 0.4 else None,
+    )
+    return normalize(spec)
