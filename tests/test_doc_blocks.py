@@ -96,7 +96,8 @@ def strip_python(cmd: list[str]) -> list[str]:
 def setup_extras() -> set:
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    return set(cfg["options.extras_require"]) if cfg.has_section("options.extras_require") else set()
+    section = "options.extras_require"
+    return set(cfg[section]) if cfg.has_section(section) else set()
 
 
 def tox_envs() -> set:
@@ -110,10 +111,14 @@ def pip_installs(cmds: list[list[str]]) -> list[str]:
     """Everything ``pip install`` is asked for in these commands (``-e`` targets included)."""
     wanted = []
     for cmd in cmds:
-        args = strip_python(cmd)[2:] if cmd[0].startswith("python") else cmd[1:]
-        if cmd[0] == "pip" or (cmd[0].startswith("python") and strip_python(cmd)[:2] == ["-m", "pip"]):
-            if args[:1] == ["install"]:
-                wanted += [a for a in args[1:] if not a.startswith("-")]
+        if cmd[0] == "pip":
+            args = cmd[1:]
+        elif cmd[0].startswith("python") and strip_python(cmd)[:2] == ["-m", "pip"]:
+            args = strip_python(cmd)[2:]
+        else:
+            continue
+        if args[:1] == ["install"]:
+            wanted += [a for a in args[1:] if not a.startswith("-")]
     return wanted
 
 
@@ -319,10 +324,13 @@ def test_command_parsing():
     assert helps == [("module", "pytest"), ("script", "benchmarks/frontier.py"),
                      ("script", "tests/distributed_cases.py")]
     problems, _ = check_shell_block(
-        "pip install -e .[nosuchextra]\npython3 -m no_such_module_here\n"
+        "pip install -e .[nosuchextra]\npython3 -m pip install -e '.[test,other]'\n"
+        "python3 -m no_such_module_here\n"
         "python3 benchmarks/no_such.py\npython3 -m tox -e torch999\n"
     )
     assert any("no extra 'nosuchextra'" in p for p in problems)
+    assert any("no extra 'other'" in p for p in problems)
+    assert not any("no extra 'test'" in p for p in problems)
     assert any("no module no_such_module_here" in p for p in problems)
     assert any("benchmarks/no_such.py does not exist" in p for p in problems)
     assert any("no module tox" in p or "no env torch999" in p for p in problems)
