@@ -9,6 +9,7 @@
   names an env of tox.ini; each path into the repository exists.
 - ```text blocks are output samples; any other fence language is an error, so that no code
   block escapes these checks.
+- On a GPU machine, the ``gpu``-marked test runs the python blocks again with CUDA visible.
 
 One subprocess does all the running (python blocks and ``--help`` calls), so torch is imported
 once. Run it alone with ``python3 -m pytest tests/test_doc_blocks.py``.
@@ -260,16 +261,16 @@ SH_BLOCKS = [(rel(p), line, code) for p in FILES for lang, line, code in blocks(
              if lang in ("bash", "sh")]
 
 
-@pytest.fixture(scope="module")
-def ran() -> dict:
-    """Runs the subprocess once: every python block, every ``--help`` the shell blocks name."""
-    helps = sorted({h for _, _, code in SH_BLOCKS for h in check_shell_block(code)[1]})
+def run_blocks(helps: list, hide_cuda: bool) -> dict:
+    """Runs the subprocess: every python block, and the ``--help`` calls in ``helps``."""
     files = sorted({name for name, _ in PY_BLOCKS})
     with tempfile.TemporaryDirectory() as tmp:
         job, result = Path(tmp, "job.json"), Path(tmp, "result.json")
         job.write_text(json.dumps({"helps": helps, "files": files}))
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MPLBACKEND="Agg",
+        env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if hide_cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         proc = subprocess.run(
             [sys.executable, __file__, str(job), str(result)], cwd=tmp, env=env,
             capture_output=True, text=True, timeout=600,
@@ -278,6 +279,13 @@ def ran() -> dict:
             pytest.fail(f"the doc-block runner failed (exit {proc.returncode}):\n"
                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return json.loads(result.read_text())
+
+
+@pytest.fixture(scope="module")
+def ran() -> dict:
+    """Every python block on the CPU (CUDA hidden), and every ``--help`` the shell blocks name."""
+    helps = sorted({h for _, _, code in SH_BLOCKS for h in check_shell_block(code)[1]})
+    return run_blocks(helps, hide_cuda=True)
 
 
 def test_there_are_doc_blocks_to_check():
@@ -334,3 +342,13 @@ def test_command_parsing():
     assert any("no module no_such_module_here" in p for p in problems)
     assert any("benchmarks/no_such.py does not exist" in p for p in problems)
     assert any("no module tox" in p or "no env torch999" in p for p in problems)
+
+
+@pytest.mark.gpu
+def test_python_blocks_run_unchanged_on_a_gpu():
+    """The same blocks with CUDA visible: they take their GPU branch (``device=None``)."""
+    ran_on_gpu = run_blocks([], hide_cuda=False)
+    failed = [f"{name}:{r['line']}: {r['status']}\n{r.get('error', '')}"
+              for name, results in ran_on_gpu["python"].items() for r in results
+              if r["status"] != "ok"]
+    assert not failed, "\n".join(failed)
