@@ -142,7 +142,7 @@ def get_cpu_offload_context(
         ``(context, group_prefetch_offload_commit)``, used
         the same way. ``sync_function(x)`` returns ``x`` (as a tensor autograd tracks: use the
         returned value). V2's ``context.stats()`` tells what the current or last step did
-        (README, "What did it do?").
+        (docs/apply.md, "What did it do?").
 
     Raises:
         OffloadConfigError: an argument or combination that cannot work, e.g. a flag that is

@@ -193,8 +193,9 @@ def case_fsdp2(env: Env) -> dict:
 
 
 def case_fsdp2_apply(env: Env) -> dict:
-    """``apply_offloading`` on layers already wrapped by ``fully_shard`` (the order README gives:
-    shard first, then apply), exact for three steps; ``remove()`` gives back FSDP2's classes."""
+    """``apply_offloading`` on layers already wrapped by ``fully_shard`` (the order
+    docs/distributed.md gives: shard first, then apply), exact for three steps; ``remove()``
+    gives back FSDP2's classes."""
     n, k = 4, 2
     cfg = env.config(n)
     model = fsdp2_model(env, cfg)

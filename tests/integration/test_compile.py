@@ -6,8 +6,8 @@ the saved-tensor hooks see them and offload them like eager ones. On the CPU the
 stands in for the GPU; ``aot_eager`` checks the autograd side in a few seconds, ``inductor``
 also generated kernels (C++ on the CPU, ~20-30 s on 2 cores). The GPU variant uses inductor.
 
-``test_whole_model_compiled_as_one_graph`` pins down what README.md says about compiling the whole
-model as one graph: the compiled region is one unit for the hooks.
+``test_whole_model_compiled_as_one_graph`` pins down what docs/compile.md says about compiling the
+whole model as one graph: the compiled region is one unit for the hooks.
 """
 from __future__ import annotations
 

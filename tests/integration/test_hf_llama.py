@@ -202,7 +202,7 @@ def test_shared_rope_tensors_are_moved_at_most_once(sim):
     assert len([c for c in sim.copies("h2d") if c[2] == rope_bytes]) == 2 * 2
 
 
-# --- Hugging Face Trainer (the README recipe) ----------------------------------------------------
+# --- Hugging Face Trainer (the recipes of docs/huggingface.md) -----------------------------------
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -235,7 +235,7 @@ needs_accelerate = pytest.mark.skipif(
 def test_trainer_one_call_before_train(tmp_path, sim):
     ref = _train(tiny_llama(), tmp_path)
     model = tiny_llama()
-    # README recipe: one call before trainer.train() (device=sim: no GPU here).
+    # docs/huggingface.md: one call before trainer.train() (device=sim: no GPU here).
     handle = cpu_offload.apply_offloading(
         model.model.layers, num_layers=2, min_tensor_size_to_offload=MIN_SIZE, device=sim
     )
@@ -248,7 +248,7 @@ def test_trainer_one_call_before_train(tmp_path, sim):
 def test_trainer_callback(tmp_path, sim):
     from transformers import TrainerCallback
 
-    # README recipe: a callback that installs offloading for the run and removes it after.
+    # docs/huggingface.md: a callback that installs offloading for the run and removes it after.
     class OffloadActivations(TrainerCallback):
         def __init__(self, **offload_kwargs):
             self.offload_kwargs = offload_kwargs

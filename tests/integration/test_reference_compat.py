@@ -1,7 +1,7 @@
 """Drop-in behaviour for callers of the reference implementation's ``get_cpu_offload_context``:
 defaults, disabled contexts, deprecations, introspection and the environment switch behave as
-callers of the reference rely on; where we deliberately differ, README's "Coming from the
-reference implementation" says why and these tests pin our behaviour."""
+callers of the reference rely on; where we deliberately differ, docs/from_reference.md says
+why and these tests pin our behaviour."""
 from __future__ import annotations
 
 import inspect
