@@ -14,8 +14,8 @@ from cpu_offload import (
     mark_activation_offload,
     mark_not_offload,
     mark_weight,
-    markers,
 )
+from cpu_offload.core import markers
 from cpu_offload.tools.audit import AuditReport, audit_offload_selection
 from cpu_offload.examples.gpt import GPTBlock, build_model, make_input, tiny_config
 from cpu_offload.control import set_activation_offloading
