@@ -269,6 +269,12 @@ def run_blocks(helps: list, hide_cuda: bool) -> dict:
         job.write_text(json.dumps({"helps": helps, "files": files}))
         env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # The blocks import the cpu_offload this test imported (installed, or the source tree
+        # when run with PYTHONPATH), also from the temporary working directory.
+        import cpu_offload  # here, not at the top: the runner half of this file runs without it
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_offload.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if hide_cuda:
             env["CUDA_VISIBLE_DEVICES"] = ""
         proc = subprocess.run(
