@@ -1,12 +1,16 @@
-"""One bucket of CPU-updated parameters: fp32 master weights, the wrapped optimizer, and the
+"""One bucket of CPU-updated parameters: master weights, the wrapped optimizer, and the
 update that reads gradients from staging and writes new parameter values back to it.
+
+**Master dtype** (``master_dtype``): fp32 for low-precision parameters (bf16, fp16), the
+parameter's own dtype otherwise (fp32, fp64): an fp64 parameter keeps fp64 masters and state,
+as the wrapped class run on it directly would, so nothing is rounded away.
 
 Each bucket has its own instances of the CPU optimizer class, so a bucket can be updated as soon
 as its gradients land. That is bit-identical to one optimizer over all parameters for optimizers
 that update each parameter independently (SGD, Adam, AdamW, ...), which the wrapper requires.
 
 **Chunks.** A bucket is updated chunk by chunk (``chunk_elems`` elements each, about the CPU's
-cache): convert the chunk's gradients to fp32, step, write the chunk's new values back, then the
+cache): convert the chunk's gradients to the master dtype, step, write the chunk's new values back, then the
 next chunk, so the fp32 gradient and the fresh master are still in cache when they are read
 again (a whole-bucket pass reads both back from memory: about 1.4-1.9x the time of the AdamW
 step itself). Each chunk has its own optimizer instance over its pieces of parameters, so a
@@ -32,6 +36,24 @@ import torch
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # exact classes only
 ALIGN_ELEMS = 1024  # piece boundaries (elements): a multiple of every CPU vector width
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the CPU master weights (and so of the optimizer state) of a parameter of
+    ``dtype``: ``torch.float32`` for floating dtypes narrower than fp32 (bf16, fp16), else
+    ``dtype`` itself, so fp32 and fp64 parameters are updated in their own precision (exactly
+    as the wrapped optimizer class run on them directly).
+
+    Example::
+
+        >>> import torch
+        >>> from cpu_offload.optim.cpu_update import master_dtype
+        >>> master_dtype(torch.bfloat16), master_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    if dtype.is_floating_point and dtype.itemsize < 4:
+        return torch.float32
+    return dtype
 
 
 def sync_hyperparameters(opt: torch.optim.Optimizer, group_ids: Sequence[int], hypers: Sequence[dict]) -> None:
@@ -100,7 +122,8 @@ class CpuBucket:
     """Master weights and optimizers for the CPU parameters of one bucket.
 
     ``params`` are the model's (device) parameters, ``group_ids`` their wrapper param-group
-    indices. Masters are fp32 CPU tensors (for fp32 parameters, an fp32 copy).
+    indices. Masters are CPU tensors of ``master_dtype(param.dtype)``: fp32 for bf16/fp16
+    parameters, a copy in the parameter's dtype for fp32 and fp64 ones.
     ``chunk_elems``: elements per chunk (see the module docstring); ``0``: one optimizer step
     over the whole bucket.
 
@@ -119,7 +142,8 @@ class CpuBucket:
         chunk_elems: int = 0,
     ) -> None:
         self.params = list(params)
-        self.masters = [torch.empty(p.shape, dtype=torch.float32).copy_(v) for p, v in zip(params, initial)]
+        self.masters = [torch.empty(p.shape, dtype=master_dtype(p.dtype)).copy_(v)
+                        for p, v in zip(params, initial)]
         self.group_of = list(group_ids)
         self.group_ids = list(dict.fromkeys(group_ids))  # wrapper groups, in optimizer-group order
         self._make_optimizer = make_optimizer
@@ -128,8 +152,8 @@ class CpuBucket:
         plan = plan_chunks([m.numel() for m in self.masters], chunk_elems, split)
         self.chunks = [first] if len(plan) == 1 else [self._build(c, hypers) for c in plan]
         self.scratch_elems = max(
-            sum(pc.stop - pc.start for pc in c.pieces if self.params[pc.index].dtype != torch.float32)
-            for c in self.chunks)
+            sum(pc.stop - pc.start for pc in c.pieces if self.params[pc.index].dtype != pc.key.dtype)
+            for c in self.chunks)  # fp32 elements to convert low-precision gradients into
         self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, state key) -> split state
         self._synced: list[dict] = []
         self._views_sig: Optional[tuple] = None
@@ -175,8 +199,8 @@ class CpuBucket:
         clip_coef: Optional[torch.Tensor],
         keep_previous: bool = False,
     ) -> None:
-        """One optimizer step: ``grads`` (model dtype, ``None`` = no gradient this step) into the
-        masters, then new values (cast to the model dtype) into ``out``, chunk by chunk. If a
+        """One optimizer step: ``grads`` (model dtype, ``None`` = no gradient this step; converted
+        to the master dtype in ``scratch`` where it differs) into the masters, then new values (cast to the model dtype) into ``out``, chunk by chunk. If a
         chunk's step raises, the chunks before it keep their update.
 
         ``keep_previous``: first copy what each chunk's step will change (the stepped masters,
@@ -250,7 +274,8 @@ class CpuBucket:
 
     def _views(self, grads: Sequence[Optional[torch.Tensor]], out: Sequence[torch.Tensor],
                scratch: torch.Tensor) -> list[list[tuple]]:
-        """Per chunk, per piece: (piece, gradient source, fp32 gradient, output) views, built
+        """Per chunk, per piece: (piece, gradient source, gradient in the master dtype, output)
+        views (the source itself where the dtypes agree, else a slice of the fp32 ``scratch``), built
         once and reused while the same buffers come back (the staging buffers do, every step):
         making views costs about as much Python time per piece as a small copy."""
         sig = (scratch.data_ptr(),) + tuple(
@@ -268,7 +293,7 @@ class CpuBucket:
                     continue
                 if pc.split:
                     g, o = g.view(-1)[pc.start:pc.stop], o.view(-1)[pc.start:pc.stop]
-                if g.dtype == torch.float32:
+                if g.dtype == pc.key.dtype:
                     dst = g
                 else:
                     n = pc.stop - pc.start

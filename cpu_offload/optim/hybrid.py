@@ -160,7 +160,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     A drop-in ``torch.optim.Optimizer`` for parameters on one accelerator. The parameters whose
     gradients are final earliest in backward (the last layers), ``offload_fraction`` of all
-    parameter bytes, get fp32 master weights and optimizer state in CPU memory and are updated by
+    parameter bytes, get master weights (fp32 for bf16/fp16 parameters, the parameter's own dtype
+    for fp32/fp64 ones) and optimizer state in CPU memory and are updated by
     ``cpu_optimizer_cls`` on a CPU worker thread; the rest are updated on the device by
     ``gpu_optimizer_cls`` as usual. For those CPU parameters:
 
@@ -200,7 +201,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     The CPU part runs exactly ``cpu_optimizer_cls(**optimizer_kwargs)``: it never switches
     between for-loop, foreach and fused implementations. Results equal that class run on the CPU
-    with fp32 master weights, bit for bit; with ``device=SimulatedDevice()`` (everything on the
+    over those master weights, bit for bit; with ``device=SimulatedDevice()`` (everything on the
     CPU) the whole optimizer equals the wrapped classes run directly, for every overlap mode.
 
     Args:
@@ -233,7 +234,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             reverse registration order.
         bucket_bytes: model-dtype bytes per CPU update unit (default 64 MiB).
         cpu_threads: intra-op threads of the CPU worker (default: all but one).
-        cpu_chunk_bytes: fp32 bytes per CPU update chunk (default: 1 MiB per worker thread, at
+        cpu_chunk_bytes: fp32 bytes per CPU update chunk (elements: this over 4) (default: 1 MiB per worker thread, at
             least 4 MiB; 0: one optimizer step per bucket). Each bucket is converted, stepped
             and written back one chunk at a time so its data stays in cache, each chunk by its
             own instance of ``cpu_optimizer_cls``; parameters larger than a chunk are split for
@@ -898,11 +899,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Same numbers as ``clip_grad_norm_`` on the same gradients: per-parameter norms are
         combined in torch's order; in modes ``none`` and ``backward_copies`` the offloaded
         gradients' norms come from their host copies and the copies are scaled on the CPU in
-        fp32 before the update (for fp32 parameters that is torch's own operation). In the
-        ``backward_update``/``next_forward`` modes updates start during backward, so this is
-        ``torch.nn.utils.clip_grad_norm_`` itself, and ``step()`` redoes those updates from the
-        clipped gradients (exact, but their overlap is lost): pass ``max_grad_norm=`` to the
-        constructor instead to clip inside ``step()`` and keep it.
+        the master dtype before the update (for fp32 and fp64 parameters that is torch's own
+        operation). In the ``backward_update``/``next_forward`` modes updates start during
+        backward, so this is ``torch.nn.utils.clip_grad_norm_`` itself, and ``step()`` redoes
+        those updates from the clipped gradients (exact, but their overlap is lost): pass
+        ``max_grad_norm=`` to the constructor instead to clip inside ``step()`` and keep it.
 
         Example::
 

@@ -5,7 +5,8 @@ The hybrid format is torch's own optimizer format plus one key::
     {"state": {index: {...}},            # per parameter, indexed like torch.optim.Optimizer
      "param_groups": [{..., "params": [indices]}],
      "hybrid": {"format": FORMAT, "offloaded": [bool per index],
-                "master_weights": {index: fp32 tensor}}}   # every parameter that has one
+                "master_weights": {index: tensor}}}   # every parameter that has one
+                                                   # (fp32; fp64 for fp64 parameters)
 
 Indices follow the wrapper's param groups, so a checkpoint does not depend on which parameters
 were offloaded: it loads into a hybrid optimizer with another ``offload_fraction``.
@@ -33,7 +34,7 @@ class Placement:
 
     param: torch.Tensor  # the model parameter
     optimizer: Any  # the sub-optimizer updating it (a torch optimizer, or a CpuBucket: same API)
-    key: torch.Tensor  # the tensor that optimizer updates (the param, or its fp32 master)
+    key: torch.Tensor  # the tensor that optimizer updates (the param, or its master)
     offloaded: bool
 
     @property
@@ -87,7 +88,7 @@ def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict: what ``HybridDeviceOptimizer.state_dict()`` returned.
 
     Returns:
-        ``{"state": ..., "param_groups": ...}`` without the ``"hybrid"`` entry (fp32 master
+        ``{"state": ..., "param_groups": ...}`` without the ``"hybrid"`` entry (master
         weights); state tensors stay where they were (CPU for offloaded parameters). Groups keep
         every entry, the implementation choices (``fused``, ``foreach``, ``capturable``,
         ``differentiable``) included, so ``AdamW(fused=True)`` resumes fused, as from its own

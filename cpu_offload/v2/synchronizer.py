@@ -40,7 +40,7 @@ class Step:
     __slots__ = (
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
-        "selective_indices", "selective", "selective_scope", "applied",
+        "selective_indices", "selective", "selective_scope", "applied", "backward_ran",
     )
 
     def __init__(
@@ -65,10 +65,33 @@ class Step:
         self.selective: dict[int, SelectiveLayer] = {}  # of this step, made as they run
         self.selective_scope = selective_scope
         self.applied = applied  # installed by apply_offloading: model_layers = len(layers)
+        # A backward that builds no graph (not create_graph=True) reached this step: its forward
+        # pass is over, the next `with ctx:` begins a new one (manual synchronization, whose
+        # forward may run fewer than model_layers layers, knows it only so).
+        self.backward_ran = False
 
     @property
     def complete(self) -> bool:
         return self.fwd_count >= self.model_layers
+
+    def over(self) -> bool:
+        """The next `with ctx:` block begins a new forward pass (a new step)."""
+        return self.complete or self.invalid or self.backward_ran or self.abandoned()
+
+    def awaits_backward(self) -> bool:
+        """Layers of this step saved tensors for a backward that has not come yet: some ran with
+        grad, the step was not given up, and the newest layer output's graph is alive."""
+        return (self.grad_layers > 0 and not self.aborted and not self.invalid
+                and not self.backward_ran
+                and self.last_trigger is not None and self.last_trigger() is not None)
+
+    def count_layers_without_grad(self, n: int) -> None:
+        """Count ``n`` layers that ran with grad disabled (they saved nothing) as this step's next
+        layers, as if they had entered it."""
+        with torch.no_grad():
+            for _ in range(n):
+                self.begin_forward()
+                self.end_forward_layer()
 
     def abandoned(self) -> bool:
         """A forward left half-way (an exception between layers): the newest layer output's
@@ -121,6 +144,8 @@ class Step:
     def begin_backward(self, index: int) -> None:
         if self.aborted:
             return  # unpacking its tensors raises a clear error instead
+        if not torch.is_grad_enabled():
+            self.backward_ran = True
         task = graph_task_id()
         if task != self.backward_task:
             # A new backward pass. One before it may have ended in an exception: its callback
@@ -269,6 +294,12 @@ class OffloadSynchronizer:
         self.inside = False
         self.awaiting_sync = False
         self.refused = False  # an entry was refused for a missing sync
+        # Layers entered with grad disabled while the step's backward is pending, not counted in
+        # it (see ``fwd_step``); with manual synchronization, counted once a layer with grad
+        # follows in the same forward pass.
+        self.side_layers = 0
+        self.side = False  # the layer now running is one of them
+        self.last_side = False  # the layer that ran last is one of them
         # Installed by apply_offloading (or the planner): model_layers is len(layers), which
         # errors name instead of the get_cpu_offload_context argument.
         self.applied = False
@@ -306,24 +337,30 @@ class OffloadSynchronizer:
                     "(`x = sync_function(x)`) after each `with ctx:` block"
                 )
         step = self.step
-        if step is None or step.complete or step.invalid or step.abandoned():
-            if step is not None and not step.complete:
-                # A forward left half-way: its graph is gone or unusable.
-                step.abort(None if step.invalid else step.given_up_reason(
-                    f"when the next `with ctx:` block began, the output of layer "
-                    f"{step.fwd_count - 1} that went through the sync function was no longer "
-                    "part of any autograd graph (after an exception between layers, or because "
-                    "the tensor passed to the sync function is not the one the next layer "
-                    "takes). Pass the tensor that reaches the loss through the sync function "
-                    "(with apply_offloading: return it as the first tensor of a tuple output)"
-                ))
-            if step is not None:
-                step.stats.log()
-            self.step = step = Step(
-                self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope,
-                self.applied,
-            )
-            self.rt.pool.trim()
+        if step is not None and not torch.is_grad_enabled() and step.awaits_backward() and (
+                step.complete or step.schedule is None):
+            # A layer run with grad disabled (an evaluation forward, `torch.no_grad()`) while the
+            # training forward's backward is pending: it saves nothing and must not end, extend
+            # or replace that step (manual layer ids and ctx.stats() keep naming it). Such layers
+            # may also belong to a training forward: a reentrant checkpoint runs its layer
+            # without grad. With a schedule, inside an unfinished forward they are its positions
+            # (counted as usual, below); otherwise that is known only when the layer's output
+            # joins an autograd graph (``sync``) or a layer with grad follows in the same
+            # forward: then they are counted in after all.
+            self.side_layers += 1
+            self.side = self.last_side = True
+            self.current = None
+            self.current_selective = None
+            self.current_index = step.fwd_count + self.side_layers - 1
+            self.inside = True
+            return True
+        self.last_side = False
+        if self.side_layers and step is not None and torch.is_grad_enabled() and not step.over():
+            # The forward went on after layers run without grad: they were part of it.
+            step.count_layers_without_grad(self.side_layers)
+        self.side_layers = 0
+        if step is None or step.over():
+            step = self._new_step(step)
         # Inside a non-reentrant checkpoint region (checkpoint around the stack of layers) the
         # layer gets no hooks: ours would shadow checkpoint's in forward but not in its
         # recomputation (entered in backward, where the context does nothing), so checkpoint
@@ -334,9 +371,33 @@ class OffloadSynchronizer:
         self.inside = True
         return True
 
+    def _new_step(self, step: Optional[Step]) -> Step:
+        """Begin a new forward pass (after ``step``, which it gives up if unfinished)."""
+        if step is not None and not step.complete:
+            # A forward left half-way: its graph is gone or unusable.
+            step.abort(None if step.invalid else step.given_up_reason(
+                f"when the next `with ctx:` block began, the output of layer "
+                f"{step.fwd_count - 1} that went through the sync function was no longer "
+                "part of any autograd graph (after an exception between layers, or because "
+                "the tensor passed to the sync function is not the one the next layer "
+                "takes). Pass the tensor that reaches the loss through the sync function "
+                "(with apply_offloading: return it as the first tensor of a tuple output)"
+            ))
+        if step is not None:
+            step.stats.log()
+        self.step = step = Step(
+            self.rt, self.schedule, self.model_layers, self.selective, self.selective_scope,
+            self.applied,
+        )
+        self.rt.pool.trim()
+        return step
+
     def end_fwd_layer(self) -> None:
         self.inside = False
         self.awaiting_sync = torch.is_grad_enabled()
+        if self.side:
+            self.side = False
+            return
         # First: outputs a selective layer stores after all are pushed as the layer's own.
         self._end_selective(store=True)
         if self.current is not None:
@@ -358,6 +419,15 @@ class OffloadSynchronizer:
             )
         self.awaiting_sync = self.refused = False
         step = self.step
+        if self.last_side and tensor.grad_fn is not None and torch.is_grad_enabled():
+            # A layer run without grad beside the step, whose output joins an autograd graph (a
+            # reentrant checkpoint ran it): the layers run so since are a training forward's.
+            n, self.side_layers = self.side_layers, 0
+            if step is None or step.over():
+                step = self._new_step(step)
+            step.count_layers_without_grad(n)
+            self.current_index = step.fwd_count - 1
+        self.last_side = False
         if tensor.grad_fn is not None and step is not None:
             trigger = BackwardTrigger(step, self.current_index)
             tensor.grad_fn.register_prehook(trigger)
@@ -375,12 +445,18 @@ class OffloadSynchronizer:
 
     def abort(self, reason: Optional[str] = None) -> None:
         """An exception escaped a layer: drop the step and everything it held (``reason``: see
-        ``Step.abort``)."""
+        ``Step.abort``). A layer run without grad beside the step (see ``fwd_step``) held
+        nothing: the step it left alone stays."""
+        if self.side:
+            self.side = self.inside = False
+            return
         if self.step is not None:
             self.step.abort(reason)
         self._end_selective()
         self.step = None
         self.current = None
+        self.side_layers = 0
+        self.side = self.last_side = False
         self.inside = False
         self.awaiting_sync = self.refused = False
 
@@ -506,7 +582,9 @@ class OffloadSynchronizer:
 class ManualOffloadSynchronizer:
     """Explicit control of offload, release and reload per layer (README, "Use (per layer,
     by hand)"). Layer ids are the positions of the `with ctx:` blocks in the current
-    forward pass; a layer for which none of these is called is simply not offloaded.
+    forward pass; a layer for which none of these is called is simply not offloaded. A forward
+    pass ends after ``model_layers`` blocks or when a backward that builds no graph reaches it;
+    forwards run under ``torch.no_grad()`` before that backward (evaluation) do not count.
     For several micro-batches in flight (pipeline schedules), create one context per micro-batch;
     they may share one ``offload_stream``."""
 
@@ -537,12 +615,17 @@ class ManualOffloadSynchronizer:
             layer.start_reload()
 
     def _layer(self, layer_id: int) -> Optional[LayerState]:
-        """The layer's state; None for a layer that ran without grad (it saved nothing)."""
+        """The layer's state; None for a layer that ran without grad (it saved nothing). Layers
+        run with grad disabled while a forward's backward is pending (an evaluation forward in
+        between) do not change which forward pass the ids name."""
         step = self._sync.step
-        count = len(step.layers) if step else 0
+        layers = step.layers if step else []
+        count = len(layers)
+        if step is not None and not step.complete:
+            count += self._sync.side_layers  # maybe this forward's own layers without grad
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < count:
             raise OffloadUsageError(
                 f"layer_id={layer_id!r} does not name a layer of the current forward pass "
                 f"({count} layers entered so far; ids are 0..{count - 1})"
             )
-        return step.layers[layer_id]
+        return layers[layer_id] if layer_id < len(layers) else None

@@ -480,6 +480,7 @@ def test_compiled_layers_are_refused(sim):
 
 def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_exactly(sim):
     from cpu_offload.plan import profile_step, search
+    from cpu_offload.plan.model import FREE_HOST
 
     cfg = tiny_config()
     model = build_model(cfg)
@@ -491,11 +492,16 @@ def test_the_real_step_profile_measures_what_selective_removes_and_plans_apply_e
     assert [p.selective_bytes for p in prof.layers] == [6 * unit] * 4
     assert all(p.activation_bytes == 16 * unit for p in prof.layers[1:])
     # Host times on the simulated device are noise: plan with fixed ones (checkpointing a
-    # layer costs 1 ms, its selective recomputation 0.1 ms), the measured bytes.
-    prof.layers = [replace(p, fwd_ms=1.0, bwd_ms=2.0, selective_ms=0.1, selective_fwd_ms=0.0)
+    # layer costs 1 ms, its selective recomputation 0.1 ms), the measured bytes. Every time the
+    # planner reads is pinned: a measured recompute_ms (what checkpointing added to backward)
+    # would replace fwd_ms as the checkpoint cost, and where noise made it below 0.1 ms the plan
+    # checkpointed instead of going selective (about 1 run in 6 under load).
+    prof.layers = [replace(p, fwd_ms=1.0, bwd_ms=2.0, selective_ms=0.1, selective_fwd_ms=0.0,
+                           recompute_ms=None, host_fwd_ms=None)
                    for p in prof.layers]
     prof.step_ms = 12.0
     prof.offload_ms_per_gb = 0.0  # the offload probe's host time is noise here too
+    prof.offload_host_cost = FREE_HOST
     plan = search.plan(prof, 0.7)  # the link is too slow to offload: recompute
     assert plan.selective and plan.peak_ratio <= 0.7
     assert f"selective layers: {', '.join(map(str, plan.selective))}" in plan.describe()

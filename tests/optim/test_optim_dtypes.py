@@ -1,0 +1,223 @@
+"""HybridDeviceOptimizer keeps the parameter's precision: fp32 and fp64 parameters get CPU masters
+and optimizer state of their own dtype (bf16/fp16 ones fp32 masters), so on the simulated device
+parameters and state equal (``torch.equal``) the wrapped torch optimizer run without offloading,
+for every offload fraction and overlap mode. Before, fp64 parameters got fp32 masters: the
+results silently lost precision (fuzzer finding N1, e.g. seed 10)."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from cpu_offload import SimulatedDevice
+from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
+from cpu_offload.optim.cpu_update import master_dtype
+from cpu_offload.optim.reference import MasterWeightOptimizer
+
+DTYPES = [pytest.param(torch.float64, id="fp64"), pytest.param(torch.float32, id="fp32")]
+KW = dict(lr=1e-2, weight_decay=0.1)
+SMALL_BUCKETS = 4096  # several buckets
+SMALL_CHUNKS = 4096 * 4  # 4096 elements: the 64x80 matrix is split into aligned pieces
+
+
+def model(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 80), nn.Tanh(),
+                         nn.Linear(80, 3)).to(dtype)
+
+
+def loss_of(m, i):
+    gen = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 16, generator=gen, dtype=torch.float64).to(next(m.parameters()).dtype)
+    return m(x).square().mean()
+
+
+def fused_adamw(params, **kw):
+    return torch.optim.AdamW(params, fused=True, **kw)
+
+
+def hybrid(m, fraction, mode, **kw):
+    opt = HybridDeviceOptimizer(m.parameters(), fraction, device=SimulatedDevice(), overlap=mode,
+                                bucket_bytes=SMALL_BUCKETS, cpu_chunk_bytes=SMALL_CHUNKS,
+                                **{**KW, **kw})  # default classes: AdamW(fused=True)
+    if mode == "next_forward":
+        opt.register_forward_waits(m)
+    return opt
+
+
+def train(m, opt, steps, start=0, clip=None):
+    losses = []
+    for i in range(start, start + steps):
+        loss = loss_of(m, i)
+        loss.backward()
+        if clip is not None:
+            clip(m, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if isinstance(opt, HybridDeviceOptimizer):
+        opt.wait_params()
+    return losses
+
+
+def assert_same(m, opt, ref, ref_opt):
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), name
+    sd = to_wrapped_format(opt.state_dict())["state"]
+    ref_sd = ref_opt.state_dict()["state"]
+    assert sorted(sd) == sorted(ref_sd)
+    for i, entry in ref_sd.items():
+        assert sorted(sd[i]) == sorted(entry)
+        for k, v in entry.items():
+            assert sd[i][k].dtype == v.dtype and torch.equal(sd[i][k], v), (i, k)
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_master_dtype():
+    assert master_dtype(torch.float64) == torch.float64
+    assert master_dtype(torch.float32) == torch.float32
+    assert master_dtype(torch.bfloat16) == torch.float32
+    assert master_dtype(torch.float16) == torch.float32
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_params_and_state_equal_the_wrapped_optimizer(dtype, fraction, mode):
+    ref = model(dtype)
+    ref_opt = fused_adamw(ref.parameters(), **KW)
+    ref_losses = train(ref, ref_opt, 3)
+    m = model(dtype)
+    opt = hybrid(m, fraction, mode)
+    assert train(m, opt, 3) == ref_losses
+    assert_same(m, opt, ref, ref_opt)
+    offloaded = opt.offloaded_params()
+    assert offloaded and (len(offloaded) == len(list(m.parameters()))) == (fraction == 1.0)
+    masters = opt.state_dict()["hybrid"]["master_weights"]
+    assert masters and all(w.dtype == dtype for w in masters.values())
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
+def test_fp64_clipping_equals_torch(how, mode):
+    ref = model(torch.float64)
+    ref_opt = fused_adamw(ref.parameters(), **KW)
+    torch_clip = lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # noqa: E731
+    train(ref, ref_opt, 3, clip=torch_clip)
+    m = model(torch.float64)
+    if how == "max_grad_norm":
+        opt = hybrid(m, 0.5, mode, max_grad_norm=0.05)
+        train(m, opt, 3)
+    else:
+        opt = hybrid(m, 0.5, mode)
+        train(m, opt, 3, clip=lambda m, o: o.clip_grad_norm_(0.05))
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_state_dict_round_trips_keep_the_dtype_and_continue_exactly(dtype):
+    ref = model(dtype)
+    ref_opt = fused_adamw(ref.parameters(), **KW)
+    train(ref, ref_opt, 4)
+    m = model(dtype)
+    opt = hybrid(m, 0.5, "backward_update")
+    train(m, opt, 2)
+    sd = _roundtrip(opt.state_dict())
+    assert all(w.dtype == dtype for w in sd["hybrid"]["master_weights"].values())
+    # hybrid -> hybrid at another fraction
+    m2 = copy.deepcopy(m)
+    opt2 = hybrid(m2, 1.0, "next_forward")
+    opt2.load_state_dict(sd)
+    train(m2, opt2, 2, start=2)
+    assert_same(m2, opt2, ref, ref_opt)
+    # hybrid -> the wrapped class
+    m3 = copy.deepcopy(m)
+    plain = fused_adamw(m3.parameters(), **KW)
+    plain.load_state_dict(_roundtrip(to_wrapped_format(opt.state_dict())))
+    train(m3, plain, 2, start=2)
+    for p, q in zip(m3.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    # the wrapped class -> hybrid: the state keeps its dtype
+    half = model(dtype)
+    half_opt = fused_adamw(half.parameters(), **KW)
+    train(half, half_opt, 2)
+    opt4 = hybrid(half, 1.0, "none")
+    opt4.load_state_dict(_roundtrip(half_opt.state_dict()))
+    train(half, opt4, 2, start=2)
+    assert_same(half, opt4, ref, ref_opt)
+    for o in (opt, opt2, opt4):
+        o.close()
+
+
+def test_bf16_parameters_keep_fp32_masters():
+    m = model(torch.bfloat16)
+    ref = model(torch.bfloat16)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), fused_adamw, **KW)
+    assert all(w.dtype == torch.float32 for w in ref_opt.masters)
+    opt = hybrid(m, 1.0, "backward_update")
+    train(m, opt, 3)
+    train(ref, ref_opt, 3)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    sd = opt.state_dict()
+    for i, w in sd["hybrid"]["master_weights"].items():
+        assert w.dtype == torch.float32 and torch.equal(w, ref_opt.masters[i])
+        assert sd["state"][i]["exp_avg"].dtype == torch.float32
+    opt.close()
+
+
+def test_master_weight_reference_keeps_fp64():
+    m = model(torch.float64)
+    ref = model(torch.float64)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), fused_adamw, **KW)
+    assert all(w.dtype == torch.float64 for w in ref_opt.masters)
+    train(ref, ref_opt, 3)
+    train(m, fused_adamw(m.parameters(), **KW), 3)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------------------------------------
+# on a real GPU: the offloaded part equals the same class run on the CPU over fp64 copies, the
+# device part the same class run on the device (both fed the GPU's gradients)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_fp64_on_the_gpu_equals_the_wrapped_class_on_each_side(fraction, mode, deterministic):
+    m = model(torch.float64).cuda()
+    opt = HybridDeviceOptimizer(m.parameters(), fraction, overlap=mode, bucket_bytes=SMALL_BUCKETS,
+                                cpu_chunk_bytes=SMALL_CHUNKS, **KW)
+    if mode == "next_forward":
+        opt.register_forward_waits(m)
+    offloaded = {id(p) for p in opt.offloaded_params()}
+    assert offloaded
+    ref = [p.detach().to("cpu" if id(p) in offloaded else "cuda", copy=True) for p in m.parameters()]
+    ref_opts = [fused_adamw(part, **KW) for part in (
+        [r for r in ref if r.device.type == "cpu"], [r for r in ref if r.device.type == "cuda"]) if part]
+    for i in range(3):
+        loss = m(torch.randn(8, 16, generator=torch.Generator().manual_seed(i),
+                             dtype=torch.float64).cuda()).square().mean()
+        loss.backward()
+        for r, p in zip(ref, m.parameters()):
+            r.grad = p.grad.to(r.device, copy=True)
+        opt.step()
+        opt.zero_grad()
+        for o in ref_opts:
+            o.step()
+        opt.wait_params()
+        for r, p in zip(ref, m.parameters()):
+            assert torch.equal(p.detach().cpu(), r.detach().cpu())
+    opt.close()
