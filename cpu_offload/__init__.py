@@ -63,6 +63,7 @@ from .core.simulated import SimulatedDevice
 from .plan.profile import StepProfile, profile_step
 from .plan.search import Plan, plan_offloading
 from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
+from .tools.layers import find_block_list
 from .tools.audit import AuditReport, audit_offload_selection
 from .v2.schedule import plan_synchronization_dict, spread_synchronization_dict
 from .v2.selection import SelectionPolicy
@@ -89,6 +90,7 @@ __all__ = [
     "apply_offloading",
     "OffloadingHandle",
     "offloading_handle",
+    "find_block_list",
     "plan_offloading",
     "Plan",
     "profile_step",

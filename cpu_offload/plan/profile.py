@@ -420,7 +420,7 @@ def profile_step(
         >>> plans = [cpu_offload.plan.plan(prof, budget) for budget in (0.6, 0.9)]
     """
     scope = _selective_scope(selective)
-    layers = as_layer_list(layers)
+    layers = as_layer_list(layers, find=True)
     given_device = device
     device = device or default_device()
     cuda = device.name == "cuda"

@@ -194,6 +194,9 @@ def apply_offloading(
     Args:
         layers: the modules that run once each, in this order, in every forward pass, e.g.
             ``model.model.layers`` of a Hugging Face decoder; ``model_layers`` is ``len(layers)``.
+            A whole model works too: its one list of repeated blocks is used
+            (``cpu_offload.find_block_list``; ``OffloadConfigError`` naming the
+            candidates when there are several).
         num_layers: offload the activations of the first ``num_layers`` layers (the default
             schedule: at most ``len(layers) - num_layers`` layers' activations on the GPU).
         plan: a ``Plan`` from ``plan_offloading``: its offloaded layers (the first
@@ -218,7 +221,8 @@ def apply_offloading(
         An ``OffloadingHandle``; ``handle.remove()`` restores the layers exactly.
 
     Raises:
-        OffloadConfigError: neither or conflicting ``num_layers``/``plan``, arguments that
+        OffloadConfigError: neither or conflicting ``num_layers``/``plan``, a model with
+            several lists of repeated blocks, arguments that
             ``apply_offloading`` sets itself, a plan for a different number of layers, bad
             ``selective`` layers (out of range, checkpointed, compiled, or under V1), or what
             ``get_cpu_offload_context`` rejects.
@@ -255,7 +259,7 @@ def apply_offloading(
         4
         >>> handle.remove()
     """
-    layers = as_layer_list(layers)
+    layers = as_layer_list(layers, find=True)
     n = len(layers)
     used = sorted(_RESERVED & set(context_kwargs))
     if used:

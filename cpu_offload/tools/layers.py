@@ -36,7 +36,10 @@ from torch.utils.checkpoint import checkpoint
 from ..compat import compiler_disable, in_backward
 from ..core.errors import OffloadConfigError, OffloadUsageError
 
-__all__ = ["as_layer_list", "check_not_instrumented", "driver_of", "hidden_state", "instrument"]
+__all__ = [
+    "as_layer_list", "check_not_instrumented", "driver_of", "find_block_list", "hidden_state",
+    "instrument",
+]
 
 _STATE_ATTR = "_cpu_offload_layer"
 _classes: dict[type, type] = {}  # original class -> its Offloaded<Name> subclass
@@ -133,15 +136,85 @@ def _instrumented_class(cls: type) -> type:
     return sub
 
 
-def as_layer_list(layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers") -> list:
-    """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is."""
+def block_lists(model: nn.Module) -> list:
+    """``[(attribute path, ModuleList)]``: the outermost lists of two or more modules of one
+    class in ``model`` (its repeated blocks). A Hugging Face model's ``_no_split_modules`` (the
+    decoder layer classes, which FSDP's auto-wrap policy wraps) narrows them when it names one."""
+    found = []
+    inside: set = set()  # modules inside an element of a list already found (e.g. MoE experts)
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1:
+                found.append((name, module))
+                for block in module:
+                    inside.update(id(m) for m in block.modules())
+    preferred = set(getattr(model, "_no_split_modules", None) or ())
+    named = [(n, m) for n, m in found if type(m[0]).__name__ in preferred]
+    return named or found
+
+
+def _path(name: str) -> str:
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split(".") if p)
+
+
+def find_block_list(model: nn.Module) -> nn.ModuleList:
+    """The list of repeated blocks of ``model`` (a transformer's decoder layers), found the way
+    FSDP's auto-wrap policies find what to wrap: the outermost ``nn.ModuleList`` (or
+    ``nn.Sequential``) of two or more modules of one class, narrowed by a Hugging Face model's
+    ``_no_split_modules`` (its decoder layer classes).
+
+    Raises:
+        OffloadConfigError: ``model`` has no such list, or several (an encoder-decoder, a vision
+            tower next to the text layers); the message names the candidates to pass as the
+            layers (``apply_offloading(model.model.layers, ...)``, ``layers=`` of the Trainer
+            callback).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = torch.nn.Linear(8, 8)
+        ...         self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> net = Net()
+        >>> cpu_offload.find_block_list(net) is net.blocks
+        True
+    """
+    found = block_lists(model)
+    if len(found) == 1:
+        return found[0][1]
+    if not found:
+        raise OffloadConfigError(
+            f"found no list of repeated blocks in this {type(model).__name__} (an nn.ModuleList "
+            "of two or more layers of one class); pass its layers yourself: "
+            "apply_offloading(model.<layers>, ...), or layers=model.<layers> in the Trainer callback"
+        )
+    names = ", ".join(f"{_path(n)} ({len(m)} x {type(m[0]).__name__})" for n, m in found)
+    first = _path(found[0][0])
+    raise OffloadConfigError(
+        f"this {type(model).__name__} has several lists of repeated blocks: {names}; pass the one "
+        f"to offload: apply_offloading({first}, ...), or layers={first} in the Trainer callback"
+    )
+
+
+def as_layer_list(
+    layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers", find: bool = False
+) -> list:
+    """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is; with
+    ``find``, a whole model -> its repeated blocks (``find_block_list``)."""
     if isinstance(layers, (nn.ModuleList, nn.Sequential)):
         out = list(layers)
     elif isinstance(layers, nn.Module):
+        if find and block_lists(layers):
+            return as_layer_list(find_block_list(layers), what)
         raise TypeError(
             f"{what} must be the model's layers (an nn.ModuleList, nn.Sequential or a list of "
-            f"modules, e.g. model.model.layers), got one {type(layers).__name__}; pass [module] "
-            "for a single layer"
+            f"modules, e.g. model.model.layers) or a model holding one list of repeated layers, "
+            f"got one {type(layers).__name__}; pass [module] for a single layer"
         )
     else:
         out = list(layers)
