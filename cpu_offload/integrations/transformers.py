@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from ..core.errors import OffloadConfigError
 from ..plan.search import plan_offloading
-from ..tools.apply import apply_offloading
+from ..tools.apply import apply_offloading, check_hf_offload
 from ..tools.layers import as_layer_list, find_block_list
 
 __all__ = ["OffloadCallback"]
@@ -146,6 +146,7 @@ class OffloadCallback(TrainerCallback):
         if self.memory_budget is None:
             self._apply()
         else:  # plan when the first training forward begins, with its batch
+            check_hf_offload(self._layers, range(len(self._layers)))  # before 25 steps, not after
             self._hook = model.register_forward_pre_hook(
                 self._plan_first_batch, with_kwargs=True, prepend=True
             )

@@ -21,9 +21,30 @@ from ..compat import is_compiled_module
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from ..v2.recompute import check_selective_scope
 from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
-from .layers import as_layer_list, check_not_instrumented, driver_of, hidden_state, instrument
+from .layers import (
+    as_layer_list, check_not_instrumented, driver_of, hf_offloads_checkpoints, hidden_state,
+    instrument,
+)
 
-__all__ = ["OffloadDriver", "OffloadingHandle", "apply_offloading", "offloading_handle"]
+__all__ = [
+    "OffloadDriver", "OffloadingHandle", "apply_offloading", "check_hf_offload", "offloading_handle",
+]
+
+HF_OFFLOAD_CONFLICT = (
+    "layer {index} uses Hugging Face activation checkpointing with offload=True, which moves each "
+    "checkpoint's saved inputs to the CPU itself, synchronously on the compute stream "
+    "(save_on_cpu), before cpu_offload can see them; enable it with offload=False "
+    "(model.activation_checkpointing_enable(every_n_layers=...), or drop \"offload\" from "
+    "TrainingArguments' activation_checkpointing_kwargs) and let cpu_offload move them with "
+    "overlap, or do not apply cpu_offload"
+)
+
+
+def check_hf_offload(layers: Sequence[nn.Module], offloaded: Sequence[int]) -> None:
+    """Refuse offloaded layers under HF activation checkpointing with ``offload=True``."""
+    for i in offloaded:
+        if hf_offloads_checkpoints(layers[i]):
+            raise OffloadConfigError(HF_OFFLOAD_CONFLICT.format(index=i))
 
 
 class OffloadDriver:
@@ -54,6 +75,10 @@ class OffloadDriver:
             synchronizer = getattr(self.context, "synchronizer", None)
             if synchronizer is not None:
                 synchronizer.reset()
+        if index in getattr(self.owner, "offloaded", (index,)) and hf_offloads_checkpoints(layer):
+            # HF checkpointing with offload=True enabled after apply_offloading: refuse here
+            self.next_index = 0
+            raise OffloadConfigError(HF_OFFLOAD_CONFLICT.format(index=index))
         self.context.__enter__()
         return index
 
@@ -190,6 +215,10 @@ def apply_offloading(
     change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
     during backward (``torch.utils.checkpoint``, HF ``gradient_checkpointing_enable()``) run
     untouched. Layers compiled with ``torch.compile`` before or after applying keep working.
+    Hugging Face activation checkpointing (``activation_checkpointing_enable``, or the
+    deprecated ``gradient_checkpointing_enable``; any ``every_n_layers``) combines with it, before
+    or after: a checkpointed layer's input is what it offloads. HF's ``offload=True``
+    (a synchronous ``save_on_cpu`` that takes the checkpoint inputs first) is refused.
 
     Args:
         layers: the modules that run once each, in this order, in every forward pass, e.g.
@@ -222,7 +251,8 @@ def apply_offloading(
 
     Raises:
         OffloadConfigError: neither or conflicting ``num_layers``/``plan``, a model with
-            several lists of repeated blocks, arguments that
+            several lists of repeated blocks, an offloaded layer under HF activation
+            checkpointing with ``offload=True`` (also at its first forward, if enabled later), arguments that
             ``apply_offloading`` sets itself, a plan for a different number of layers, bad
             ``selective`` layers (out of range, checkpointed, compiled, or under V1), or what
             ``get_cpu_offload_context`` rejects.
@@ -329,6 +359,8 @@ def apply_offloading(
             "unset NVTE_CPU_OFFLOAD_V1, or drop selective="
         )
     check_not_instrumented(layers)
+    if num_layers or offloaded:
+        check_hf_offload(layers, offloaded or range(num_layers))
     handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel, offloaded)
     offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
     if offloads or sel:

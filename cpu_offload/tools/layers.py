@@ -38,7 +38,7 @@ from ..core.errors import OffloadConfigError, OffloadUsageError
 
 __all__ = [
     "as_layer_list", "check_not_instrumented", "driver_of", "find_block_list", "hidden_state",
-    "instrument",
+    "hf_offloads_checkpoints", "instrument",
 ]
 
 _STATE_ATTR = "_cpu_offload_layer"
@@ -292,6 +292,20 @@ def driver_of(module: nn.Module) -> Any:
     """The driver ``instrument`` routes ``module``'s calls through, or ``None``."""
     state = module.__dict__.get(_STATE_ATTR)
     return None if state is None else state.driver
+
+
+def hf_offloads_checkpoints(layer: nn.Module) -> bool:
+    """Whether Hugging Face activation checkpointing with ``offload=True`` is on for ``layer``
+    (``activation_checkpointing_enable(offload=True)``, or the deprecated
+    ``gradient_checkpointing_enable(offload=True)``): its checkpoint function runs inside
+    ``torch.autograd.graph.save_on_cpu``, which takes the checkpoint's saved inputs before any
+    outer saved-tensor hooks (ours) see them."""
+    if not getattr(layer, "gradient_checkpointing", False):
+        return False
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    inner = getattr(func, "func", func)  # functools.partial(checkpoint_func, **kwargs)
+    code = getattr(inner, "__code__", None)
+    return code is not None and "save_on_cpu" in code.co_names
 
 
 # --- the layer boundary: the hidden-state output -------------------------------------------------
