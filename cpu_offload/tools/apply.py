@@ -11,6 +11,7 @@ output through the sync function.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -19,6 +20,7 @@ from torch import nn
 from ..api import get_cpu_offload_context, use_v1
 from ..compat import is_compiled_module
 from ..core.errors import OffloadConfigError, OffloadUsageError
+from ..v2.policies import create_selective_checkpoint_contexts
 from ..v2.recompute import check_selective_scope
 from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
 from .layers import (
@@ -200,7 +202,7 @@ def apply_offloading(
     *,
     num_layers: Optional[int] = None,
     plan: Any = None,
-    selective: Union[None, bool, Sequence[int]] = None,
+    selective: Union[None, bool, Sequence[int], Callable] = None,
     selective_scope: Optional[str] = None,
     **context_kwargs: Any,
 ) -> OffloadingHandle:
@@ -239,6 +241,11 @@ def apply_offloading(
             elementwise ops and dtype casts whose inputs the layer saves anyway (V2 only, not
             with ``torch.compile``'d layers nor with layers the plan checkpoints). Exact, like
             everything else; combines with offloading (only the other saved tensors move).
+            Or a ``torch.utils.checkpoint`` selective-checkpoint policy function (``policy(ctx,
+            op, *args, **kwargs) -> CheckpointPolicy``): every layer runs checkpointed with it,
+            and ops it answers ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` are saved and moved
+            by the offload engine instead of recomputed
+            (``cpu_offload.create_selective_checkpoint_contexts``; not with ``plan=``).
         selective_scope: where a selective layer's ops are recorded: ``"modules"`` (default,
             or the plan's): inside its norm and activation modules, a few ops for little host
             time; ``"layer"``: every op, which also catches products outside modules (a gated
@@ -299,6 +306,16 @@ def apply_offloading(
         )
     recompute: tuple = ()
     offloaded: tuple = ()
+    context_fn = None
+    if callable(selective) and not isinstance(selective, (bool, list, tuple, range)):
+        if plan is not None:
+            raise OffloadConfigError(
+                "selective=<checkpoint policy> checkpoints every layer, and plan= decides which "
+                "layers are checkpointed; pass one of them"
+            )
+        policy, selective = selective, None
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        recompute = tuple(range(n))
     if plan is not None:
         if num_layers is not None and num_layers != plan.num_layers:
             raise OffloadConfigError(
@@ -379,7 +396,7 @@ def apply_offloading(
         driver: Any = OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)
-    handle._undo = instrument(layers, driver, recompute)
+    handle._undo = instrument(layers, driver, recompute, context_fn)
     return handle
 
 

@@ -49,13 +49,17 @@ _bases: dict[type, type] = {}  # the reverse
 class _LayerState:
     """What an instrumented layer needs at call time (kept in the layer's ``__dict__``)."""
 
-    __slots__ = ("driver", "index", "base", "recompute")
+    __slots__ = ("driver", "index", "base", "recompute", "context_fn")
 
-    def __init__(self, driver: Any, index: int, base: type, recompute: bool) -> None:
+    def __init__(
+        self, driver: Any, index: int, base: type, recompute: bool,
+        context_fn: Optional[Callable] = None,
+    ) -> None:
         self.driver = driver
         self.index = index
         self.base = base
         self.recompute = recompute
+        self.context_fn = context_fn
 
 
 @compiler_disable
@@ -85,6 +89,11 @@ def _base_call(self: nn.Module, state: Optional[_LayerState], *args: Any, **kwar
         and torch.is_grad_enabled()
         and not (getattr(self, "gradient_checkpointing", False) and self.training)  # HF: done
     ):
+        if state.context_fn is not None:  # a selective-checkpoint policy
+            return checkpoint(
+                base.__call__, self, *args, use_reentrant=False, context_fn=state.context_fn,
+                **kwargs,
+            )
         return checkpoint(base.__call__, self, *args, use_reentrant=False, **kwargs)
     return base.__call__(self, *args, **kwargs)
 
@@ -252,21 +261,24 @@ def check_not_instrumented(layers: list) -> None:
             )
 
 
-def instrument(layers: list, driver: Any, recompute: Sequence[int] = ()) -> Callable[[], None]:
+def instrument(
+    layers: list, driver: Any, recompute: Sequence[int] = (), context_fn: Optional[Callable] = None
+) -> Callable[[], None]:
     """Route every call of ``layers[i]`` through ``driver`` (``before(i, layer, args, kwargs) ->
     token``, ``after(token, out) -> out``, ``abort(token, exc)``); return the function that undoes
     it.
 
     ``before`` is not called (the layer runs untouched) with grad disabled or during a backward
     pass (recomputation); a ``None`` token from ``before`` also leaves the call untouched.
-    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint``.
+    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint`` (with
+    ``context_fn``, e.g. selective-checkpoint contexts, if given).
     """
     check_not_instrumented(layers)
     rec = set(recompute)
     originals = []
     for i, layer in enumerate(layers):
         base = type(layer)
-        layer.__dict__[_STATE_ATTR] = _LayerState(driver, i, base, i in rec)
+        layer.__dict__[_STATE_ATTR] = _LayerState(driver, i, base, i in rec, context_fn)
         layer.__class__ = _instrumented_class(base)
         originals.append((layer, base))
 

@@ -156,3 +156,49 @@ def test_the_checkpoint_policies_page_runs(capsys):
     for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
         exec(compile(block, str(page), "exec"), {})
     assert "layer 1: 3 tensors" in capsys.readouterr().out
+
+
+def mlp_layers(n=4, dim=32):
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim, bias=False), torch.nn.GELU(),
+                            torch.nn.Linear(4 * dim, dim, bias=False))
+        for _ in range(n)
+    )
+
+
+def test_apply_offloading_selective_policy(sim):
+    """``apply_offloading(layers, selective=policy)``: every layer checkpointed with the policy;
+    the same as torch's checkpoint with torch's contexts, except that the offload answers move."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    x0 = torch.randn(64, 32)
+    policy = policy_for("MUST_CPU_OFFLOAD")
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, policy))
+
+    plain = torch.nn.ModuleList(Checkpointed(m) for m in mlp_layers())
+    ref, ref_mms = run(plain, x0)
+    layers = mlp_layers()
+    handle = cpu_offload.apply_offloading(
+        layers, num_layers=2, selective=policy, min_tensor_size_to_offload=1, device=sim)
+    assert handle.recompute == (0, 1, 2, 3)
+    got, mms = run(layers, x0)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert ref_mms - mms == 4  # x @ w1 reloaded, not recomputed, in each layer
+    stats = handle.stats().to_dict()["layers"]
+    # x @ w1 (64 x 128) left the device; without the policy an offloaded layer under a plain
+    # checkpoint frees only its input (64 x 32), which here is also the previous layer's output
+    assert stats[1]["freed_bytes"] >= 64 * 128 * 4, stats[1]
+    handle.remove()
+    assert all(type(m) is torch.nn.Sequential for m in layers)
+    with pytest.raises(cpu_offload.OffloadConfigError, match="pass one of them"):
+        cpu_offload.apply_offloading(layers, plan=cpu_offload.Plan(1, ()), selective=policy, device=sim)
+
