@@ -145,7 +145,7 @@ def test_gpu_offload_policy_lowers_the_peak_with_identical_gradients(determinist
 
 
 def test_the_checkpoint_policies_page_runs(capsys):
-    """Every python block of docs/checkpoint_policies.md runs on the CPU; its matmul outputs are
+    """The python blocks of docs/checkpoint_policies.md run on the CPU; its matmul outputs are
     moved (3 tensors per offloaded layer: the checkpoint input and two matmul outputs)."""
     import pathlib
     import re
@@ -153,8 +153,9 @@ def test_the_checkpoint_policies_page_runs(capsys):
     page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "checkpoint_policies.md"
     if not page.exists():
         pytest.skip("not run from a checkout")
+    scope: dict = {}  # the blocks run in order, as one program
     for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
-        exec(compile(block, str(page), "exec"), {})
+        exec(compile(block, str(page), "exec"), scope)
     assert "layer 1: 3 tensors" in capsys.readouterr().out
 
 
