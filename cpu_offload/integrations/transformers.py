@@ -6,6 +6,7 @@ not a runtime dependency); nothing else in ``cpu_offload`` does.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence, Union
 
@@ -42,7 +43,8 @@ class OffloadCallback(TrainerCallback):
     repeats`` with ``selective`` (25 forward + backward passes with the defaults, 9 with
     ``plan_kwargs={"repeats": 1, "selective": False}``), once, before the first step: about that
     many steps' time. Those passes run the batch without offloading, so it must fit in memory
-    without it (else plan ahead on a smaller batch and pass ``plan=``). The first update is
+    without it (else plan ahead on a smaller batch and pass ``plan=``); single-process training
+    only (under distributed training plan ahead and pass ``plan=``). The first update is
     still exactly the update without the integration: the parameters' gradients and the random
     number generators' states (dropout) are restored after planning, buffers too.
 
@@ -70,6 +72,8 @@ class OffloadCallback(TrainerCallback):
         handle: the ``OffloadingHandle`` while training runs (``None`` before, removed after).
         plan: the plan applied, if any.
         last_stats: the latest logged statistics (a dict), or ``None``.
+        plan_seconds: with ``memory_budget``, how long planning took (also logged as
+            ``offload/plan_seconds``).
 
     Raises:
         OffloadConfigError: not exactly one of ``num_layers``, ``memory_budget``, ``plan``; at
@@ -129,6 +133,7 @@ class OffloadCallback(TrainerCallback):
         self.offload_kwargs = offload_kwargs
         self.handle: Any = None
         self.last_stats: Optional[dict] = None
+        self.plan_seconds: Optional[float] = None
         self._state: Any = None
         self._hook: Any = None
         self._planning = False
@@ -146,6 +151,12 @@ class OffloadCallback(TrainerCallback):
         if self.memory_budget is None:
             self._apply()
         else:  # plan when the first training forward begins, with its batch
+            if getattr(args, "world_size", 1) > 1:
+                raise OffloadConfigError(
+                    "memory_budget= plans inside the first forward, which under distributed "
+                    "training would run backward passes the other processes do not; plan ahead "
+                    "with cpu_offload.plan_offloading on one process and pass plan="
+                )
             check_hf_offload(self._layers, range(len(self._layers)))  # before 25 steps, not after
             self._hook = model.register_forward_pre_hook(
                 self._plan_first_batch, with_kwargs=True, prepend=True
@@ -174,8 +185,11 @@ class OffloadCallback(TrainerCallback):
             self._layers, num_layers=self.num_layers, plan=self.plan, **self.offload_kwargs
         )
         what = self.plan.describe() if self.plan is not None else repr(self.handle)
-        self._log({"offload/plan": what, "offload/num_layers": self.handle.num_layers,
-                   "offload/recompute": list(self.handle.recompute)})
+        entry = {"offload/plan": what, "offload/num_layers": self.handle.num_layers,
+                 "offload/recompute": list(self.handle.recompute)}
+        if self.plan_seconds is not None:
+            entry["offload/plan_seconds"] = round(self.plan_seconds, 3)
+        self._log(entry)
 
     def _log(self, entry: dict) -> None:
         state = self._state
@@ -207,7 +221,9 @@ class OffloadCallback(TrainerCallback):
             with torch.random.fork_rng(devices=cuda):
                 for p in params:
                     p.grad = None
+                start = time.perf_counter()
                 self.plan = plan_offloading(step, self._layers, self.memory_budget, **plan_kwargs)
+                self.plan_seconds = time.perf_counter() - start
         finally:
             self._planning = False
             for p, g in zip(params, grads):

@@ -5,6 +5,7 @@ Skipped when transformers (or accelerate, for the Trainer) is not installed."""
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,6 +156,9 @@ def test_callback_refuses_an_ambiguous_model_naming_layers(sim):
     with pytest.raises(OffloadConfigError, match=r"layers=model\.encoder"):
         callback.on_train_begin(None, TrainerState(), None, model=TwoStacks())
     model = TwoStacks()
+    budget = OffloadCallback(memory_budget=0.5, layers=model.decoder, device=sim)
+    with pytest.raises(OffloadConfigError, match="distributed .*pass plan="):
+        budget.on_train_begin(SimpleNamespace(world_size=2), TrainerState(), None, model=model)
     callback = OffloadCallback(num_layers=1, layers=model.decoder, device=sim)
     callback.on_train_begin(None, TrainerState(), None, model=model)
     assert callback.handle.layers == tuple(model.decoder)
@@ -203,7 +207,9 @@ def test_callback_memory_budget_plans_from_the_first_batch_losses_equal(tmp_path
     plan = callback.plan
     assert plan is not None and callback.handle.plan is plan
     assert plan.num_layers + len(plan.recompute) >= 1, plan.describe()
-    assert [h["offload/plan"] for h in history if "offload/plan" in h] == [plan.describe()]
+    logged = [h for h in history if "offload/plan" in h]
+    assert [h["offload/plan"] for h in logged] == [plan.describe()]
+    assert logged[0]["offload/plan_seconds"] == round(callback.plan_seconds, 3) > 0
     assert callback.handle.removed and all(type(m) is DECODER for m in model.model.layers)
     assert not model._forward_pre_hooks  # the planning hook is gone too
 
