@@ -42,9 +42,10 @@ class OffloadedEntry:
 class _ForwardContext:
     """torch's forward context, then: cache entries of offloaded ops swapped for the engine's."""
 
-    def __init__(self, inner: Any, offloaded: dict) -> None:
+    def __init__(self, inner: Any, offloaded: dict, allow_cache_entry_mutation: bool) -> None:
         self.inner = inner
         self.offloaded = offloaded
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
 
     def __enter__(self) -> Any:
         return self.inner.__enter__()
@@ -57,6 +58,8 @@ class _ForwardContext:
             if entry is None:
                 continue
             leaves, spec = tree_flatten(entry)
+            for i in packed:  # torch's check: mutated inside the region since it was cached
+                leaves[i].get_val(self.allow_cache_entry_mutation)
             cache[key][index] = tree_unflatten(
                 [OffloadedEntry(packed[i]) if i in packed else leaf for i, leaf in enumerate(leaves)],
                 spec,
@@ -137,7 +140,7 @@ def create_selective_checkpoint_contexts(
             return CheckpointPolicy.MUST_SAVE
 
         forward, recompute = torch_contexts(policy, allow_cache_entry_mutation)
-        return _ForwardContext(forward, offloaded), recompute
+        return _ForwardContext(forward, offloaded, allow_cache_entry_mutation), recompute
     return torch_contexts(policy_fn_or_list, allow_cache_entry_mutation)
 
 

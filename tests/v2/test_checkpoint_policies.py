@@ -203,3 +203,24 @@ def test_apply_offloading_selective_policy(sim):
     with pytest.raises(cpu_offload.OffloadConfigError, match="pass one of them"):
         cpu_offload.apply_offloading(layers, plan=cpu_offload.Plan(1, ()), selective=policy, device=sim)
 
+
+
+def test_an_offloaded_output_mutated_in_the_region_raises_as_torch_does(sim):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_CPU_OFFLOAD if op is MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def body(x):
+        y = x @ w
+        y.mul_(2)  # mutates the cached (offloaded) mm output
+        return y.sum()
+
+    ctx, sync = cpu_offload.get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=2, min_tensor_size_to_offload=1, device=sim)
+    context_fn = functools.partial(cpu_offload.create_selective_checkpoint_contexts, policy)
+    with pytest.raises(RuntimeError, match="mutated"):
+        with ctx:
+            checkpoint(body, torch.randn(8, 32), use_reentrant=False, context_fn=context_fn)
