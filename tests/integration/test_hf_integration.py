@@ -229,3 +229,16 @@ def test_the_hf_trainer_page_runs(tmp_path, monkeypatch):
     scope: dict = {}
     for block in blocks:
         exec(compile(block, str(page), "exec"), scope)
+
+
+def test_find_block_list_on_other_hf_architectures():
+    """GPT-2 keeps its blocks in ``transformer.h``; T5 has an encoder and a decoder stack, so the
+    error names both and the attribute to pass."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0))
+    assert find_block_list(gpt2) is gpt2.transformer.h
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64))
+    with pytest.raises(OffloadConfigError, match=r"model\.encoder\.block \(2 x T5Block\), "
+                       r"model\.decoder\.block \(2 x T5Block\).*layers=model\.encoder\.block"):
+        find_block_list(t5)
