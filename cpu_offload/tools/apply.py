@@ -313,6 +313,15 @@ def apply_offloading(
                 "selective=<checkpoint policy> checkpoints every layer, and plan= decides which "
                 "layers are checkpointed; pass one of them"
             )
+        hf = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
+        if hf:
+            raise OffloadConfigError(
+                f"layers {hf} are checkpointed by Hugging Face activation checkpointing, which "
+                "would run instead of the policy's checkpoint; give HF the policy instead: "
+                "activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': "
+                "False, 'context_fn': functools.partial(cpu_offload."
+                "create_selective_checkpoint_contexts, policy)}), and drop selective="
+            )
         policy, selective = selective, None
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
         recompute = tuple(range(n))

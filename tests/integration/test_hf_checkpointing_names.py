@@ -203,3 +203,42 @@ def test_trainer_callback_refuses_hf_offload(mode, tmp_path, sim):
     with pytest.raises(OffloadConfigError, match="drop \"offload\" from TrainingArguments"):
         train(tiny_llama(), tmp_path, [callback], activation_checkpointing=True,
               activation_checkpointing_kwargs={"offload": True})
+
+
+POLICIES = pytest.importorskip("cpu_offload.compat").cpu_offload_policies()
+
+
+@pytest.mark.skipif(not POLICIES, reason="torch lacks CPU offload checkpoint policies")
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_checkpointing_with_an_offload_policy_as_context_fn(name, sim):
+    """HF passes activation_checkpointing_kwargs to torch's checkpoint: with cpu_offload's
+    contexts as context_fn, the policy's CPU-offload answers are moved by the engine; gradients
+    equal torch's contexts (which recompute them). selective=<policy> on HF-checkpointed layers
+    is refused, naming this route."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch_contexts
+
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_CPU_OFFLOAD if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
+
+    key = "activation_checkpointing_kwargs" if name == NEW else "gradient_checkpointing_kwargs"
+
+    def model_with(contexts):
+        model = tiny_llama()
+        enable(model, name, **{key: {"use_reentrant": False,
+                                     "context_fn": functools.partial(contexts, policy)}})
+        return model
+
+    ref = step(model_with(torch_contexts))
+    model = model_with(cpu_offload.create_selective_checkpoint_contexts)
+    handle = apply_offloading(model, num_layers=2, min_tensor_size_to_offload=MIN_SIZE, device=sim)
+    assert_exact(step(model), ref)
+    # more than the checkpoint input (1 storage) left each offloaded layer: the matmul outputs
+    assert all(s["storages"] > 1 for s in handle.synchronizer.layer_summary()[:2])
+    handle.remove()
+    with pytest.raises(OffloadConfigError, match="give HF the policy instead.*context_fn"):
+        apply_offloading(model, num_layers=2, selective=policy, device=sim)
