@@ -63,7 +63,9 @@ from .core.simulated import SimulatedDevice
 from .plan.profile import StepProfile, profile_step
 from .plan.search import Plan, plan_offloading
 from .tools.apply import OffloadingHandle, apply_offloading, offloading_handle
+from .tools.layers import find_block_list
 from .tools.audit import AuditReport, audit_offload_selection
+from .v2.policies import create_selective_checkpoint_contexts
 from .v2.schedule import plan_synchronization_dict, spread_synchronization_dict
 from .v2.selection import SelectionPolicy
 
@@ -85,10 +87,12 @@ __all__ = [
     "get_activation_offloading",
     "offload_policy",
     "offload_opt_out",
+    "create_selective_checkpoint_contexts",
     # apply and plan: one call on a model's layers, a plan for a memory budget, the audit
     "apply_offloading",
     "OffloadingHandle",
     "offloading_handle",
+    "find_block_list",
     "plan_offloading",
     "Plan",
     "profile_step",

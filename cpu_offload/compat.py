@@ -459,3 +459,20 @@ def current_dispatch_mode() -> Any:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
+
+
+# Selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
+# the forward context's cache, ``{op key: {call index: outputs as a tree of version wrappers}}``;
+# in eager mode an op's key is the op itself. ``CheckpointPolicy.MUST_CPU_OFFLOAD`` and
+# ``PREFER_CPU_OFFLOAD`` exist from torch 2.13 on; None where absent.
+def sac_cache(forward_context: Any) -> dict:
+    """The cache of the forward context that ``create_selective_checkpoint_contexts`` made."""
+    return forward_context.storage
+
+
+def cpu_offload_policies() -> frozenset:
+    """The ``CheckpointPolicy`` members that mean "save, offloaded to the CPU" (empty before
+    torch added them)."""
+    policy = getattr(torch.utils.checkpoint, "CheckpointPolicy", None)
+    names = ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
+    return frozenset(getattr(policy, n) for n in names if policy is not None and hasattr(policy, n))

@@ -27,6 +27,7 @@ ALLOWED = {
     "tools": {"api", "compat", "control", "core", "v2"},
     "plan": {"api", "compat", "core", "tools", "v2"},
     "examples": {"api", "compat", "control", "core"},
+    "integrations": {"api", "compat", "control", "core", "plan", "tools", "v2"},
 }
 LAZY_ALLOWED = {"v1"}  # floors a function may import when it runs
 

@@ -432,7 +432,7 @@ def profile_step(
     check_bool("offload_weights", offload_weights)
     check_int("warmup", warmup, minimum=0, meaning="the number of untimed steps first")
     check_int("repeats", repeats, minimum=1, meaning="the number of timed steps")
-    layers = as_layer_list(layers)
+    layers = as_layer_list(layers, find=True)
     given_device = device
     device = device or default_device()
     cuda = device.name == "cuda"

@@ -11,8 +11,7 @@ output through the sync function.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
@@ -23,14 +22,34 @@ from ..api import get_cpu_offload_context, use_v1
 from ..compat import is_compiled_module
 from ..core.checks import check_int
 from ..core.errors import OffloadConfigError, OffloadUsageError
+from ..v2.policies import create_selective_checkpoint_contexts
 from ..v2.recompute import check_selective_scope
 from ..v2.schedule import plan_synchronization_dict, spread_synchronization_dict
 from .layers import (
-    as_layer_list, base_class, check_not_instrumented, driver_of, first_tensor, hidden_state,
+    as_layer_list, base_class, check_not_instrumented, driver_of, first_tensor,
+    hf_offloads_checkpoints, hidden_state,
     instrument,
 )
 
-__all__ = ["OffloadDriver", "OffloadingHandle", "apply_offloading", "offloading_handle"]
+__all__ = [
+    "OffloadDriver", "OffloadingHandle", "apply_offloading", "check_hf_offload", "offloading_handle",
+]
+
+HF_OFFLOAD_CONFLICT = (
+    "layer {index} uses Hugging Face activation checkpointing with offload=True, which moves each "
+    "checkpoint's saved inputs to the CPU itself, synchronously on the compute stream "
+    "(save_on_cpu), before cpu_offload can see them; enable it with offload=False "
+    "(model.activation_checkpointing_enable(every_n_layers=...), or drop \"offload\" from "
+    "TrainingArguments' activation_checkpointing_kwargs) and let cpu_offload move them with "
+    "overlap, or do not apply cpu_offload"
+)
+
+
+def check_hf_offload(layers: Sequence[nn.Module], offloaded: Sequence[int]) -> None:
+    """Refuse offloaded layers under HF activation checkpointing with ``offload=True``."""
+    for i in offloaded:
+        if hf_offloads_checkpoints(layers[i]):
+            raise OffloadConfigError(HF_OFFLOAD_CONFLICT.format(index=i))
 
 
 class OffloadDriver:
@@ -89,6 +108,10 @@ class OffloadDriver:
                 "'last_hidden_state'/'hidden_states' of a dict as the hidden state: return the "
                 "tensor the next layer takes in that place (first in a tuple)"
             )
+        if index in getattr(self.owner, "offloaded", (index,)) and hf_offloads_checkpoints(layer):
+            # HF checkpointing with offload=True enabled after apply_offloading: refuse here
+            self.next_index = 0
+            raise OffloadConfigError(HF_OFFLOAD_CONFLICT.format(index=index))
         self.context.__enter__()
         return index
 
@@ -234,7 +257,7 @@ def apply_offloading(
     *,
     num_layers: Optional[int] = None,
     plan: Any = None,
-    selective: Union[None, bool, Sequence[int]] = None,
+    selective: Union[None, bool, Sequence[int], Callable] = None,
     selective_scope: Optional[str] = None,
     **context_kwargs: Any,
 ) -> OffloadingHandle:
@@ -250,10 +273,17 @@ def apply_offloading(
     and parameter names do not change. Forward passes with grad disabled (evaluation, ``torch.no_grad``) and recomputations
     during backward (``torch.utils.checkpoint``, HF ``gradient_checkpointing_enable()``) run
     untouched. Layers compiled with ``torch.compile`` before or after applying keep working.
+    Hugging Face activation checkpointing (``activation_checkpointing_enable``, or the
+    deprecated ``gradient_checkpointing_enable``; any ``every_n_layers``) combines with it, before
+    or after: a checkpointed layer's input is what it offloads. HF's ``offload=True``
+    (a synchronous ``save_on_cpu`` that takes the checkpoint inputs first) is refused.
 
     Args:
         layers: the modules that run once each, in this order, in every forward pass, e.g.
             ``model.model.layers`` of a Hugging Face decoder; ``model_layers`` is ``len(layers)``.
+            A whole model works too: its one list of repeated blocks is used
+            (``cpu_offload.find_block_list``; ``OffloadConfigError`` naming the
+            candidates when there are several).
         num_layers: offload the activations of the first ``num_layers`` layers (the default
             schedule: at most ``len(layers) - num_layers`` layers' activations on the GPU).
         plan: a ``Plan`` from ``plan_offloading``: its offloaded layers (the first
@@ -267,6 +297,11 @@ def apply_offloading(
             elementwise ops and dtype casts whose inputs the layer saves anyway (V2 only, not
             with ``torch.compile``'d layers nor with layers the plan checkpoints). Exact, like
             everything else; combines with offloading (only the other saved tensors move).
+            Or a ``torch.utils.checkpoint`` selective-checkpoint policy function (``policy(ctx,
+            op, *args, **kwargs) -> CheckpointPolicy``): every layer runs checkpointed with it,
+            and ops it answers ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` are saved and moved
+            by the offload engine instead of recomputed
+            (``cpu_offload.create_selective_checkpoint_contexts``; not with ``plan=``).
         selective_scope: where a selective layer's ops are recorded: ``"modules"`` (default,
             or the plan's): inside its norm and activation modules, a few ops for little host
             time; ``"layer"``: every op, which also catches products outside modules (a gated
@@ -278,7 +313,9 @@ def apply_offloading(
         An ``OffloadingHandle``; ``handle.remove()`` restores the layers exactly.
 
     Raises:
-        OffloadConfigError: neither or conflicting ``num_layers``/``plan``, arguments that
+        OffloadConfigError: neither or conflicting ``num_layers``/``plan``, a model with
+            several lists of repeated blocks, an offloaded layer under HF activation
+            checkpointing with ``offload=True`` (also at its first forward, if enabled later), arguments that
             ``apply_offloading`` sets itself, a plan for a different number of layers, bad
             ``selective`` layers (out of range, checkpointed, compiled, or under V1), or what
             ``get_cpu_offload_context`` rejects.
@@ -315,7 +352,7 @@ def apply_offloading(
         4
         >>> handle.remove()
     """
-    layers = as_layer_list(layers)
+    layers = as_layer_list(layers, find=True)
     n = len(layers)
     check_int("num_layers", num_layers, minimum=0, allow_none=True,
               meaning="the number of layers to offload")
@@ -327,6 +364,25 @@ def apply_offloading(
         )
     recompute: tuple = ()
     offloaded: tuple = ()
+    context_fn = None
+    if callable(selective) and not isinstance(selective, (bool, list, tuple, range)):
+        if plan is not None:
+            raise OffloadConfigError(
+                "selective=<checkpoint policy> checkpoints every layer, and plan= decides which "
+                "layers are checkpointed; pass one of them"
+            )
+        hf = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False)]
+        if hf:
+            raise OffloadConfigError(
+                f"layers {hf} are checkpointed by Hugging Face activation checkpointing, which "
+                "would run instead of the policy's checkpoint; give HF the policy instead: "
+                "activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': "
+                "False, 'context_fn': functools.partial(cpu_offload."
+                "create_selective_checkpoint_contexts, policy)}), and drop selective="
+            )
+        policy, selective = selective, None
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        recompute = tuple(range(n))
     if plan is not None:
         if num_layers is not None and num_layers != plan.num_layers:
             raise OffloadConfigError(
@@ -387,6 +443,8 @@ def apply_offloading(
             "unset NVTE_CPU_OFFLOAD_V1, or drop selective="
         )
     check_not_instrumented(layers)
+    if num_layers or offloaded:
+        check_hf_offload(layers, offloaded or range(num_layers))
     handle = OffloadingHandle(layers, num_layers or 0, recompute, plan, sel, offloaded)
     offloads = bool(num_layers) or "synchronization_dict" in context_kwargs
     if offloads or sel:
@@ -405,7 +463,7 @@ def apply_offloading(
         driver: Any = OffloadDriver(handle, handle.context, handle.sync)
     else:
         driver = _PassDriver(handle)
-    handle._undo = instrument(layers, driver, recompute)
+    handle._undo = instrument(layers, driver, recompute, context_fn)
     return handle
 
 

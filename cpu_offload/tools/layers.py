@@ -39,8 +39,8 @@ from ..compat import compiler_disable, in_backward
 from ..core.errors import OffloadConfigError, OffloadUsageError
 
 __all__ = [
-    "as_layer_list", "base_class", "check_not_instrumented", "driver_of", "first_tensor",
-    "hidden_state", "instrument",
+    "as_layer_list", "base_class", "check_not_instrumented", "driver_of", "find_block_list",
+    "first_tensor", "hf_offloads_checkpoints", "hidden_state", "instrument",
 ]
 
 _STATE_ATTR = "_cpu_offload_layer"
@@ -51,13 +51,17 @@ _bases: dict[type, type] = {}  # the reverse
 class _LayerState:
     """What an instrumented layer needs at call time (kept in the layer's ``__dict__``)."""
 
-    __slots__ = ("driver", "index", "base", "recompute")
+    __slots__ = ("driver", "index", "base", "recompute", "context_fn")
 
-    def __init__(self, driver: Any, index: int, base: type, recompute: bool) -> None:
+    def __init__(
+        self, driver: Any, index: int, base: type, recompute: bool,
+        context_fn: Optional[Callable] = None,
+    ) -> None:
         self.driver = driver
         self.index = index
         self.base = base
         self.recompute = recompute
+        self.context_fn = context_fn
 
 
 @compiler_disable
@@ -87,6 +91,11 @@ def _base_call(self: nn.Module, state: Optional[_LayerState], *args: Any, **kwar
         and torch.is_grad_enabled()
         and not (getattr(self, "gradient_checkpointing", False) and self.training)  # HF: done
     ):
+        if state.context_fn is not None:  # a selective-checkpoint policy
+            return checkpoint(
+                base.__call__, self, *args, use_reentrant=False, context_fn=state.context_fn,
+                **kwargs,
+            )
         return checkpoint(base.__call__, self, *args, use_reentrant=False, **kwargs)
     return base.__call__(self, *args, **kwargs)
 
@@ -138,15 +147,85 @@ def _instrumented_class(cls: type) -> type:
     return sub
 
 
-def as_layer_list(layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers") -> list:
-    """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is."""
+def block_lists(model: nn.Module) -> list:
+    """``[(attribute path, ModuleList)]``: the outermost lists of two or more modules of one
+    class in ``model`` (its repeated blocks). A Hugging Face model's ``_no_split_modules`` (the
+    decoder layer classes, which FSDP's auto-wrap policy wraps) narrows them when it names one."""
+    found = []
+    inside: set = set()  # modules inside an element of a list already found (e.g. MoE experts)
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1:
+                found.append((name, module))
+                for block in module:
+                    inside.update(id(m) for m in block.modules())
+    preferred = set(getattr(model, "_no_split_modules", None) or ())
+    named = [(n, m) for n, m in found if type(m[0]).__name__ in preferred]
+    return named or found
+
+
+def _path(name: str) -> str:
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split(".") if p)
+
+
+def find_block_list(model: nn.Module) -> nn.ModuleList:
+    """The list of repeated blocks of ``model`` (a transformer's decoder layers), found the way
+    FSDP's auto-wrap policies find what to wrap: the outermost ``nn.ModuleList`` (or
+    ``nn.Sequential``) of two or more modules of one class, narrowed by a Hugging Face model's
+    ``_no_split_modules`` (its decoder layer classes).
+
+    Raises:
+        OffloadConfigError: ``model`` has no such list, or several (an encoder-decoder, a vision
+            tower next to the text layers); the message names the candidates to pass as the
+            layers (``apply_offloading(model.model.layers, ...)``, ``layers=`` of the Trainer
+            callback).
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = torch.nn.Linear(8, 8)
+        ...         self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> net = Net()
+        >>> cpu_offload.find_block_list(net) is net.blocks
+        True
+    """
+    found = block_lists(model)
+    if len(found) == 1:
+        return found[0][1]
+    if not found:
+        raise OffloadConfigError(
+            f"found no list of repeated blocks in this {type(model).__name__} (an nn.ModuleList "
+            "of two or more layers of one class); pass its layers yourself: "
+            "apply_offloading(model.<layers>, ...), or layers=model.<layers> in the Trainer callback"
+        )
+    names = ", ".join(f"{_path(n)} ({len(m)} x {type(m[0]).__name__})" for n, m in found)
+    first = _path(found[0][0])
+    raise OffloadConfigError(
+        f"this {type(model).__name__} has several lists of repeated blocks: {names}; pass the one "
+        f"to offload: apply_offloading({first}, ...), or layers={first} in the Trainer callback"
+    )
+
+
+def as_layer_list(
+    layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers", find: bool = False
+) -> list:
+    """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is; with
+    ``find``, a whole model -> its repeated blocks (``find_block_list``)."""
     if isinstance(layers, (nn.ModuleList, nn.Sequential)):
         out = list(layers)
     elif isinstance(layers, nn.Module):
+        if find and block_lists(layers):
+            return as_layer_list(find_block_list(layers), what)
         raise TypeError(
             f"{what} must be the model's layers (an nn.ModuleList, nn.Sequential or a list of "
-            f"modules, e.g. model.model.layers), got one {type(layers).__name__}; pass [module] "
-            "for a single layer"
+            f"modules, e.g. model.model.layers) or a model holding one list of repeated layers, "
+            f"got one {type(layers).__name__}; pass [module] for a single layer"
         )
     else:
         out = list(layers)
@@ -194,21 +273,24 @@ def check_not_instrumented(layers: list) -> None:
             )
 
 
-def instrument(layers: list, driver: Any, recompute: Sequence[int] = ()) -> Callable[[], None]:
+def instrument(
+    layers: list, driver: Any, recompute: Sequence[int] = (), context_fn: Optional[Callable] = None
+) -> Callable[[], None]:
     """Route every call of ``layers[i]`` through ``driver`` (``before(i, layer, args, kwargs) ->
     token``, ``after(token, out) -> out``, ``abort(token, exc)``); return the function that undoes
     it.
 
     ``before`` is not called (the layer runs untouched) with grad disabled or during a backward
     pass (recomputation); a ``None`` token from ``before`` also leaves the call untouched.
-    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint``.
+    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint`` (with
+    ``context_fn``, e.g. selective-checkpoint contexts, if given).
     """
     check_not_instrumented(layers)
     rec = set(recompute)
     originals = []
     for i, layer in enumerate(layers):
         base = type(layer)
-        layer.__dict__[_STATE_ATTR] = _LayerState(driver, i, base, i in rec)
+        layer.__dict__[_STATE_ATTR] = _LayerState(driver, i, base, i in rec, context_fn)
         layer.__class__ = _instrumented_class(base)
         originals.append((layer, base))
 
@@ -234,6 +316,20 @@ def driver_of(module: nn.Module) -> Any:
     """The driver ``instrument`` routes ``module``'s calls through, or ``None``."""
     state = module.__dict__.get(_STATE_ATTR)
     return None if state is None else state.driver
+
+
+def hf_offloads_checkpoints(layer: nn.Module) -> bool:
+    """Whether Hugging Face activation checkpointing with ``offload=True`` is on for ``layer``
+    (``activation_checkpointing_enable(offload=True)``, or the deprecated
+    ``gradient_checkpointing_enable(offload=True)``): its checkpoint function runs inside
+    ``torch.autograd.graph.save_on_cpu``, which takes the checkpoint's saved inputs before any
+    outer saved-tensor hooks (ours) see them."""
+    if not getattr(layer, "gradient_checkpointing", False):
+        return False
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    inner = getattr(func, "func", func)  # functools.partial(checkpoint_func, **kwargs)
+    code = getattr(inner, "__code__", None)
+    return code is not None and "save_on_cpu" in code.co_names
 
 
 # --- the layer boundary: the hidden-state output -------------------------------------------------

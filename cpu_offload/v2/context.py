@@ -116,6 +116,12 @@ def is_cpu_offload_enabled() -> bool:
     return bool(_state.active)
 
 
+def active_synchronizer() -> Optional[OffloadSynchronizer]:
+    """The synchronizer of the V2 offload context a layer runs inside now (this thread), or
+    None (checkpoint offload policies hand their tensors to it)."""
+    return _state.active[-1] if _state.active else None
+
+
 def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = False) -> None:
     """Record that these tensors are final now, so their copy may start before they are saved
     for backward. Outside an offload context there is nothing to offload: no-op."""

@@ -1,0 +1,155 @@
+"""torch's checkpoint offload policies, honoured: ``create_selective_checkpoint_contexts``, a
+drop-in for torch's, under which an op whose policy says ``CheckpointPolicy.MUST_CPU_OFFLOAD`` or
+``PREFER_CPU_OFFLOAD`` is saved (not recomputed) and its output moved to pinned CPU memory by the
+V2 engine of the offload context around the checkpoint, as any saved activation of that layer:
+copied out on the side stream, released and reloaded on the layer's schedule, counted in its
+statistics. torch itself, in eager mode, recomputes such ops.
+
+How: the policy is passed to torch's own contexts with offload answers turned into
+``MUST_SAVE``; the op's outputs are handed to the engine (``OffloadSynchronizer.push``) as it
+runs, and when the checkpointed forward ends, the cache entries torch kept on the device are
+replaced by ones that unpack the engine's copy when the recomputation asks for them.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Union
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch_contexts
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..compat import cpu_offload_policies, sac_cache
+from .context import active_synchronizer
+from .layer_state import unpack
+
+__all__ = ["create_selective_checkpoint_contexts"]
+
+
+class OffloadedEntry:
+    """A cache entry whose value the offload engine holds; ``get_val`` (what the recomputation
+    calls on each cached leaf) reloads it."""
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+    def get_val(self, allow_cache_entry_mutation: bool = False) -> torch.Tensor:
+        return unpack(self.packed)
+
+
+class _ForwardContext:
+    """torch's forward context, then: cache entries of offloaded ops swapped for the engine's."""
+
+    def __init__(self, inner: Any, offloaded: dict, allow_cache_entry_mutation: bool) -> None:
+        self.inner = inner
+        self.offloaded = offloaded
+        self.allow_cache_entry_mutation = allow_cache_entry_mutation
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = self.inner.__exit__(*exc)
+        cache = sac_cache(self.inner)
+        for (key, index), packed in self.offloaded.items():
+            entry = cache.get(key, {}).get(index)
+            if entry is None:
+                continue
+            leaves, spec = tree_flatten(entry)
+            for i in packed:  # torch's check: mutated inside the region since it was cached
+                leaves[i].get_val(self.allow_cache_entry_mutation)
+            cache[key][index] = tree_unflatten(
+                [OffloadedEntry(packed[i]) if i in packed else leaf for i, leaf in enumerate(leaves)],
+                spec,
+            )
+        self.offloaded.clear()
+        return out
+
+
+def create_selective_checkpoint_contexts(
+    policy_fn_or_list: Union[Callable, list], allow_cache_entry_mutation: bool = False
+) -> tuple:
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts`` whose
+    ``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` mean what torch documents:
+    the op's output is saved, offloaded to CPU and reloaded for backward, instead of recomputed.
+
+    Pass it as ``context_fn`` of a non-reentrant ``torch.utils.checkpoint.checkpoint`` that runs
+    inside cpu_offload's V2 offload context (a layer of ``apply_offloading``, or ``with ctx:`` of
+    ``get_cpu_offload_context``). The outputs go through that engine like the layer's other
+    saved activations: offloaded when the layer is one of the offloaded layers and the tensor
+    passes the selection (``min_tensor_size_to_offload``, marks), kept on the device otherwise;
+    counted in ``stats()``. Outside such a context it warns once and does what torch does
+    (recomputes; Python shows the warning once). Other policies, and a list of ops to save, behave exactly as with torch's.
+    Gradients are bit-identical to torch's recomputation. Eager mode only (under
+    ``torch.compile`` the partitioner decides).
+
+    Args:
+        policy_fn_or_list: as torch's: ``policy_fn(ctx, op, *args, **kwargs) ->
+            CheckpointPolicy`` (or a bool), or a list of ops to save.
+        allow_cache_entry_mutation: as torch's (for the ops saved on the device).
+
+    Returns:
+        ``(forward_context, recompute_context)``, as torch's.
+
+    Example::
+
+        >>> import functools, torch, cpu_offload
+        >>> from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+        >>> def policy(ctx, op, *args, **kwargs):   # keep matmul outputs, on the CPU
+        ...     if op is torch.ops.aten.mm.default:
+        ...         return CheckpointPolicy.MUST_CPU_OFFLOAD
+        ...     return CheckpointPolicy.PREFER_RECOMPUTE
+        >>> context_fn = functools.partial(cpu_offload.create_selective_checkpoint_contexts, policy)
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(3))
+        >>> sim = cpu_offload.SimulatedDevice()    # on a GPU: leave out device=
+        >>> ctx, sync = cpu_offload.get_cpu_offload_context(
+        ...     enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=1, device=sim)
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = checkpoint(lambda h: torch.tanh(layer(h)), x, use_reentrant=False,
+        ...                        context_fn=context_fn)
+        ...     x = sync(x)
+        >>> x.sum().backward()
+        >>> ctx.stats().to_dict()["layers"][0]["copied_out_bytes"]   # input + mm output
+        4096
+    """
+    offload = cpu_offload_policies()
+    sync = active_synchronizer()
+    if callable(policy_fn_or_list) and offload:
+        policy_fn = policy_fn_or_list
+        counts: dict = defaultdict(int)
+        offloaded: dict = {}
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            index = counts[op]
+            counts[op] += 1
+            answer = policy_fn(ctx, op, *args, **kwargs)
+            if answer not in offload:
+                return answer
+            if sync is None:
+                warn_outside()
+                return CheckpointPolicy.PREFER_RECOMPUTE  # what torch does in eager mode
+            leaves, _ = tree_flatten(ctx.op_output)
+            offloaded[(op, index)] = {
+                i: sync.push(leaf.detach()) for i, leaf in enumerate(leaves)
+                if isinstance(leaf, torch.Tensor)
+            }
+            return CheckpointPolicy.MUST_SAVE
+
+        forward, recompute = torch_contexts(policy, allow_cache_entry_mutation)
+        return _ForwardContext(forward, offloaded, allow_cache_entry_mutation), recompute
+    return torch_contexts(policy_fn_or_list, allow_cache_entry_mutation)
+
+
+def warn_outside() -> None:
+    """Python's default warning filter shows it once per place in a program."""
+    warnings.warn(
+        "cpu_offload.create_selective_checkpoint_contexts: a policy asked for CPU offload "
+        "outside cpu_offload's offload context, so the op is recomputed (as torch does); "
+        "run the checkpoint inside apply_offloading's layers or `with ctx:` of "
+        "get_cpu_offload_context",
+        stacklevel=3,
+    )
