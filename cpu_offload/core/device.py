@@ -318,7 +318,7 @@ def event_groups(pairs: list, group_bytes: int) -> list:
     Example::
 
         >>> import torch
-        >>> from cpu_offload.device import event_groups
+        >>> from cpu_offload.core.device import event_groups
         >>> pairs = [(torch.empty(n, dtype=torch.uint8), None) for n in (10, 20, 100, 30, 40)]
         >>> [[d.numel() for d, _ in g] for g in event_groups(pairs, 50)]
         [[10, 20], [100], [30, 40]]
