@@ -207,7 +207,8 @@ def instrument(layers: list, driver: Any, recompute: Sequence[int] = ()) -> Call
 
     ``before`` is not called (the layer runs untouched) with grad disabled or during a backward
     pass (recomputation); a ``None`` token from ``before`` also leaves the call untouched.
-    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint``.
+    Layers in ``recompute`` run under non-reentrant ``torch.utils.checkpoint``, except inside
+    the caller's own non-reentrant checkpoint region (which recomputes them already).
     """
     check_not_instrumented(layers)
     rec = set(recompute)
@@ -534,7 +535,8 @@ def apply_offloading(
         plan: a ``Plan`` from ``plan_offloading``: its offloaded layers (the first
             ``num_layers``, or the spread ``offloaded`` ones, with their own schedule) are
             offloaded and its ``recompute`` layers are checkpointed (non-reentrant
-            ``torch.utils.checkpoint``).
+            ``torch.utils.checkpoint``; not where they already run inside a non-reentrant
+            checkpoint of the caller's, around the layer or the stack, which recomputes them).
             Its ``min_tensor_size_to_offload`` is used unless given here, and its ``selective``
             layers are selective.
         selective: layers (indices, or ``True`` for all) whose cheap saved tensors are
