@@ -863,6 +863,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._buckets[b].restore()
         for ev in st.landed.values():
             self._engine.fence_compute(ev)
+        if any(self._cpu[k].bucket not in st.landed for k in st.copied):
+            # Copies queued into a bucket that never closed (a backward that raised, or was
+            # abandoned, before its last gradient): the gradients and temporaries they read
+            # may be freed next (zero_grad, `keep` below) only after they ran.
+            self._engine.fence_compute(self._engine.mark_landed())
         st.keep.clear()
         st.seen.clear()
         st.watch.clear()
