@@ -13,12 +13,16 @@
    place (a GRU cell does that) kept its activations alive for good after a backward that
    raised, or when its graph was dropped without a backward: a recipe held such an input with
    its autograd history, which closed a reference cycle through the graph.
+4. ``HybridDeviceOptimizer(overlap="backward_copies")``, ``zero_grad()`` after a backward that
+   raised (findings N4, fuzz seeds 2181 7087 7925): gradients whose copies were queued into a
+   bucket that never closed were freed with the copies still queued (``SimulatedHazard``).
 
 Every program is compared bit for bit (``torch.equal``) with the same program without
 offloading.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import warnings
 import weakref
@@ -31,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 import cpu_offload
 from cpu_offload import SimulatedDevice, apply_offloading
 from cpu_offload.compat import top_saved_tensors_hooks
+from cpu_offload.optim import HybridDeviceOptimizer
 from cpu_offload.tools.planner import Plan
 
 D = 16  # width
@@ -260,3 +265,47 @@ def test_selective_layer_holds_nothing_after_a_failed_or_missing_backward(layer_
     assert_exact(got, ref)
     assert_nothing_left(handle)
     handle.remove()
+
+
+# --- 4. the hybrid optimizer after a backward that raised ----------------------------------
+
+
+def _steps_after_a_failed_backward(fraction: float, device, where: str = "cpu") -> None:
+    """The second linear's gradients are copied (queued) as backward produces them; the hook on
+    the first linear's output raises before that bucket is complete. ``zero_grad()`` frees the
+    gradients only after their queued copies, and the next steps equal torch's AdamW."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, D)).to(where)
+    ref = copy.deepcopy(model)
+    opt = HybridDeviceOptimizer(model.parameters(), fraction, overlap="backward_copies",
+                                bucket_bytes=1 << 20, lr=0.01, device=device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    h = model[0](torch.randn(8, D, device=where))
+    h.register_hook(_boom)
+    with pytest.raises(Boom):
+        model[2](model[1](h)).square().mean().backward()
+    opt.zero_grad()
+    for i in range(2):
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(i)).to(where)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    opt.wait_params()
+    bad = [n for (n, a), b in zip(model.named_parameters(), ref.parameters())
+           if not torch.equal(a, b)]
+    assert not bad, f"parameters {bad} differ from torch's AdamW"
+    opt.close()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75])
+def test_hybrid_optimizer_zero_grad_after_a_backward_that_raised(fraction, sim):
+    _steps_after_a_failed_backward(fraction, sim)
+    assert sim.pending_ops() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fraction", [1.0, 0.75])
+def test_hybrid_optimizer_zero_grad_after_a_backward_that_raised_on_cuda(fraction, deterministic):
+    _steps_after_a_failed_backward(fraction, None, "cuda")
+    torch.cuda.synchronize()
