@@ -862,10 +862,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._buckets[b].restore()
         for ev in st.landed.values():
             self._engine.fence_compute(ev)
-        if st.copied:
-            # Copies queued for a bucket that never closed (a backward that raised) have no
-            # landed event of their own: fence on every copy queued so far, so that the
-            # gradients they read are not freed (zero_grad, the graph dropped) under them.
+        if any(self._cpu[k].bucket not in st.landed for k in st.copied):
+            # Copies queued into a bucket that never closed (a backward that raised, or was
+            # abandoned, before its last gradient): the gradients and temporaries they read
+            # may be freed next (zero_grad, `keep` below) only after they ran.
             self._engine.fence_compute(self._engine.mark_landed())
         st.keep.clear()
         st.seen.clear()

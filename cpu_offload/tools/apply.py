@@ -289,7 +289,8 @@ def apply_offloading(
         plan: a ``Plan`` from ``plan_offloading``: its offloaded layers (the first
             ``num_layers``, or the spread ``offloaded`` ones, with their own schedule) are
             offloaded and its ``recompute`` layers are checkpointed (non-reentrant
-            ``torch.utils.checkpoint``).
+            ``torch.utils.checkpoint``; not where they already run inside a non-reentrant
+            checkpoint of the caller's, around the layer or the stack, which recomputes them).
             Its ``min_tensor_size_to_offload`` and device are used unless given here, and its
             ``selective`` layers are selective.
         selective: layers (indices, or ``True`` for all) whose cheap saved tensors are

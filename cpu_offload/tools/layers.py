@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..compat import compiler_disable, in_backward
+from ..compat import compiler_disable, in_backward, in_checkpoint_region
 from ..core.errors import OffloadConfigError, OffloadUsageError
 
 __all__ = [
@@ -66,11 +66,24 @@ class _LayerState:
 
 @compiler_disable
 def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """``(state, token)``; ``token is None``: run the layer untouched."""
+    """``(state, token, checkpointed)``; ``token is None``: run the layer untouched;
+    ``checkpointed``: run it under the plan's checkpoint."""
     state = self.__dict__.get(_STATE_ATTR)
     if state is None or not torch.is_grad_enabled() or in_backward():
-        return state, None
-    return state, state.driver.before(state.index, self, args, kwargs)
+        return state, None, False
+    # The plan's checkpoint of a recompute layer, unless the layer already runs inside a user's
+    # non-reentrant checkpoint region (around the layer or the stack; HF's
+    # gradient_checkpointing): that region recomputes the layer in backward, where this call
+    # runs untouched, so the recomputation must see the same ops and saved tensors as the
+    # forward. A checkpoint nested in forward only would save other tensors than the
+    # recomputation (CheckpointError), and would recompute nothing the outer one does not.
+    # Decided before ``before`` enters the offload context, whose hooks then are the innermost.
+    checkpointed = (
+        state.recompute
+        and not (getattr(self, "gradient_checkpointing", False) and self.training)  # HF: done
+        and not in_checkpoint_region()
+    )
+    return state, state.driver.before(state.index, self, args, kwargs), checkpointed
 
 
 @compiler_disable
@@ -83,14 +96,11 @@ def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
     state.driver.abort(token, exc)
 
 
-def _base_call(self: nn.Module, state: Optional[_LayerState], *args: Any, **kwargs: Any) -> Any:
+def _base_call(
+    self: nn.Module, state: Optional[_LayerState], checkpointed: bool, *args: Any, **kwargs: Any
+) -> Any:
     base = state.base if state is not None else _bases.get(type(self), type(self))
-    if (
-        state is not None
-        and state.recompute
-        and torch.is_grad_enabled()
-        and not (getattr(self, "gradient_checkpointing", False) and self.training)  # HF: done
-    ):
+    if checkpointed:
         if state.context_fn is not None:  # a selective-checkpoint policy
             return checkpoint(
                 base.__call__, self, *args, use_reentrant=False, context_fn=state.context_fn,
@@ -102,11 +112,11 @@ def _base_call(self: nn.Module, state: Optional[_LayerState], *args: Any, **kwar
 
 def _layer_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of an instrumented layer: the original call between ``before``/``after``."""
-    state, token = _begin(self, args, kwargs)
+    state, token, checkpointed = _begin(self, args, kwargs)
     if token is None:  # grad disabled, or a recomputation in backward: run it as it is
-        return _base_call(self, None, *args, **kwargs)
+        return _base_call(self, None, False, *args, **kwargs)
     try:
-        out = _base_call(self, state, *args, **kwargs)
+        out = _base_call(self, state, checkpointed, *args, **kwargs)
     except BaseException as exc:
         _fail(state, token, exc)
         raise

@@ -491,6 +491,16 @@ class SelectiveLayer:
                     entry.stored = store(t)
                     self.lstats.recipe_bytes -= entry.recipe.nbytes
                     self.lstats.recipe_tensors -= count
+        if recorder is not None:
+            # What the recipes recorded about their inputs served the pack hook, which made
+            # each entry's own references (detached, no memory). Their held inputs are the
+            # tensors themselves, autograd history included: kept by a recipe that an entry
+            # in this layer's graph keeps, they would close a cycle through that graph (graph
+            # -> RecomputedRef -> entry -> recipe -> tensor -> grad_fn -> graph), which no
+            # refcount frees when the graph is dropped without a backward through it, or
+            # after a backward that raised.
+            for recipe in recorder.recipes.values():
+                recipe.inputs = ()
         self.sources = {}
         self.by_recipe = {}
 

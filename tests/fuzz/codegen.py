@@ -328,6 +328,14 @@ def _steps(spec: ProgramSpec, out: _Lines) -> None:
         'rec.put(f"step{step}.host_buffer_growth", max(0, dev.live_host_buffers() - host0))')
 
 
+def _plan_checkpoints_run(spec: ProgramSpec) -> bool:
+    """Whether a plan's own checkpoint of a ``recompute`` layer runs, which updates BatchNorm
+    running stats twice, as torch's checkpoint does (the run without offloading has none). It
+    steps aside inside the program's own checkpoint regions: non-reentrant ones recompute the
+    layer themselves, and a reentrant one runs it without grad, then in backward."""
+    return spec.stack_ckpt == "none" and any(spec.layers[r].ckpt == "none" for r in spec.recompute)
+
+
 def _final(spec: ProgramSpec, out: _Lines) -> None:
     """After the last step: queued copies, the layers restored, parameters and buffers."""
     opt = spec.optimizer
@@ -340,7 +348,7 @@ def _final(spec: ProgramSpec, out: _Lines) -> None:
         out(2, "if handle is not None:", "    handle.remove()")
     out(2, 'rec.put("final.layer_classes", tuple(type(l).__name__ for l in layers))',
         'rec.put("final.params", params)')
-    if not spec.recompute:  # a plan's checkpoints update BatchNorm running stats twice, as torch's do
+    if not _plan_checkpoints_run(spec):
         out(2, 'rec.put("final.buffers", tuple(layers.buffers()))')
     out(1, "finally:", "    watch.remove()")
     if spec.entry in APPLY_ENTRIES:
