@@ -464,7 +464,7 @@ def current_dispatch_mode() -> Any:
 # Selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
 # the forward context's cache, ``{op key: {call index: outputs as a tree of version wrappers}}``;
 # in eager mode an op's key is the op itself. ``CheckpointPolicy.MUST_CPU_OFFLOAD`` and
-# ``PREFER_CPU_OFFLOAD`` exist from torch 2.13 on; None where absent.
+# ``PREFER_CPU_OFFLOAD`` exist in recent releases (2.11 has them); None where absent.
 def sac_cache(forward_context: Any) -> dict:
     """The cache of the forward context that ``create_selective_checkpoint_contexts`` made."""
     return forward_context.storage

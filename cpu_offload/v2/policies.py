@@ -6,9 +6,9 @@ copied out on the side stream, released and reloaded on the layer's schedule, co
 statistics. torch itself, in eager mode, recomputes such ops.
 
 How: the policy is passed to torch's own contexts with offload answers turned into
-``MUST_SAVE``; the op's outputs are handed to the engine (``OffloadSynchronizer.push``) as it
-runs, and when the checkpointed forward ends, the cache entries torch kept on the device are
-replaced by ones that unpack the engine's copy when the recomputation asks for them.
+``MUST_SAVE``; when the checkpointed forward ends, the outputs torch cached for those ops are
+handed to the engine (``OffloadSynchronizer.push``) and their cache entries replaced by ones that
+unpack the engine's copy when the recomputation asks for them.
 """
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ class OffloadedEntry:
 class _ForwardContext:
     """torch's forward context, then: cache entries of offloaded ops swapped for the engine's."""
 
-    def __init__(self, inner: Any, offloaded: dict, allow_cache_entry_mutation: bool) -> None:
+    def __init__(self, inner: Any, offloaded: set, sync: Any, allow_cache_entry_mutation: bool) -> None:
         self.inner = inner
-        self.offloaded = offloaded
+        self.offloaded = offloaded  # {(op key, call index)} whose policy said CPU offload
+        self.sync = sync
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
 
     def __enter__(self) -> Any:
@@ -53,19 +54,28 @@ class _ForwardContext:
     def __exit__(self, *exc: Any) -> Any:
         out = self.inner.__exit__(*exc)
         cache = sac_cache(self.inner)
-        for (key, index), packed in self.offloaded.items():
-            entry = cache.get(key, {}).get(index)
-            if entry is None:
-                continue
-            leaves, spec = tree_flatten(entry)
-            for i in packed:  # torch's check: mutated inside the region since it was cached
-                leaves[i].get_val(self.allow_cache_entry_mutation)
-            cache[key][index] = tree_unflatten(
-                [OffloadedEntry(packed[i]) if i in packed else leaf for i, leaf in enumerate(leaves)],
-                spec,
-            )
+        if exc[0] is None:
+            for key, index in sorted(self.offloaded, key=lambda k: k[1]):
+                entry = cache.get(key, {}).get(index)
+                if entry is not None:
+                    cache[key][index] = self._offload(entry)
         self.offloaded.clear()
         return out
+
+    def _offload(self, entry: Any) -> Any:
+        """The cached outputs of one op, handed to the engine: each tensor leaf (a version
+        wrapper whose ``get_val`` runs torch's check that it was not mutated inside the region)
+        becomes an entry that reloads the engine's copy. Done as the checkpointed forward ends,
+        still inside the layer's offload context: the op's output is only there (the policy is
+        asked before the op runs on some torch releases)."""
+        leaves, spec = tree_flatten(entry)
+        out = []
+        for leaf in leaves:
+            get_val = getattr(leaf, "get_val", None)
+            val = get_val(self.allow_cache_entry_mutation) if get_val is not None else None
+            out.append(OffloadedEntry(self.sync.push(val.detach()))
+                       if isinstance(val, torch.Tensor) else leaf)
+        return tree_unflatten(out, spec)
 
 
 def create_selective_checkpoint_contexts(
@@ -121,7 +131,7 @@ def create_selective_checkpoint_contexts(
     if callable(policy_fn_or_list) and offload:
         policy_fn = policy_fn_or_list
         counts: dict = defaultdict(int)
-        offloaded: dict = {}
+        offloaded: set = set()
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
             index = counts[op]
@@ -132,15 +142,11 @@ def create_selective_checkpoint_contexts(
             if sync is None:
                 warn_outside()
                 return CheckpointPolicy.PREFER_RECOMPUTE  # what torch does in eager mode
-            leaves, _ = tree_flatten(ctx.op_output)
-            offloaded[(op, index)] = {
-                i: sync.push(leaf.detach()) for i, leaf in enumerate(leaves)
-                if isinstance(leaf, torch.Tensor)
-            }
+            offloaded.add((op, index))
             return CheckpointPolicy.MUST_SAVE
 
         forward, recompute = torch_contexts(policy, allow_cache_entry_mutation)
-        return _ForwardContext(forward, offloaded, allow_cache_entry_mutation), recompute
+        return _ForwardContext(forward, offloaded, sync, allow_cache_entry_mutation), recompute
     return torch_contexts(policy_fn_or_list, allow_cache_entry_mutation)
 
 
