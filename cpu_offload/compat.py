@@ -462,7 +462,8 @@ def current_dispatch_mode() -> Any:
 
 
 # Selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
-# the forward context's cache, ``{op key: {call index: outputs as a tree of version wrappers}}``;
+# the forward context's cache, ``{op key: outputs per call index}`` (a list of trees of version
+# wrappers, or a dict by index, depending on the release);
 # in eager mode an op's key is the op itself. ``CheckpointPolicy.MUST_CPU_OFFLOAD`` and
 # ``PREFER_CPU_OFFLOAD`` exist in recent releases (2.11 has them); None where absent.
 def sac_cache(forward_context: Any) -> dict:

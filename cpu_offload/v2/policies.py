@@ -44,7 +44,8 @@ class _ForwardContext:
 
     def __init__(self, inner: Any, offloaded: set, sync: Any, allow_cache_entry_mutation: bool) -> None:
         self.inner = inner
-        self.offloaded = offloaded  # {(op key, call index)} whose policy said CPU offload
+        # {(op key, call index, index among the op's saved calls)} whose policy said CPU offload
+        self.offloaded = offloaded
         self.sync = sync
         self.allow_cache_entry_mutation = allow_cache_entry_mutation
 
@@ -55,10 +56,14 @@ class _ForwardContext:
         out = self.inner.__exit__(*exc)
         cache = sac_cache(self.inner)
         if exc[0] is None:
-            for key, index in sorted(self.offloaded, key=lambda k: k[1]):
-                entry = cache.get(key, {}).get(index)
-                if entry is not None:
-                    cache[key][index] = self._offload(entry)
+            for key, call, saved in sorted(self.offloaded, key=lambda k: k[1]):
+                # Per op, a dict by call index on some releases; on others a list of the saved
+                # calls only, in order.
+                calls = cache.get(key)
+                index = call if isinstance(calls, dict) else saved
+                if calls is not None and (index in calls if isinstance(calls, dict)
+                                          else index < len(calls)):
+                    calls[index] = self._offload(calls[index])
         self.offloaded.clear()
         return out
 
@@ -131,19 +136,24 @@ def create_selective_checkpoint_contexts(
     if callable(policy_fn_or_list) and offload:
         policy_fn = policy_fn_or_list
         counts: dict = defaultdict(int)
+        saved: dict = defaultdict(int)  # per op, the calls torch caches (see _ForwardContext)
         offloaded: set = set()
+        keep = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
             index = counts[op]
             counts[op] += 1
             answer = policy_fn(ctx, op, *args, **kwargs)
-            if answer not in offload:
-                return answer
-            if sync is None:
-                warn_outside()
-                return CheckpointPolicy.PREFER_RECOMPUTE  # what torch does in eager mode
-            offloaded.add((op, index))
-            return CheckpointPolicy.MUST_SAVE
+            if answer in offload:
+                if sync is None:
+                    warn_outside()
+                    answer = CheckpointPolicy.PREFER_RECOMPUTE  # what torch does in eager mode
+                else:
+                    offloaded.add((op, index, saved[op]))
+                    answer = CheckpointPolicy.MUST_SAVE
+            if answer in keep:
+                saved[op] += 1
+            return answer
 
         forward, recompute = torch_contexts(policy, allow_cache_entry_mutation)
         return _ForwardContext(forward, offloaded, sync, allow_cache_entry_mutation), recompute
