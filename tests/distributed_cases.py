@@ -435,8 +435,8 @@ def run_cases(cases: List[str], device_kind: str) -> None:
             env.sims.clear()
             if not env.cuda and case in CPU_NEEDS_2_8 and compat.TORCH_VERSION < Version("2.8"):
                 if env.rank == 0:
-                    print("RESULT " + json.dumps({"case": case, "skipped": f"{case} on CPU/gloo "
-                          f"needs torch >= 2.8, found {torch.__version__}"}), flush=True)
+                    emit("RESULT", {"case": case, "skipped": f"{case} on CPU/gloo needs torch "
+                                    f">= 2.8, found {torch.__version__}"})
                 continue
             if case == "ddp":
                 result = case_ddp(env)
@@ -455,11 +455,19 @@ def run_cases(cases: List[str], device_kind: str) -> None:
             dist.barrier()
             result.update(case=case, device=device_kind, torch=torch.__version__, world=env.world)
             if env.rank == 0:
-                print("RESULT " + json.dumps(result), flush=True)
+                emit("RESULT", result)
     except BaseException:
         dist.destroy_process_group()
         raise
-    print("TEARDOWN " + json.dumps(env.close()), flush=True)
+    emit("TEARDOWN", env.close())
+
+
+def emit(kind: str, data: dict) -> None:
+    """Print ``kind {json}`` as one write: torchrun's workers are unbuffered (``-u``), where
+    ``print`` writes the line and its newline separately, and a line another rank writes
+    meanwhile would land in between (seen: two TEARDOWN lines on one line)."""
+    sys.stdout.write(f"{kind} {json.dumps(data)}\n")
+    sys.stdout.flush()
 
 
 def main(argv: Optional[list] = None) -> None:
