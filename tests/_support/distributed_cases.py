@@ -13,7 +13,9 @@ the same model and inputs and checks on every rank that every gradient (``ddp-op
 parameter after three optimizer steps) is ``torch.equal`` to the run without offloading; on CUDA it
 also measures peak memory above the pre-step baseline (and checks it shrinks where the case says
 so). Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
-torchrun reports the case as failed.
+torchrun reports the case as failed. After the last case every rank destroys the process group,
+checks that no thread of its own is left and prints one ``TEARDOWN {json}`` line; on the CPU
+(gloo) it then ends without the interpreter's shutdown (``exit_skipping_shutdown`` says why).
 
 ``--device cpu`` uses gloo, the simulated device and a tiny model (seconds on 2 cores);
 ``--device cuda`` uses NCCL, one GPU per rank, deterministic kernels and a model big enough that
@@ -27,6 +29,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import traceback
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -65,6 +69,8 @@ class Env:
         dist.init_process_group(
             "nccl" if self.cuda else "gloo", timeout=datetime.timedelta(seconds=120)
         )
+        # Held to the end of the process: freeing a gloo group can hang (exit_skipping_shutdown).
+        self.group = dist.group.WORLD
         self.sims: List[SimulatedDevice] = []
 
     def config(self, layers: int) -> GPTConfig:
@@ -99,6 +105,21 @@ class Env:
         out = fn()
         self.sync()
         return out, torch.cuda.max_memory_allocated() - base
+
+    def close(self) -> dict:
+        """Destroy the process group and check that no thread started in Python is left (a
+        ``HybridDeviceOptimizer`` that was not closed, say); returns this rank's ``TEARDOWN``
+        report. Gloo's worker threads are not joined here (``exit_skipping_shutdown``)."""
+        dist.destroy_process_group()
+        # Threads started outside Python that ran Python code (gloo's workers run the comm
+        # hooks' callbacks) stay listed as dummy threads: they are not ours.
+        ours = [t.name for t in threading.enumerate()
+                if t is not threading.main_thread() and not isinstance(t, threading._DummyThread)]
+        if ours:
+            raise RuntimeError(f"rank {self.rank}: threads still running after the last case: "
+                               f"{ours} (an optimizer not closed?)")
+        return {"rank": self.rank, "backend": "nccl" if self.cuda else "gloo",
+                "python_threads": ours}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -416,8 +437,8 @@ def run_cases(cases: List[str], device_kind: str) -> None:
             env.sims.clear()
             if not env.cuda and case in CPU_NEEDS_2_8 and compat.TORCH_VERSION < Version("2.8"):
                 if env.rank == 0:
-                    print("RESULT " + json.dumps({"case": case, "skipped": f"{case} on CPU/gloo "
-                          f"needs torch >= 2.8, found {torch.__version__}"}), flush=True)
+                    emit("RESULT", {"case": case, "skipped": f"{case} on CPU/gloo needs torch "
+                                    f">= 2.8, found {torch.__version__}"})
                 continue
             if case == "ddp":
                 result = case_ddp(env)
@@ -436,9 +457,19 @@ def run_cases(cases: List[str], device_kind: str) -> None:
             dist.barrier()
             result.update(case=case, device=device_kind, torch=torch.__version__, world=env.world)
             if env.rank == 0:
-                print("RESULT " + json.dumps(result), flush=True)
-    finally:
+                emit("RESULT", result)
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    emit("TEARDOWN", env.close())
+
+
+def emit(kind: str, data: dict) -> None:
+    """Print ``kind {json}`` as one write: torchrun's workers are unbuffered (``-u``), where
+    ``print`` writes the line and its newline separately, and a line another rank writes
+    meanwhile would land in between (seen: two TEARDOWN lines on one line)."""
+    sys.stdout.write(f"{kind} {json.dumps(data)}\n")
+    sys.stdout.flush()
 
 
 def main(argv: Optional[list] = None) -> None:
@@ -451,7 +482,45 @@ def main(argv: Optional[list] = None) -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; choose from {CASES}")
-    run_cases(cases, args.device)
+    if args.device == "cuda":  # NCCL: destroy_process_group shuts its threads down
+        run_cases(cases, args.device)
+        return
+    try:
+        run_cases(cases, args.device)
+    except BaseException:
+        traceback.print_exc()
+        exit_skipping_shutdown(1)
+    exit_skipping_shutdown(0)
+
+
+def exit_skipping_shutdown(code: int) -> None:
+    """End this process now, without the interpreter's shutdown, which a thread of gloo's can
+    abort: how every rank ends on the CPU, after ``destroy_process_group``.
+
+    Gloo runs each collective on one of the group's worker threads, which lets go of the work,
+    and of its tensors, only after the waiting rank went on. Releasing a tensor that has a Python
+    object takes the GIL (from torch 2.10 whenever Python holds the tensor too). When the
+    interpreter is already shutting down, taking the GIL ends the thread; the unwinding meets a
+    ``noexcept`` destructor and std::terminate aborts the rank: "terminate called without an
+    active exception", exit code -6, after every RESULT was printed. Seen in about one run in
+    four with ``ddp-optim`` last (its parameter broadcasts come just before the final barrier);
+    in the core dump a ``ProcessGroupGloo::runLoop`` thread was in ``~AsyncBroadcastWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``pthread_exit`` while the main thread
+    was in ``Py_FinalizeEx``.
+
+    Joining those threads first is not possible here. Gloo has no shutdown: only the group's
+    destructor joins them, and ``destroy_process_group`` only drops torch.distributed's own
+    references, while torch keeps others to the end of the process (DDP imports
+    ``torch.distributed.nn.functional``, whose default arguments are ``group=group.WORLD``;
+    DTensor's caches hold ``DeviceMesh`` objects, which hold their groups). And where the group
+    is freed, on torch 2.6 its destructor runs with the GIL held and joins a worker that waits
+    for the GIL: a hang (seen). So the group stays referenced (``Env.group``) and the process
+    ends with ``os._exit``, which stops gloo's threads where they are. Our own threads were
+    checked before (``Env.close``); the output is flushed here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # --- launching from pytest ---------------------------------------------------------------------
