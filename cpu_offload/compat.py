@@ -32,8 +32,8 @@ OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfM
 # module in every release, same signature from 1.x to 2.14).
 from torch.utils._pytree import tree_map  # noqa: E402,F401
 
-# torch >= 2.5 can report the innermost saved-tensor hooks of the current thread; older releases
-# cannot (and calling a hook to find out would run it).
+# Newer torch releases (2.11 does, 2.6 does not) can report the innermost saved-tensor hooks of
+# the current thread; older ones cannot (and calling a hook to find out would run it).
 _top_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 _tracing_types: Optional[tuple] = None
@@ -70,10 +70,34 @@ if _top_default_hooks is not None:
     # Public since torch 1.10; kept behind a name so V1 and V2 share one entry point. From torch
     # 2.5 on, torch.compile's tracing does not run the installed hooks either.
     saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
-else:  # pragma: no cover - torch < 2.5
+else:  # pragma: no cover - torch releases without _top_saved_tensors_default_hooks
     import threading
 
     _installed = threading.local()
+
+    # Note [recording every hook pair]: the offload contexts must see whose hooks are innermost
+    # (``in_checkpoint_region``: a non-reentrant checkpoint's), and the tests that none of
+    # theirs is left. These releases cannot report it, so every ``saved_tensors_hooks`` entered
+    # on this thread (torch's checkpoint hooks subclass it) is recorded here. Only these
+    # releases are patched; the behaviour of the hooks is unchanged.
+    _base_hooks = torch.autograd.graph.saved_tensors_hooks
+    _base_enter, _base_exit = _base_hooks.__enter__, _base_hooks.__exit__
+
+    def _recording_enter(self: Any) -> None:
+        _base_enter(self)
+        stack = getattr(_installed, "stack", None)
+        if stack is None:
+            stack = _installed.stack = []
+        stack.append(getattr(self, "user_hooks", (self.pack_hook, self.unpack_hook)))
+
+    def _recording_exit(self: Any, *args: Any) -> None:
+        stack = getattr(_installed, "stack", None)
+        if stack:
+            stack.pop()
+        _base_exit(self, *args)
+
+    _base_hooks.__enter__ = _recording_enter  # type: ignore[method-assign]
+    _base_hooks.__exit__ = _recording_exit  # type: ignore[method-assign]
 
     class _Traced:
         __slots__ = ("t",)
@@ -82,12 +106,11 @@ else:  # pragma: no cover - torch < 2.5
             self.t = t
 
     class saved_tensors_hooks(torch.autograd.graph.saved_tensors_hooks):  # type: ignore[no-redef]
-        """``torch.autograd.graph.saved_tensors_hooks`` for torch < 2.5, where two things differ:
-
-        - torch.compile's tracing (the first call of a compiled function) runs the installed
-          hooks on FakeTensors, which have no data to copy: those pass through untouched;
-        - torch cannot report the installed hooks: this records them per thread, for
-          ``top_saved_tensors_hooks``.
+        """``torch.autograd.graph.saved_tensors_hooks`` for torch releases that cannot report the
+        installed hooks, where torch.compile's tracing (the first call of a compiled function)
+        also runs the installed hooks on FakeTensors, which have no data to copy: those pass
+        through untouched. ``user_hooks`` is what ``top_saved_tensors_hooks`` reports (see
+        Note [recording every hook pair]).
         """
 
         def __init__(self, pack_hook: Callable, unpack_hook: Callable) -> None:
@@ -100,27 +123,13 @@ else:  # pragma: no cover - torch < 2.5
             super().__init__(pack, unpack)
             self.user_hooks = (pack_hook, unpack_hook)
 
-        def __enter__(self) -> None:
-            super().__enter__()
-            stack = getattr(_installed, "stack", None)
-            if stack is None:
-                stack = _installed.stack = []
-            stack.append(self.user_hooks)
-
-        def __exit__(self, *args: Any) -> None:
-            stack = getattr(_installed, "stack", None)
-            if stack:
-                stack.pop()
-            super().__exit__(*args)
-
 
 def top_saved_tensors_hooks() -> Optional[Tuple[Callable, Callable]]:
     """The innermost ``(pack_hook, unpack_hook)`` installed on this thread, or None.
 
-    On torch >= 2.5 this asks torch, so it sees every installed pair. Older torch releases keep
-    no queryable record: there it sees only the pairs installed through this module's
-    ``saved_tensors_hooks`` (which is what every backend of this package uses), enough to check
-    that the package left no hook behind.
+    Newer torch releases answer this themselves; on older ones every
+    ``torch.autograd.graph.saved_tensors_hooks`` entered is recorded (Note [recording every hook
+    pair]), so it also sees every pair installed through that class (checkpoint's included).
     """
     if _top_default_hooks is not None:
         return _top_default_hooks(False)
@@ -143,7 +152,7 @@ def pop_saved_tensors_hooks() -> None:
     True
     """
     torch._C._autograd._pop_saved_tensors_default_hooks()
-    if _top_default_hooks is None:  # pragma: no cover - torch < 2.5 records the pairs itself
+    if _top_default_hooks is None:  # pragma: no cover - releases where this module records them
         stack = getattr(_installed, "stack", None)
         if stack:
             stack.pop()
@@ -161,8 +170,8 @@ def in_checkpoint_region() -> bool:
     top of it in forward but not in the recomputation would shift that numbering (wrong
     gradients, or a ``CheckpointError`` when the shapes differ), so the offload contexts install
     none there. Recognized by where the pack hook is defined (the module the hooks of
-    ``checkpoint(use_reentrant=False)`` have lived in since torch 2.0); torch releases that
-    cannot report the installed hooks (< 2.5) answer False.
+    ``checkpoint(use_reentrant=False)`` have lived in since torch 2.0); on releases that cannot
+    report the installed hooks, the pairs recorded here (Note [recording every hook pair]).
 
     Example:
 
@@ -176,9 +185,7 @@ def in_checkpoint_region() -> bool:
     >>> seen, in_checkpoint_region()
     ([True], False)
     """
-    if _top_default_hooks is None:  # pragma: no cover - torch < 2.5
-        return False
-    top = _top_default_hooks(False)
+    top = top_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__module__", None) == _CHECKPOINT_MODULE
 
 
