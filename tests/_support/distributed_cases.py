@@ -498,15 +498,15 @@ def exit_skipping_shutdown(code: int) -> None:
     abort: how every rank ends on the CPU, after ``destroy_process_group``.
 
     Gloo runs each collective on one of the group's worker threads, which lets go of the work,
-    and of its tensors, only after the waiting rank went on. Releasing a tensor that has a Python
-    object takes the GIL (from torch 2.10 whenever Python holds the tensor too). When the
-    interpreter is already shutting down, taking the GIL ends the thread; the unwinding meets a
-    ``noexcept`` destructor and std::terminate aborts the rank: "terminate called without an
-    active exception", exit code -6, after every RESULT was printed. Seen in about one run in
-    four with ``ddp-optim`` last (its parameter broadcasts come just before the final barrier);
-    in the core dump a ``ProcessGroupGloo::runLoop`` thread was in ``~AsyncBroadcastWork`` ->
-    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``pthread_exit`` while the main thread
-    was in ``Py_FinalizeEx``.
+    and of its tensors, only after the waiting rank went on. Releasing a tensor whose Python
+    object C++ keeps alive takes the GIL (from torch 2.10 also one that Python still holds).
+    When the interpreter is already shutting down, taking the GIL ends the thread; the unwinding
+    meets a ``noexcept`` destructor and std::terminate aborts the rank: "terminate called
+    without an active exception", exit code -6, after every RESULT was printed. Seen in one run
+    in two to six with ``ddp-optim`` last (its parameter broadcasts come just before the final
+    barrier); in the core dump a ``ProcessGroupGloo::runLoop`` thread was in
+    ``~AsyncBroadcastWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
+    ``pthread_exit`` while the main thread was in ``Py_FinalizeEx``.
 
     Joining those threads first is not possible here. Gloo has no shutdown: only the group's
     destructor joins them, and ``destroy_process_group`` only drops torch.distributed's own
