@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from ..core.checks import check_bool, check_int
 from ..core.device import Event, OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from . import ddp
@@ -133,26 +134,6 @@ def _done(value: Any) -> Future:
     f: Future = Future()
     f.set_result(value)
     return f
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise OffloadConfigError(
-            f"HybridDeviceOptimizer({name}=...) must be True or False, got {value!r}; convert "
-            "flags read from strings or config files first (bool('no') is True)"
-        )
-    return value
-
-
-def _check_int(name: str, value: Any, low: int, optional: bool = False) -> Optional[int]:
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise OffloadConfigError(
-            f"HybridDeviceOptimizer({name}=...) must be an int >= {low}"
-            f"{' or None' if optional else ''}, got {value!r}"
-        )
-    return value
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -290,10 +271,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for name, flag in (("param_update_in_fp32", param_update_in_fp32), ("pin_cpu_grads", pin_cpu_grads),
                            ("pin_cpu_params", pin_cpu_params),
                            ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d)):
-            _check_bool(name, flag)
-        _check_int("bucket_bytes", bucket_bytes, 1)
-        _check_int("cpu_threads", cpu_threads, 1, optional=True)
-        _check_int("cpu_chunk_bytes", cpu_chunk_bytes, 0, optional=True)
+            check_bool(name, flag)
+        check_int("bucket_bytes", bucket_bytes, minimum=1, unit="bytes")
+        check_int("cpu_threads", cpu_threads, minimum=1, allow_none=True)
+        check_int("cpu_chunk_bytes", cpu_chunk_bytes, minimum=0, allow_none=True, unit="bytes")
         self._mode = overlap_mode(overlap, overlap_cpu_optimizer_d2h_h2d)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
                 max_grad_norm, numbers.Real) or not max_grad_norm > 0):
