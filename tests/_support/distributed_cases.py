@@ -8,7 +8,8 @@ marked ``multigpu``, 2 GPUs: NCCL + real streams), or by hand::
 
 Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
 ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and
-``HybridDeviceOptimizer``). Each one runs the same training step with and without offloading on
+``HybridDeviceOptimizer``), ``ddp-optim-clip`` (the optimizer's early updates under DDP's small
+buckets, with ``clip_grad_norm_`` between backward and step on some steps). Each one runs the same training step with and without offloading on
 the same model and inputs and checks on every rank that every gradient (``ddp-optim``: every
 parameter after three optimizer steps) is ``torch.equal`` to the run without offloading; on CUDA it
 also measures peak memory above the pre-step baseline (and checks it shrinks where the case says
@@ -43,7 +44,8 @@ from cpu_offload import SimulatedDevice, apply_offloading, get_cpu_offload_conte
 from cpu_offload import compat
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_layers
 
-CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim")
+CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim",
+         "ddp-optim-clip")
 
 # Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
 # core.subclass.tensor_flatten for them (non-tensor inner attributes such as DTensor's
@@ -429,6 +431,50 @@ def case_ddp_optim(env: Env) -> dict:
     return {"peak_ratio": peak / ref_peak if ref_peak else None, "params": len(ref)}
 
 
+def case_ddp_optim_clip(env: Env) -> dict:
+    """``HybridDeviceOptimizer`` (``backward_update``) under DDP with small buckets: it takes the
+    offloaded gradients from the all-reduced buckets (``ddp_comm_hook``) and updates during
+    backward. On steps 2 and 5 the user clips between backward and step, so the early updates
+    must be redone from the clipped gradients; on untouched steps nothing is redone (DDP's
+    ``.grad`` was recorded). Six steps, a different batch per rank and step: parameters
+    ``torch.equal`` to fused AdamW on the same DDP model, and moved from their start."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpu_offload.optim import HybridDeviceOptimizer
+
+    cfg = env.config(2).with_(dtype=torch.float32)  # fp32 as the wrapped AdamW's own state
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ids = [env.device.index] if env.cuda else None
+    ref = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    ddp = DDP(build_model(cfg, env.device, seed=0), device_ids=ids, bucket_cap_mb=0.05)
+    device = {} if env.cuda else {"device": SimulatedDevice(defer=False)}
+    opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, overlap="backward_update", **device, **kw)
+    ddp.register_comm_hook(*opt.ddp_comm_hook())
+    redone = []
+    for step in range(6):
+        x = make_input(cfg, env.device, seed=10 * step + env.rank, requires_grad=False)
+        for net, o in ((ref, ref_opt), (ddp, opt)):
+            loss_of(net(x)).backward()
+            if step in (2, 5):
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            o.step()
+            o.zero_grad()
+        redone.append(opt.last_step_stats["redone_buckets"])
+    opt.wait_params()
+    assert_equal([p.detach() for p in ddp.parameters()], [p.detach() for p in ref.parameters()],
+                 "DDP + HybridDeviceOptimizer + clip_grad_norm_ parameters")
+    start = build_model(cfg, env.device, seed=0)
+    assert not all(torch.equal(a, b) for a, b in zip(start.parameters(), ddp.parameters())), \
+        "no parameter moved"
+    # untouched steps redo nothing; clipped ones redo; after a clipped step no early work (3),
+    # then early work again (4, so that 5 has work to redo)
+    assert redone[:2] + redone[3:5] == [0] * 4, f"redone buckets per step {redone}"
+    assert redone[2] > 0 and redone[5] > 0, f"redone buckets per step {redone}"
+    opt.close()
+    return {"redone_buckets": redone}
+
+
 def run_cases(cases: List[str], device_kind: str) -> None:
     """Run ``cases`` one after the other in one process group; stop at the first failure."""
     env = Env(device_kind)
@@ -448,6 +494,8 @@ def run_cases(cases: List[str], device_kind: str) -> None:
                 result = case_fsdp2_apply(env)
             elif case == "ddp-optim":
                 result = case_ddp_optim(env)
+            elif case == "ddp-optim-clip":
+                result = case_ddp_optim_clip(env)
             elif case in ("pipeline-gpipe", "pipeline-1f1b"):
                 result = case_pipeline(env, case.split("-", 1)[1])
             elif case == "tp":

@@ -1,17 +1,16 @@
 """The Megatron-style optimizer-offloading config: defaults, every constraint (error names the fix),
-and the builder; plus the DDP communication-hook path on gloo (two CPU processes)."""
+and the builder. The DDP communication-hook path runs as cases ``ddp-optim`` and
+``ddp-optim-clip`` of tests/_support/distributed_cases.py (tests/integration/test_distributed.py)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from cpu_offload import (
     OffloadConfigError, OptimizerOffloadConfig, SimulatedDevice, build_hybrid_optimizer,
 )
-from cpu_offload.examples.gpt import build_model, make_input, tiny_config
+from cpu_offload.examples.gpt import build_model, tiny_config
 from cpu_offload.optim import HybridDeviceOptimizer
 
 
@@ -72,49 +71,3 @@ def test_builder():
     opt.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# DDP: offloaded gradients are taken after the all-reduce (communication hook)
-
-
-def _ddp_worker(rank: int, world: int, port: int, result_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = tiny_config().with_(layers=2)
-    kw = dict(lr=1e-2, foreach=False)
-    ref = DDP(build_model(cfg, seed=0))
-    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
-    ddp = DDP(build_model(cfg, seed=0), bucket_cap_mb=0.05)
-    opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, torch.optim.AdamW, torch.optim.AdamW,
-                                device=SimulatedDevice(), overlap="backward_update", **kw)
-    ddp.register_comm_hook(*opt.ddp_comm_hook())
-    for step in range(2):
-        x = make_input(cfg, seed=10 * step + rank, requires_grad=False)  # different per rank
-        for net, o in ((ref, ref_opt), (ddp, opt)):
-            net(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
-    same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), ddp.parameters()))
-    moved = not all(torch.equal(a, b) for a, b in
-                    zip(build_model(cfg, seed=0).parameters(), ddp.parameters()))
-    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
-        f.write(f"{same} {moved}")
-    opt.close()
-    dist.destroy_process_group()
-
-
-def test_ddp_comm_hook_takes_reduced_gradients(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # fork: the children skip re-importing torch (the suite runs torch single-threaded, so no
-    # OpenMP pool is forked)
-    mp.start_processes(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
-    for rank in range(2):
-        assert (tmp_path / f"rank{rank}").read_text() == "True True"

@@ -14,11 +14,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import io
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from cpu_offload import OffloadConfigError, SimulatedDevice
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, tiny_config
@@ -188,53 +186,9 @@ def test_abandoned_backward_is_undone_by_zero_grad_and_state_dict():
     opt.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# DDP: the reduced gradients are recorded after DDP writes them into .grad
-
-
-def _ddp_worker(rank: int, world: int, port: int, result_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = tiny_config().with_(layers=2)
-    ref = DDP(build_model(cfg, seed=0))
-    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
-    ddp = DDP(build_model(cfg, seed=0), bucket_cap_mb=0.05)
-    opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, device=SimulatedDevice(defer=False),
-                                overlap="backward_update", **KW)
-    ddp.register_comm_hook(*opt.ddp_comm_hook())
-    redone = []
-    for step in range(6):
-        x = make_input(cfg, seed=10 * step + rank, requires_grad=False)  # different per rank
-        for net, o in ((ref, ref_opt), (ddp, opt)):
-            net(x).square().mean().backward()
-            if step in (2, 5):
-                torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
-            o.step()
-            o.zero_grad()
-        redone.append(opt.last_step_stats["redone_buckets"])
-    same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), ddp.parameters()))
-    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
-        # untouched steps redo nothing (DDP's .grad was recorded); clipped ones redo; after a
-        # clipped step no early work (3), then early work again (4, so 5 has work to redo)
-        f.write(f"{same} {redone[:2] + redone[3:5] == [0] * 4} {redone[2] > 0 and redone[5] > 0}")
-    opt.close()
-    dist.destroy_process_group()
-
-
-def test_ddp_clip_between_backward_and_step_is_exact_and_untouched_steps_redo_nothing(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
-    for rank in range(2):
-        assert (tmp_path / f"rank{rank}").read_text() == "True True True"
+# DDP with clipping between backward and step: case ``ddp-optim-clip`` of
+# tests/_support/distributed_cases.py, run by tests/integration/test_distributed.py (torchrun,
+# with a timeout; a forked gloo group hung CI on torch 2.6 when it was destroyed).
 
 
 # ---------------------------------------------------------------------------------------------
