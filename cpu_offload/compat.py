@@ -392,14 +392,44 @@ def compiler_disable(fn: Callable) -> Callable:
     """Keep ``fn`` out of torch.compile's traced graphs: it runs eagerly, between graphs (the
     offload context and sync function change Python state that a graph cannot replay).
 
-    ``torch._disable_dynamo`` is what torch itself uses for this: it imports ``torch._dynamo``
-    (about 2 s) only when ``fn`` is first called, not when ``cpu_offload`` is imported, and its
-    wrapper lives in torch's own files, which dynamo never traces.
+    Where torch lets a code object say how dynamo treats its frames (``set_code_exec_strategy``,
+    torch >= 2.7), ``fn`` is returned unwrapped, marked twice: ``_torchdynamo_disable`` makes
+    dynamo break the graph instead of inlining a call to it, and the strategy "skip this frame
+    and every frame it calls" runs it, and what it calls, without dynamo. That is exactly what
+    ``torch.compiler.disable`` does, without its wrapper: these functions run once or twice per
+    layer, and the wrapper cost eight calls each (Note [hot path calls] in ``v2/layer_state.py``).
+    Elsewhere ``torch._disable_dynamo`` wraps it (it imports ``torch._dynamo``, about 2 s, only
+    when ``fn`` is first called; its wrapper lives in torch's own files, which dynamo never
+    traces).
     """
+    strategy = _skip_recursively()
+    if strategy is not None:
+        _set_code_exec_strategy(fn.__code__, strategy)
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+        return fn
     lazy = getattr(torch, "_disable_dynamo", None)
     if lazy is not None:
         return lazy(fn)
     return torch.compiler.disable(fn)  # pragma: no cover - torch without _disable_dynamo
+
+
+def _skip_recursively() -> Any:
+    """Dynamo's frame strategy "skip this frame and the frames it calls", if this torch has it."""
+    try:
+        from torch._C._dynamo import eval_frame
+    except ImportError:  # pragma: no cover - torch built without dynamo
+        return None
+    cls = getattr(eval_frame, "_FrameExecStrategy", None)
+    action = getattr(eval_frame, "_FrameAction", None)
+    if cls is None or action is None or not hasattr(eval_frame, "set_code_exec_strategy"):
+        return None
+    return cls(action.SKIP, action.SKIP)
+
+
+def _set_code_exec_strategy(code: Any, strategy: Any) -> None:
+    from torch._C._dynamo import eval_frame
+
+    eval_frame.set_code_exec_strategy(code, strategy)
 
 
 def neg_view(t: torch.Tensor) -> torch.Tensor:

@@ -159,6 +159,30 @@ def test_whole_model_compiled_as_one_graph():
     out.float().square().sum().backward()
     assert_equal([out.detach(), x.grad] + [p.grad for p in params], ref)
     assert [s["offloaded"] for s in ctx2.synchronizer.layer_summary()] == [True, True, False, False]
+    # The context and sync function ran between graphs, and nothing they called was compiled.
+    assert compiled_package_code() == []
+
+
+def compiled_package_code() -> list:
+    """Functions of cpu_offload (not its example models) that dynamo compiled."""
+    import inspect
+    import sys
+
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("cpu_offload") or name.startswith("cpu_offload.examples"):
+            continue
+        for obj in vars(module).values():
+            fns = [obj] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj) and obj.__module__ == name:
+                fns = [f for f in vars(obj).values() if inspect.isfunction(f)]
+            for fn in fns:
+                fn = inspect.unwrap(fn)
+                if _debug_get_cache_entry_list(fn.__code__):
+                    found.append(f"{name}.{fn.__qualname__}")
+    return found
 
 
 @pytest.mark.gpu
