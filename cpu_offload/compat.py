@@ -282,6 +282,15 @@ def set_version(t: torch.Tensor, version: int) -> None:
         fn(t, version)
 
 
+def set_versions(tensors: list, versions: list) -> None:
+    """``set_version`` for many tensors in one call where torch takes lists (>= 2.5)."""
+    try:
+        _unsafe_set_version_counter(tuple(tensors), tuple(versions))
+    except TypeError:  # torch < 2.5 takes one tensor and one int
+        for t, version in zip(tensors, versions):
+            _unsafe_set_version_counter(t, version)
+
+
 def drop_storage_keep_version(alias: torch.Tensor) -> None:
     """Make ``alias`` (a detached alias of a saved tensor) let go of its storage while it keeps
     sharing the version counter: in-place changes stay detectable without holding memory."""
@@ -392,25 +401,46 @@ def compiler_disable(fn: Callable) -> Callable:
     """Keep ``fn`` out of torch.compile's traced graphs: it runs eagerly, between graphs (the
     offload context and sync function change Python state that a graph cannot replay).
 
-    Where torch lets a code object say how dynamo treats its frames (``set_code_exec_strategy``,
-    torch >= 2.7), ``fn`` is returned unwrapped, marked twice: ``_torchdynamo_disable`` makes
-    dynamo break the graph instead of inlining a call to it, and the strategy "skip this frame
-    and every frame it calls" runs it, and what it calls, without dynamo. That is exactly what
-    ``torch.compiler.disable`` does, without its wrapper: these functions run once or twice per
-    layer, and the wrapper cost eight calls each (Note [hot path calls] in ``v2/layer_state.py``).
-    Elsewhere ``torch._disable_dynamo`` wraps it (it imports ``torch._dynamo``, about 2 s, only
-    when ``fn`` is first called; its wrapper lives in torch's own files, which dynamo never
-    traces).
+    ``torch._disable_dynamo`` is what torch itself uses for this: it imports ``torch._dynamo``
+    (about 2 s) only when ``fn`` is first called, not when ``cpu_offload`` is imported, and its
+    wrapper lives in torch's own files, which dynamo never traces.
     """
-    strategy = _skip_recursively()
-    if strategy is not None:
-        _set_code_exec_strategy(fn.__code__, strategy)
-        fn._torchdynamo_disable = True  # type: ignore[attr-defined]
-        return fn
     lazy = getattr(torch, "_disable_dynamo", None)
     if lazy is not None:
         return lazy(fn)
     return torch.compiler.disable(fn)  # pragma: no cover - torch without _disable_dynamo
+
+
+def compiler_skip(fn: Callable, wrap_elsewhere: bool = True) -> Callable:
+    """``compiler_disable`` without a wrapper, where torch lets a code object say how dynamo
+    treats its frames (``set_code_exec_strategy``): for the offload context's enter/exit and
+    the sync function, which run once per layer each and whose wrapper cost eight calls per
+    call (Note [hot path calls] in ``v2/layer_state.py``).
+
+    ``fn`` is returned as it is, marked twice: ``_torchdynamo_disable`` makes dynamo break the
+    graph instead of inlining a call to it, and the strategy "skip this frame and every frame
+    it calls" runs it, and what it calls, without dynamo: what ``torch.compiler.disable`` does.
+    Only for functions whose arguments are plain (``self`` and a tensor): dynamo failed
+    internally on the layer wrappers of ``tools/layers.py`` (a module and its args and kwargs)
+    marked so, which therefore keep ``compiler_disable``. Elsewhere (torch < 2.7) it is
+    ``compiler_disable``, or with ``wrap_elsewhere=False`` ``fn`` itself (the saved-tensor
+    hooks: a compiled layer calls them while dynamo is active, which then compiles them and
+    what they call, so they are marked where torch allows, and left alone elsewhere, as before).
+    """
+    strategy = _skip_recursively()
+    if strategy is None:
+        return compiler_disable(fn) if wrap_elsewhere else fn
+    _set_code_exec_strategy(fn.__code__, strategy)
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return fn
+
+
+def compiled_by_dynamo(fn: Callable) -> bool:
+    """Whether torch.compile holds compiled code for ``fn``'s frames (tests: nothing of the
+    package is compiled when a model that uses it is)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return bool(_debug_get_cache_entry_list(fn.__code__))
 
 
 def _skip_recursively() -> Any:

@@ -68,6 +68,14 @@ class OffloadDevice(abc.ABC):
     def record_event(self, stream: Stream) -> Event:
         """An event marking all work queued on ``stream`` so far."""
 
+    def rerecord_event(self, stream: Stream, event: Optional[Event]) -> Event:
+        """``record_event(stream)``, reusing ``event`` (one this device returned before) where
+        the device can: the schedulers record one event per layer and direction every step,
+        and creating a CUDA event costs the host far more than re-recording one. A wait already
+        queued on ``event`` keeps the point it was queued for (``cudaStreamWaitEvent`` reads
+        the event at call time). The default makes a new event."""
+        return self.record_event(stream)
+
     @abc.abstractmethod
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Make future work on ``stream`` wait for ``event`` (device side, host not blocked)."""
@@ -219,6 +227,18 @@ class CudaDevice(OffloadDevice):
         )
         ev.record(stream)
         return ev
+
+    def rerecord_event(self, stream: Stream, event: Optional[Event]) -> Event:
+        # Timed events stay one per record (statistics read them later). A capture records
+        # fresh ones, never reused: an event recorded in a graph is recorded again by each replay.
+        if torch.cuda.is_current_stream_capturing():
+            event = self.record_event(stream)
+            event.captured = True
+            return event
+        if event is None or self.times_events or getattr(event, "captured", False):
+            return self.record_event(stream)
+        event.record(stream)
+        return event
 
     def elapsed_ms(self, start: Event, end: Event) -> Optional[float]:
         try:

@@ -61,10 +61,13 @@ class PinnedPool:
             self._retained_in_use.add(key)
             self._count_in_use(nbytes)
             return buf[:nbytes]
+        # (once per offloaded storage: no helper calls on the common path)
         self._used[nbytes] += 1
-        free = self._free.get(nbytes)
+        free = self._free[nbytes] if nbytes in self._free else None
         buf = free.pop() if free else self._allocate(nbytes)
-        self._count_in_use(nbytes)
+        in_use = self.in_use_bytes = self.in_use_bytes + nbytes
+        if in_use > self.peak_in_use_bytes:
+            self.peak_in_use_bytes = in_use
         return buf
 
     def _count_in_use(self, nbytes: int) -> None:
@@ -73,9 +76,10 @@ class PinnedPool:
 
     def release(self, buf: torch.Tensor, key: Optional[Hashable] = None) -> None:
         """Give a buffer back (retained buffers stay bound to their key, free for the next step)."""
-        self.in_use_bytes -= buf.numel()
+        nbytes = buf.shape[0]
+        self.in_use_bytes -= nbytes
         if key is None:
-            self._free[buf.numel()].append(buf)
+            self._free[nbytes].append(buf)
         else:
             self._retained_in_use.discard(key)
 

@@ -16,6 +16,7 @@ from ..compat import (
     bytes_on_storage,
     copy_view_bits,
     drop_storage_keep_version,
+    set_versions,
     storage_use_count,
     tensor_on_storage,
     untyped_storage,
@@ -116,7 +117,7 @@ class VersionWatch:
     def __init__(self, t: torch.Tensor) -> None:
         self.alias = t.detach()
         self.version = t._version
-        self.size = t.size()
+        self.size = t.shape
 
     def forget_storage(self) -> None:
         drop_storage_keep_version(self.alias)
@@ -124,6 +125,16 @@ class VersionWatch:
     def check(self) -> None:
         if self.alias._version != self.version:  # the common case (unchanged) costs no call
             check_version(self.alias, self.version, self.size)
+
+
+def forget_storages(watches: list) -> None:
+    """``forget_storage`` for each watch, with one version-counter call for all of them (a
+    layer releases all its saved tensors at once)."""
+    aliases = [w.alias for w in watches]
+    versions = [a._version for a in aliases]
+    for alias in aliases:
+        alias.set_()  # a detached alias needs no grad mode switch; set_ counts as a change...
+    set_versions(aliases, versions)  # ...which is undone at once
 
 
 class KeptRef(VersionWatch):

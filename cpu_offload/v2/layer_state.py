@@ -29,10 +29,13 @@ from ..core.storage import (
     VersionWatch,
     ViewMeta,
     checksum,
+    forget_storages,
     held_elsewhere,
     restore_view,
     storage_bytes,
 )
+
+_tuple_new = tuple.__new__
 from .stats import LayerStats, StepStats
 
 # Copies of storages smaller than this are batched: the device-to-host copies of a layer's small
@@ -48,7 +51,7 @@ class Runtime:
 
     __slots__ = (
         "device", "stream", "pool", "retain", "verify", "max_host_bytes", "threshold", "warned",
-        "byte_limits",
+        "byte_limits", "events", "checks_frees",
     )
 
     def __init__(
@@ -72,6 +75,15 @@ class Runtime:
         # layer -> the most bytes it offloads per step, in save order (a plan that offloads a
         # layer in part, to use the link up to its capacity); the rest stays on the device
         self.byte_limits: dict[int, int] = {}
+        # (layer, direction) -> the event recorded last time, re-recorded every step
+        self.events: dict[tuple, Event] = {}
+        # whether the device checks frees (the simulation): a real device is not even called
+        self.checks_frees = type(device).will_free is not OffloadDevice.will_free
+
+    def record(self, key: tuple) -> Event:
+        """Record the point reached on the copy stream, in the event kept for ``key``."""
+        event = self.events[key] = self.device.rerecord_event(self.stream, self.events.get(key))
+        return event
 
     def warn_once(self, message: str, key: Optional[str] = None) -> None:
         """A ``UserWarning`` pointing at the user's line, given once per context and key."""
@@ -97,7 +109,8 @@ class Entry:
     __slots__ = (
         "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version", "owner",
         "gpu", "cpu", "reloaded", "ready_event", "reload_event", "waited", "watches", "live",
-        "pops", "generation", "checksum", "verified", "error", "recheck",
+        "pops", "generation", "checksum", "verified", "error", "recheck", "listed_by",
+        "reload_waited",
     )
 
     def __init__(
@@ -109,16 +122,22 @@ class Entry:
         pool_key: Optional[Hashable],
         t: torch.Tensor,
         storage: Any,
+        nbytes: int,
+        key: int,
     ) -> None:
         self.rt = rt
         self.stats = stats  # of the step that saved it (holds no tensors: no cycle)
         self.lstats = lstats  # stats.layer(layer), looked up once: counted on every copy
         self.layer = layer  # the first layer that saved it
         self.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
-        self.gpu: Optional[torch.Tensor] = storage_bytes(t, storage)  # flat uint8 over it
-        self.nbytes = self.gpu.numel()
+        # flat uint8 over the storage (``storage_bytes``, spelled out for a plain tensor)
+        self.gpu: Optional[torch.Tensor] = (
+            t.new_empty(0, dtype=torch.uint8).set_(storage) if type(t) is torch.Tensor
+            else storage_bytes(t, storage)
+        )
+        self.nbytes = nbytes
         self.device = t.device
-        self.key = storage.data_ptr()
+        self.key = key
         self.version = t._version  # of the saved tensors' version counter at the copy
         # The tensor that owns the memory, weakly: if something else keeps it alive past our
         # release (the caller, a layer that is not offloaded), backward uses it, no reload.
@@ -136,6 +155,9 @@ class Entry:
         self.verified = -1  # the generation whose reload passed the verify check
         self.error: Optional[str] = None
         self.recheck = False  # counted as held elsewhere when released; see ``recount``
+        self.listed_by = layer  # the last layer that listed it (each lists it once)
+        # Shared by the entries reloaded together (one event): whether compute waited for it
+        self.reload_waited: Optional[list] = None
 
     def matches(self, t: torch.Tensor, nbytes: int) -> bool:
         """Whether saving ``t`` again can reuse this entry: same storage, still on the device,
@@ -167,11 +189,15 @@ class Entry:
                 )
             copy_in(self.rt, [self])  # not scheduled (custom schedule / partial backward): now
         if not self.waited:
-            dev = self.rt.device
-            compute = dev.current_stream()
-            if dev.times_events:
-                self.stats.record_wait(dev.record_event(compute), self.reload_event)
-            dev.wait_event(compute, self.reload_event)
+            together = self.reload_waited
+            if together is None or not together[0]:
+                dev = self.rt.device
+                compute = dev.current_stream()
+                if dev.times_events:
+                    self.stats.record_wait(dev.record_event(compute), self.reload_event)
+                dev.wait_event(compute, self.reload_event)
+                if together is not None:
+                    together[0] = True
             self.waited = True
             if self.checksum is not None:
                 self.verify_reload()
@@ -207,15 +233,16 @@ class Entry:
         holds it, that frees it; otherwise it lives on and backward uses it without a reload.
         ``recheck``: the holder may be about to let go (released inside a layer's call, whose
         caller still holds its input): ``recount`` looks again when backward starts."""
-        for watch in self.watches or ():
-            watch.forget_storage()  # the watches must not be what keeps the memory alive
+        if self.watches:
+            forget_storages(self.watches)  # the watches must not be what keeps the memory alive
         self.watches = []
         stats = self.lstats
         if held_elsewhere(self.gpu):
             stats.held_elsewhere_bytes += self.nbytes
             self.recheck = recheck
         else:
-            self.rt.device.will_free(self.gpu)
+            if self.rt.checks_frees:
+                self.rt.device.will_free(self.gpu)
             stats.freed_bytes += self.nbytes
         self.gpu = None
 
@@ -239,34 +266,50 @@ class Entry:
             dev = self.rt.device
             dev.wait_event(dev.current_stream(), self.reload_event)
         self.reload_event = None
+        self.reload_waited = None
         self.waited = False
         self.pops = 0
         self.generation += 1
 
     def drop(self) -> None:
         """Give the host buffer back and forget every buffer."""
-        self.free_reload()
+        if self.reloaded is not None:
+            self.free_reload()
         if self.cpu is not None:
             self.rt.pool.release(self.cpu, self.pool_key)
         self.cpu = self.gpu = self.watches = None
 
 
-def copy_in(rt: Runtime, entries: list) -> None:
+def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> None:
     """Allocate device storages on the compute stream and queue the host-to-device copies.
 
     All buffers are allocated before any entry changes, so an out-of-memory error leaves every
-    entry as it was (a retried backward reloads them again)."""
+    entry as it was (a retried backward reloads them again). ``event_key``: a layer's reload,
+    ended by one event (``Runtime.record``) that the first unpack of any of its entries waits
+    for, on behalf of all; without it (a reload on demand), one event per group of small
+    copies and per large copy."""
     dev, stream = rt.device, rt.stream
     buffers = [dev.alloc_device(entry.nbytes, entry.device) for entry in entries]
-    # The new buffers were allocated on the compute stream: copy only once compute got there.
+    pairs = [(b, e.cpu) for b, e in zip(buffers, entries)]
+    if event_key is not None and not dev.times_events:
+        # The new buffers were allocated on the compute stream: copy once compute got there.
+        dev.copy_after_compute(stream, pairs)
+        event = rt.record(event_key)
+        together = [False]
+        for entry, buf in zip(entries, buffers):
+            entry.lstats.reloaded_bytes += entry.nbytes
+            entry.reloaded = buf
+            entry.reload_event = event
+            entry.reload_waited = together
+            entry.waited = False
+        return
     dev.wait_stream(stream, dev.current_stream())
-    events = dev.copy_and_record(
-        stream, [(b, e.cpu) for b, e in zip(buffers, entries)], BATCH_BYTES
-    )
+    events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
     for entry, buf, event in zip(entries, buffers, events):
         entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
         entry.reload_event = event
+        entry.reload_waited = None
         entry.waited = False
 
 
@@ -294,12 +337,21 @@ class SavedRef:
             entry.drop()
 
     def unpack(self) -> torch.Tensor:
-        self.watch.check()  # per saved tensor, as autograd itself checks
+        watch = self.watch  # per saved tensor, as autograd itself checks
+        if watch.alias._version != watch.version:
+            watch.check()
         entry = self.entry
         if entry.error is not None:
             raise OffloadUsageError(entry.error)
-        flat = entry.device_bytes_for_unpack()
-        t = restore_view(flat, self.meta)
+        flat = entry.gpu
+        if flat is None:
+            flat = entry.device_bytes_for_unpack()
+        meta = self.meta
+        if meta.bits_of is None:  # ``restore_view``, spelled out for the common case
+            t = flat.new_empty(0, dtype=meta.dtype).set_(
+                flat.untyped_storage(), meta.storage_offset, meta.size, meta.stride)
+        else:
+            t = restore_view(flat, meta)
         if self.cls is not torch.Tensor:
             t = t.as_subclass(self.cls)
         if self.popped != entry.generation:
@@ -361,7 +413,12 @@ class LayerState:
 
     # -- forward ---------------------------------------------------------------------------------
     def push(self, t: torch.Tensor) -> Any:
-        """Register a saved tensor; its storage's copy to the host starts now (eager mode)."""
+        """Register a saved tensor; its storage's copy to the host starts now (eager mode).
+
+        Note [hot path calls]: this runs for every offloaded saved tensor, so it makes only
+        the calls it must (storage, geometry, version alias) and spells out small helpers;
+        ``benchmarks/call_count.py`` counts them and ``tests/v2/test_hot_path_calls.py`` pins
+        the count."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
@@ -373,8 +430,10 @@ class LayerState:
                 "its forward is over"
             )
         key = storage.data_ptr()
-        entry = self.shared.get(key)
-        if entry is None or not entry.matches(t, nbytes):
+        shared = self.shared
+        entry = shared[key] if key in shared else None
+        if (entry is None or entry.gpu is None or entry.nbytes != nbytes
+                or entry.version != t._version):  # not ``Entry.matches``: no call
             budget = self.rt.max_host_bytes
             if budget is not None and self.rt.pool.in_use_bytes + nbytes > budget:
                 return self._over_host_budget(t, nbytes, budget)
@@ -384,25 +443,37 @@ class LayerState:
                     self.layer_stats().skipped_bytes[reason] += nbytes
                     return KeptRef(t)
                 self.limit -= nbytes
-            entry = self._new_entry(t, storage, key)
-        elif entry not in self.entries:  # saved before, by this layer or an earlier one
+            entry = self._new_entry(t, storage, key, nbytes)
+        elif entry.listed_by != self.index:  # saved before, by an earlier layer
+            entry.listed_by = self.index
             self.entries.append(entry)
         watch = VersionWatch(t)
         entry.watches.append(watch)
-        self.layer_stats().offloaded_tensors += 1
-        cls = torch.Tensor if type(t) is torch.nn.Parameter else type(t)
-        return SavedRef(entry, ViewMeta.of(t), cls, watch)
+        lstats = self.lstats if self.lstats is not None else self.layer_stats()
+        lstats.offloaded_tensors += 1
+        cls = type(t)
+        if cls is not torch.Tensor and cls is torch.nn.Parameter:
+            cls = torch.Tensor
+        if t.is_neg() or t.is_conj():
+            meta = ViewMeta.of(t)
+        else:  # ``ViewMeta.of`` spelled out (tensors without lazy bits)
+            meta = _tuple_new(ViewMeta, (t.dtype, t.shape, t.stride(), t.storage_offset(), None))
+        return SavedRef(entry, meta, cls, watch)
 
-    def _new_entry(self, t: torch.Tensor, storage: Any, key: int) -> Entry:
+    def _new_entry(self, t: torch.Tensor, storage: Any, key: int, nbytes: int) -> Entry:
         """A storage saved for the first time in this forward (or changed since): list it and
         start its copy (eager), or note when it is final (the copy starts later)."""
         rt = self.rt
         pool_key = (self.index, len(self.entries)) if rt.retain else None
-        entry = Entry(rt, self.stats, self.layer_stats(), self.index, pool_key, t, storage)
+        lstats = self.lstats if self.lstats is not None else self.layer_stats()
+        entry = Entry(rt, self.stats, lstats, self.index, pool_key, t, storage, nbytes, key)
         self.shared[key] = entry
-        ready = getattr(t, READY_EVENT_ATTR, None)
-        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
-            ready = getattr(t._base, READY_EVENT_ATTR, None)
+        marks = t.__dict__  # the mark is an attribute: none on most tensors (no call)
+        ready = marks.get(READY_EVENT_ATTR) if marks else None
+        base = t._base
+        if ready is None and base is not None:  # start_offload(offload_base_tensor=True)
+            marks = base.__dict__
+            ready = marks.get(READY_EVENT_ATTR) if marks else None
         if self.eager and ready is None and self.offload_event is None:
             # The automatic schedule: batch small copies, queue a large one (and the batch
             # before it) at once, so it overlaps the rest of the layer's forward.
@@ -453,10 +524,11 @@ class LayerState:
             entry.lstats.copied_out_bytes += entry.nbytes
 
     def finish_forward(self) -> None:
-        """End of this layer's forward: mark where its offload copies end on the copy stream."""
+        """End of this layer's forward: mark where its offload copies end on the copy stream
+        (one event per layer, re-recorded every step)."""
         if self.eager and self.entries:
             self.flush_copies()
-            self.offload_event = self.rt.device.record_event(self.rt.stream)
+            self.offload_event = self.rt.record((self.index, "offload"))
 
     def start_offload(self) -> None:
         """Manual mode: queue the copies of every entry not copied yet; tensors this layer saves
@@ -485,7 +557,11 @@ class LayerState:
             if dev.times_events:
                 self.stats.record_wait(dev.record_event(compute), self.offload_event)
             dev.wait_event(compute, self.offload_event)
+        watches = [w for e in on_device if e.watches for w in e.watches]
+        if watches:  # forgotten together: one version-counter call for the layer
+            forget_storages(watches)
         for entry in on_device:
+            entry.watches = []
             entry.release(recheck)
         self.released = True
         dev.trace("release", self.index)
@@ -496,14 +572,15 @@ class LayerState:
         if not self.released or self.reload_started:
             return
         for entry in self.entries:
-            entry.recount()
+            if entry.recheck:
+                entry.recount()
         todo = [
             e for e in reversed(self.entries)
             if e.live and e.gpu is None and e.reloaded is None and e.cpu is not None
             and e.still_on_device() is None
         ]
         if todo:
-            copy_in(self.rt, todo)
+            copy_in(self.rt, todo, (self.index, "reload"))
         self.reload_started = True
         self.rt.device.trace("reload", self.index)
 

@@ -9,12 +9,13 @@ schedule while the next forward starts a fresh one.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Optional
 
 import torch
 
 from ..compat import (
-    compiler_disable,
+    compiler_skip,
     graph_task_id,
     in_backward,
     in_checkpoint_region,
@@ -406,7 +407,7 @@ class OffloadSynchronizer:
         if self.step is not None:
             self.step.end_forward_layer()
 
-    @compiler_disable
+    @compiler_skip
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
         check_sync_argument(tensor)
@@ -502,6 +503,7 @@ class OffloadSynchronizer:
         without us."""
         return self.current is not None or self.current_selective is not None
 
+    @partial(compiler_skip, wrap_elsewhere=False)
     def push_selective(self, t: torch.Tensor) -> Any:
         """The pack hook of a selective layer: a recipe instead of the bytes where one applies
         (and the tensor would be offloaded), else ``push``."""
@@ -514,6 +516,7 @@ class OffloadSynchronizer:
             selective.note(t, ref)
         return ref
 
+    @partial(compiler_skip, wrap_elsewhere=False)
     def push(self, t: torch.Tensor) -> Any:
         layer = self.current
         if layer is None:
@@ -528,7 +531,7 @@ class OffloadSynchronizer:
             return KeptRef(t)
         return layer.push(t)
 
-    pop = staticmethod(unpack)
+    pop = staticmethod(compiler_skip(unpack, wrap_elsewhere=False))
 
     def _push_subclass(self, t: torch.Tensor, layer: LayerState) -> Any:
         if self.policy.wrapper_skip_reason(t) is not None:

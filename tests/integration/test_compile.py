@@ -18,7 +18,7 @@ import torch
 from packaging.version import Version
 
 from cpu_offload import SimulatedDevice, get_cpu_offload_context
-from cpu_offload.compat import TORCH_VERSION, compile_supported, reset_compiled
+from cpu_offload.compat import TORCH_VERSION, compile_supported, compiled_by_dynamo, reset_compiled
 from cpu_offload.examples.gpt import GPTBlock, GPTStack, run_layers
 
 pytestmark = [
@@ -168,8 +168,6 @@ def compiled_package_code() -> list:
     import inspect
     import sys
 
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
     found = []
     for name, module in list(sys.modules.items()):
         if not name.startswith("cpu_offload") or name.startswith("cpu_offload.examples"):
@@ -180,7 +178,7 @@ def compiled_package_code() -> list:
                 fns = [f for f in vars(obj).values() if inspect.isfunction(f)]
             for fn in fns:
                 fn = inspect.unwrap(fn)
-                if _debug_get_cache_entry_list(fn.__code__):
+                if compiled_by_dynamo(fn):
                     found.append(f"{name}.{fn.__qualname__}")
     return found
 
