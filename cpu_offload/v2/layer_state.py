@@ -291,7 +291,7 @@ def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> No
     dev, stream = rt.device, rt.stream
     buffers = [dev.alloc_device(entry.nbytes, entry.device) for entry in entries]
     pairs = [(b, e.cpu) for b, e in zip(buffers, entries)]
-    if event_key is not None and not dev.times_events:
+    if event_key is not None:
         # The new buffers were allocated on the compute stream: copy once compute got there.
         dev.copy_after_compute(stream, pairs)
         event = rt.record(event_key)
@@ -546,7 +546,7 @@ class LayerState:
         if self.released:
             return
         on_device = [e for e in self.entries if e.gpu is not None]
-        if any(e.cpu is None for e in on_device):
+        if None in [e.cpu for e in on_device]:
             raise OffloadUsageError(
                 f"release_activation_forward_gpu_memory({self.index}) before "
                 f"start_offload_layer({self.index}): start the offload first"
@@ -588,7 +588,8 @@ class LayerState:
         """After a backward pass: drop reloads nobody unpacked; allow another reload."""
         self.reload_started = False
         for entry in self.entries:
-            entry.free_reload()
+            if entry.reloaded is not None:
+                entry.free_reload()
 
     # -- lifetime ------------------------------------------------------------------------------
     def abort(self, reason: Optional[str] = None) -> None:

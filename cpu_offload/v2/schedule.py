@@ -195,6 +195,10 @@ class Schedule:
     def is_offloaded(self, layer: int) -> bool:
         return layer in self.sync
 
+    def at(self, pos: int) -> tuple:
+        """``(releases_at(pos), reloads_at(pos))``: what the synchronizer does at a position."""
+        return self._releases.get(pos, ()), self._reloads.get(pos, ())  # type: ignore[attr-defined]
+
     def releases_at(self, pos: int) -> list[int]:
         return self._releases.get(pos, [])  # type: ignore[attr-defined]
 

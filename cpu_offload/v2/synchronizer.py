@@ -73,7 +73,7 @@ class Step:
 
     @property
     def complete(self) -> bool:
-        return self.fwd_count >= self.model_layers
+        return self.fwd_count >= self.model_layers  # (spelled out where it runs per layer)
 
     def over(self) -> bool:
         """The next `with ctx:` block begins a new forward pass (a new step)."""
@@ -242,14 +242,17 @@ class Step:
         )
 
     def _apply(self, pos: int) -> None:
-        if self.schedule is None:
+        schedule = self.schedule
+        if schedule is None:
             return
-        for i in self.schedule.releases_at(pos):
-            if i < len(self.layers) and self.layers[i] is not None:
-                self.layers[i].release()
-        for i in self.schedule.reloads_at(pos):
-            if i < len(self.layers) and self.layers[i] is not None:
-                self.layers[i].start_reload()
+        releases, reloads = schedule.at(pos)
+        layers = self.layers
+        for i in releases:
+            if i < len(layers) and layers[i] is not None:
+                layers[i].release()
+        for i in reloads:
+            if i < len(layers) and layers[i] is not None:
+                layers[i].start_reload()
 
 
 class BackwardTrigger:
@@ -521,13 +524,15 @@ class OffloadSynchronizer:
         layer = self.current
         if layer is None:
             return KeptRef(t)
-        if is_traceable_wrapper_subclass(t):
+        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
             return self._push_subclass(t, layer)
         reason = self.policy.skip_reason(t)
         if reason is not None:
             if reason == "weight mark" and is_parameter(t._base):
                 reason = "parameter"  # F.linear saves weight.t()
-            layer.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
+            lstats = layer.lstats if layer.lstats is not None else layer.layer_stats()
+            lstats.skipped_bytes[reason] += (  # (``nbytes`` raises for a sparse tensor)
+                t.nbytes if t.layout is torch.strided else t.numel() * t.element_size())
             return KeptRef(t)
         return layer.push(t)
 
