@@ -12,7 +12,12 @@ Methods, timed with the host clock (forward + backward + device synchronize, med
 - ``v2_hooks_only``   V2 with a size threshold nothing reaches: the hooks run on every saved
                       tensor but nothing is copied (the pure bookkeeping cost);
 - ``save_on_cpu``     ``torch.autograd.graph.save_on_cpu`` (pinned on CUDA): torch's own hooks;
-- ``v1``              legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``), layers tag their activations.
+- ``v1``              legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``), layers tag their activations;
+- ``floor``           a minimal exact offloader (``FloorOffloader``), the host's floor: per
+                      tensor the hook pair, a pinned allocation, one copy out, one device
+                      allocation, one copy back; per layer one event record and one stream wait
+                      each way, events reused across steps; no deduplication, view handling or
+                      in-place checks (parameters and their views stay, as V2 keeps them).
 
 Saved tensors per step are counted once with a counting pack hook (no offloading): each layer
 saves its input and ``weight.t()`` (``addmm``) and the GELU input. Overhead per saved tensor =
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -54,7 +60,7 @@ from torch import nn  # noqa: E402
 import cpu_offload  # noqa: E402
 from cpu_offload.core import markers  # noqa: E402
 
-METHODS = ("none", "v2", "v2_hooks_only", "save_on_cpu", "v1")
+METHODS = ("none", "floor", "v2", "v2_hooks_only", "save_on_cpu", "v1")
 NEVER = 2**62  # a min_tensor_size_to_offload no tensor reaches
 
 
@@ -115,10 +121,90 @@ def count_saved(layers: nn.ModuleList, x: torch.Tensor, device: BenchDevice) -> 
     return counts
 
 
+class FloorOffloader:
+    """The least work an exact offloader of the first ``k`` layers does (the ``floor`` row).
+
+    Forward: each layer's saved activations are held until the layer ends, then copied to
+    pinned host memory on the side stream after one stream wait; one event (reused every step)
+    marks their end, and compute waits for it before the device copies are dropped. Backward:
+    the first unpack of a layer reloads all of it (device allocations on the compute stream,
+    one stream wait, the copies, one reused event, one wait). Parameters and their views stay.
+    On the CPU (no CUDA) the copies are plain synchronous copies: a smoke test only.
+    """
+
+    def __init__(self, layers: nn.ModuleList, k: int, cuda: bool) -> None:
+        self.layers, self.k, self.cuda = layers, k, cuda
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.out_events = [torch.cuda.Event() for _ in range(k)] if cuda else []
+        self.in_events = [torch.cuda.Event() for _ in range(k)] if cuda else []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i >= self.k:
+                x = layer(x)
+                continue
+            slots: list = []  # per saved activation: [device tensor, then host tensor]
+            state = {"slots": slots, "reloaded": False, "layer": i}
+
+            def pack(t: torch.Tensor, slots: list = slots, state: dict = state) -> Any:
+                if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+                    return t
+                slot = [t, state]
+                slots.append(slot)
+                return slot
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
+                x = layer(x)
+            self.copy_out(i, slots)
+        return x
+
+    def copy_out(self, i: int, slots: list) -> None:
+        if not self.cuda:
+            for slot in slots:
+                slot[0] = slot[0].to("cpu", copy=True)
+            return
+        compute = torch.cuda.current_stream()
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            for slot in slots:
+                t = slot[0]
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                slot[0] = host
+            self.out_events[i].record()
+        compute.wait_event(self.out_events[i])  # then the device tensors may be dropped
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, list):
+            return packed
+        state = packed[1]
+        if not state["reloaded"]:
+            state["reloaded"] = True
+            self.copy_in(state["layer"], state["slots"])
+        return packed[0]
+
+    def copy_in(self, i: int, slots: list) -> None:
+        if not self.cuda:
+            for slot in slots:
+                slot[0] = slot[0].clone()
+            return
+        compute = torch.cuda.current_stream()
+        bufs = [torch.empty(s[0].shape, dtype=s[0].dtype, device="cuda") for s in slots]
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            for slot, buf in zip(slots, bufs):
+                buf.copy_(slot[0], non_blocking=True)
+                slot[0] = buf
+            self.in_events[i].record()
+        compute.wait_event(self.in_events[i])
+
+
 def make_forward(name: str, layers: nn.ModuleList, k: int, device: BenchDevice) -> Callable:
     """The forward function of a method (call inside ``backend(name)``)."""
     if name == "none":
         return lambda x: run(layers, x)
+    if name == "floor":
+        return FloorOffloader(layers, k, device.is_cuda).forward
     if name == "save_on_cpu":
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +276,8 @@ def summarize(results: dict[str, dict], saved: dict[str, int], args: argparse.Na
     base = median(results.get("none", {}).get("step_ms", []))
     base_low = quantile(results.get("none", {}).get("step_ms", []), 0.2)
     base_fwd = median(results.get("none", {}).get("fwd_ms", []))
-    offloaded = {"v2": saved["activations_per_layer"] * args.k, "v1": saved["activations_per_layer"] * args.k,
+    per_k = saved["activations_per_layer"] * args.k
+    offloaded = {"v2": per_k, "v1": per_k, "floor": per_k,
                  "v2_hooks_only": 0, "save_on_cpu": saved["total"], "none": 0}
     rows = []
     for name, r in results.items():
@@ -211,13 +298,30 @@ def summarize(results: dict[str, dict], saved: dict[str, int], args: argparse.Na
         r["us_per_saved_tensor_p20"] = (
             None if base_low is None or name == "none" else (low - base_low) * 1e3 / saved["total"]
         )
+        fwd_over = r["fwd_overhead_ms"]
+        r["fwd_us_per_offloaded_tensor"] = (
+            None if fwd_over is None or not n_off else fwd_over * 1e3 / n_off)
         rows.append([name, step, fwd, over, saved["total"], n_off, r["us_per_saved_tensor"],
-                     r["us_per_saved_tensor_p20"], r["us_per_offloaded_tensor"], r["us_per_layer"]])
+                     r["us_per_saved_tensor_p20"], r["us_per_offloaded_tensor"],
+                     r["fwd_us_per_offloaded_tensor"], r["us_per_layer"]])
+    floor = results.get("floor", {})
+    for row, (name, r) in zip(rows, results.items()):  # ratios to the floor, per offloaded tensor
+        ok = "error" not in r and "error" not in floor and floor and r.get("offloaded_per_step")
+        row += [_ratio(r.get("fwd_us_per_offloaded_tensor"),
+                       floor.get("fwd_us_per_offloaded_tensor")) if ok else None,
+                _ratio(r.get("us_per_offloaded_tensor"),
+                       floor.get("us_per_offloaded_tensor")) if ok else None]
+        r["x_floor_fwd"], r["x_floor_step"] = row[-2], row[-1]
     return rows
 
 
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
 HEADERS = ("method", "step ms", "fwd host ms", "overhead ms", "saved/step", "offloaded/step",
-           "us/saved", "us/saved p20", "us/offloaded", "us/layer")
+           "us/saved", "us/saved p20", "us/offloaded", "fwd us/offloaded", "us/layer",
+           "x floor fwd", "x floor step")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -249,6 +353,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def calls_per_saved_tensor() -> Optional[float]:
+    """The deterministic proxy (benchmarks/call_count.py) for V2, or None if it fails."""
+    try:
+        import call_count
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return call_count.calls_per_saved_tensor("v2")
+    except Exception as exc:  # a report line, not a reason to lose the table
+        print(f"(call count failed: {type(exc).__name__}: {exc})")
+        return None
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     device = BenchDevice.from_flag(args.device)
@@ -264,6 +381,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for name, r in results.items():
         if "error" in r:
             print(f"ERROR {name}: {r['error']}")
+    print("x floor: per offloaded tensor, forward host time (fwd) and whole step (step), "
+          "over the floor row of the same run")
+    calls = calls_per_saved_tensor()
+    if calls is not None:
+        print(f"calls per saved tensor (benchmarks/call_count.py, CPU proxy): V2 {calls:.1f}")
     if not device.is_cuda:
         print("NOTE: simulated device: this is the pure host (Python) cost of the hooks, with "
               "simulated copies as host memcpys.")
