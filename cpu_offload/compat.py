@@ -397,6 +397,11 @@ def reset_compiled() -> None:
     torch._dynamo.reset()
 
 
+def is_compiling() -> bool:
+    """Whether torch.compile is tracing the code that calls this (``torch.compiler``)."""
+    return torch.compiler.is_compiling()
+
+
 def compiler_disable(fn: Callable) -> Callable:
     """Keep ``fn`` out of torch.compile's traced graphs: it runs eagerly, between graphs (the
     offload context and sync function change Python state that a graph cannot replay).
@@ -411,55 +416,12 @@ def compiler_disable(fn: Callable) -> Callable:
     return torch.compiler.disable(fn)  # pragma: no cover - torch without _disable_dynamo
 
 
-def compiler_skip(fn: Callable, wrap_elsewhere: bool = True) -> Callable:
-    """``compiler_disable`` without a wrapper, where torch lets a code object say how dynamo
-    treats its frames (``set_code_exec_strategy``): for the offload context's enter/exit and
-    the sync function, which run once per layer each and whose wrapper cost eight calls per
-    call (Note [hot path calls] in ``v2/layer_state.py``).
-
-    ``fn`` is returned as it is, marked twice: ``_torchdynamo_disable`` makes dynamo break the
-    graph instead of inlining a call to it, and the strategy "skip this frame and every frame
-    it calls" runs it, and what it calls, without dynamo: what ``torch.compiler.disable`` does.
-    Only for functions whose arguments are plain (``self`` and a tensor): dynamo failed
-    internally on the layer wrappers of ``tools/layers.py`` (a module and its args and kwargs)
-    marked so, which therefore keep ``compiler_disable``. Elsewhere (torch < 2.7) it is
-    ``compiler_disable``, or with ``wrap_elsewhere=False`` ``fn`` itself (the saved-tensor
-    hooks: a compiled layer calls them while dynamo is active, which then compiles them and
-    what they call, so they are marked where torch allows, and left alone elsewhere, as before).
-    """
-    strategy = _skip_recursively()
-    if strategy is None:
-        return compiler_disable(fn) if wrap_elsewhere else fn
-    _set_code_exec_strategy(fn.__code__, strategy)
-    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
-    return fn
-
-
 def compiled_by_dynamo(fn: Callable) -> bool:
     """Whether torch.compile holds compiled code for ``fn``'s frames (tests: nothing of the
     package is compiled when a model that uses it is)."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
     return bool(_debug_get_cache_entry_list(fn.__code__))
-
-
-def _skip_recursively() -> Any:
-    """Dynamo's frame strategy "skip this frame and the frames it calls", if this torch has it."""
-    try:
-        from torch._C._dynamo import eval_frame
-    except ImportError:  # pragma: no cover - torch built without dynamo
-        return None
-    cls = getattr(eval_frame, "_FrameExecStrategy", None)
-    action = getattr(eval_frame, "_FrameAction", None)
-    if cls is None or action is None or not hasattr(eval_frame, "set_code_exec_strategy"):
-        return None
-    return cls(action.SKIP, action.SKIP)
-
-
-def _set_code_exec_strategy(code: Any, strategy: Any) -> None:
-    from torch._C._dynamo import eval_frame
-
-    eval_frame.set_code_exec_strategy(code, strategy)
 
 
 def neg_view(t: torch.Tensor) -> torch.Tensor:

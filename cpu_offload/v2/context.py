@@ -17,7 +17,7 @@ import torch
 
 from ..core import markers
 from ..core.checks import check_context_types, check_int
-from ..compat import compiler_skip, saved_tensors_hooks
+from ..compat import compiler_disable, saved_tensors_hooks
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
@@ -65,7 +65,7 @@ class OffloadContext:
         """The reference implementation's name for ``synchronizer``."""
         return self.synchronizer
 
-    @compiler_skip
+    @compiler_disable
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
         if not sync.fwd_step():
@@ -91,7 +91,7 @@ class OffloadContext:
         _state.active.append(sync)
         return self
 
-    @compiler_skip
+    @compiler_disable
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         sync = self.synchronizer
         hooks = self._frames.pop() if self._frames else None

@@ -468,12 +468,9 @@ class LayerState:
         lstats = self.lstats if self.lstats is not None else self.layer_stats()
         entry = Entry(rt, self.stats, lstats, self.index, pool_key, t, storage, nbytes, key)
         self.shared[key] = entry
-        marks = t.__dict__  # the mark is an attribute: none on most tensors (no call)
-        ready = marks.get(READY_EVENT_ATTR) if marks else None
-        base = t._base
-        if ready is None and base is not None:  # start_offload(offload_base_tensor=True)
-            marks = base.__dict__
-            ready = marks.get(READY_EVENT_ATTR) if marks else None
+        ready = getattr(t, READY_EVENT_ATTR, None)
+        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+            ready = getattr(t._base, READY_EVENT_ATTR, None)
         if self.eager and ready is None and self.offload_event is None:
             # The automatic schedule: batch small copies, queue a large one (and the batch
             # before it) at once, so it overlaps the rest of the layer's forward.

@@ -45,24 +45,8 @@ class SelectionPolicy:
 
     def skip_reason(self, t: torch.Tensor) -> Optional[str]:
         """``None`` if ``t`` is offloaded, else a short reason why it stays where it is."""
-        policies = markers.MODULE_POLICIES
-        if policies and not policies[-1]:
+        if markers.module_opt_out_active():
             return "module opted out"
-        base = t._base
-        if (type(t) is torch.Tensor and not t.__dict__
-                and (base is None or (type(base) is torch.Tensor and not base.__dict__))):
-            # No marks and no parameter (marks are attributes, in ``__dict__``): the same
-            # answers as below, without the mark lookups, for nearly every saved activation.
-            # It runs for every saved tensor (Note [hot path calls] in v2/layer_state.py).
-            if not self.is_device_tensor(t):
-                return "not on the offload device"
-            if t.layout is not torch.strided or t.is_nested:
-                return "not strided (sparse or nested)"
-            if not self.offload_activations:
-                return "activations not selected"
-            if t.nbytes < self.min_tensor_size_to_offload * t.itemsize:  # numel, without a call
-                return "too small"
-            return None
         if markers.is_marked_not_offload(t):
             return "mark_not_offload"
         if not self.is_device_tensor(t):

@@ -9,13 +9,12 @@ schedule while the next forward starts a fresh one.
 from __future__ import annotations
 
 import weakref
-from functools import partial
 from typing import Any, Optional
 
 import torch
 
 from ..compat import (
-    compiler_skip,
+    compiler_disable,
     graph_task_id,
     in_backward,
     in_checkpoint_region,
@@ -410,7 +409,7 @@ class OffloadSynchronizer:
         if self.step is not None:
             self.step.end_forward_layer()
 
-    @compiler_skip
+    @compiler_disable
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
         check_sync_argument(tensor)
@@ -506,7 +505,6 @@ class OffloadSynchronizer:
         without us."""
         return self.current is not None or self.current_selective is not None
 
-    @partial(compiler_skip, wrap_elsewhere=False)
     def push_selective(self, t: torch.Tensor) -> Any:
         """The pack hook of a selective layer: a recipe instead of the bytes where one applies
         (and the tensor would be offloaded), else ``push``."""
@@ -519,7 +517,6 @@ class OffloadSynchronizer:
             selective.note(t, ref)
         return ref
 
-    @partial(compiler_skip, wrap_elsewhere=False)
     def push(self, t: torch.Tensor) -> Any:
         layer = self.current
         if layer is None:
@@ -531,12 +528,11 @@ class OffloadSynchronizer:
             if reason == "weight mark" and is_parameter(t._base):
                 reason = "parameter"  # F.linear saves weight.t()
             lstats = layer.lstats if layer.lstats is not None else layer.layer_stats()
-            lstats.skipped_bytes[reason] += (  # (``nbytes`` raises for a sparse tensor)
-                t.nbytes if t.layout is torch.strided else t.numel() * t.element_size())
+            lstats.skipped_bytes[reason] += t.numel() * t.element_size()
             return KeptRef(t)
         return layer.push(t)
 
-    pop = staticmethod(compiler_skip(unpack, wrap_elsewhere=False))
+    pop = staticmethod(unpack)
 
     def _push_subclass(self, t: torch.Tensor, layer: LayerState) -> Any:
         if self.policy.wrapper_skip_reason(t) is not None:

@@ -4,8 +4,9 @@ adds to a training step (``benchmarks/call_count.py``: 16 layers ``Linear(64)`` 
 machine: a change that adds calls to the per-tensor or per-layer path fails here, with the
 figure to compare against the bound.
 
-Where torch cannot mark the context's functions for dynamo without a wrapper (< 2.7,
-``compat.compiler_skip``), torch's wrapper adds 8 calls to each of the 3 per-layer calls.
+The figure includes torch's ``torch.compiler.disable`` wrapper around the context's enter and
+exit and the sync function (8 calls each, once per layer), which keeps them out of compiled
+graphs.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from packaging.version import Version
 from cpu_offload.compat import TORCH_VERSION
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "call_count.py"
-# Measured 74.6 (torch 2.13) when pinned; the bound leaves room for torch's own calls to vary
-# between releases, not for a new call per tensor on our side.
-V2_BOUND = 84 if TORCH_VERSION >= Version("2.7") else 140
+# Measured 91.9 (torch 2.13) and 137.4 (2.6) when pinned; the bound leaves room for torch's own
+# calls to vary between releases, not for a new call per tensor on our side.
+V2_BOUND = 110 if TORCH_VERSION >= Version("2.7") else 150
 
 
 @pytest.fixture(scope="module")
