@@ -27,36 +27,20 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 _REPO = Path(__file__).resolve().parents[1]
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+for _path in (_REPO, _REPO / "benchmarks"):  # the package, and hook_overhead's layer
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cpu_offload  # noqa: E402
 from cpu_offload.core import simulated  # noqa: E402
+from hook_overhead import SmallLayer  # noqa: E402  (the same layer, the same saved tensors)
 
 METHODS = ("hooks_only", "v2", "v2_hooks_only", "v1")
 NEVER = 2**62  # a min_tensor_size_to_offload no tensor reaches
 _SIMULATED_FILE = os.path.abspath(simulated.__file__)
-
-
-class SmallLayer(nn.Module):
-    """``GELU(Linear(x))``; with ``tag`` set, the V1 tags on what the layer saves."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-        self.act = nn.GELU()
-        self.tag = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tag:
-            cpu_offload.mark_activation_offload(x)
-        u = self.fc(x)
-        if self.tag:
-            cpu_offload.mark_activation_offload(u)
-        return self.act(u)
 
 
 class CallCounter:
@@ -107,7 +91,7 @@ def make_step(method: str, stack: nn.ModuleList, x: torch.Tensor, k: int) -> Cal
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     elif method in ("v2", "v2_hooks_only", "v1"):
         for layer in stack:
-            layer.tag = method == "v1"
+            layer.tag_activations = method == "v1"
         kwargs: dict[str, Any] = dict(enabled=True, num_layers=k, model_layers=len(stack),
                                       device=cpu_offload.SimulatedDevice(defer=False))
         if method != "v1":
@@ -171,7 +155,7 @@ def calls_per_saved_tensor(method: str, layers: int = 16, width: int = 64, batch
             step()
         counts[name] = min(counter.count(step) for _ in range(2))
     for layer in stack:
-        layer.tag = False
+        layer.tag_activations = False
     return (counts[method] - counts[None]) / saved
 
 

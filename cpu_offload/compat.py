@@ -270,33 +270,17 @@ def storage_use_count(t: torch.Tensor) -> int:
     return count(storage._cdata) - 1  # not counting the storage object made for the question
 
 
-_unsafe_set_version_counter = torch._C._autograd._unsafe_set_version_counter
-
-
-def set_version(t: torch.Tensor, version: int) -> None:
-    """Put ``t``'s version counter (shared with every alias) back to ``version``."""
-    fn = _unsafe_set_version_counter  # looked up once: runs for every saved tensor released
-    try:
-        fn((t,), (version,))
-    except TypeError:  # torch < 2.5 takes one tensor and one int
-        fn(t, version)
+_unsafe_set_version_counter = torch._C._autograd._unsafe_set_version_counter  # looked up once
 
 
 def set_versions(tensors: list, versions: list) -> None:
-    """``set_version`` for many tensors in one call where torch takes lists (>= 2.5)."""
+    """Put each tensor's version counter (shared with every alias) back to its version: one
+    call where torch takes lists (>= 2.5)."""
     try:
         _unsafe_set_version_counter(tuple(tensors), tuple(versions))
     except TypeError:  # torch < 2.5 takes one tensor and one int
         for t, version in zip(tensors, versions):
             _unsafe_set_version_counter(t, version)
-
-
-def drop_storage_keep_version(alias: torch.Tensor) -> None:
-    """Make ``alias`` (a detached alias of a saved tensor) let go of its storage while it keeps
-    sharing the version counter: in-place changes stay detectable without holding memory."""
-    version = alias._version
-    alias.set_()  # a detached alias needs no grad mode switch; set_ counts as a change...
-    set_version(alias, version)  # ...which is undone at once
 
 
 def copy_view_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -395,11 +379,6 @@ def reset_compiled() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
-
-
-def is_compiling() -> bool:
-    """Whether torch.compile is tracing the code that calls this (``torch.compiler``)."""
-    return torch.compiler.is_compiling()
 
 
 def compiler_disable(fn: Callable) -> Callable:

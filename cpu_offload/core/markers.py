@@ -78,19 +78,18 @@ def _is_weight_itself(t: torch.Tensor) -> bool:
 # --- per-module opt-out: a stack of per-module policies; the innermost module with an
 # explicit setting decides whether tensors saved while it runs may be offloaded.
 
-# The innermost module's setting is last (read directly by the hot path in v2/selection.py).
-MODULE_POLICIES: list[bool] = []
+_module_policy: list[bool] = []
 
 
 def module_opt_out_active() -> bool:
     """True while the innermost module with an explicit offload setting has it switched off."""
-    return bool(MODULE_POLICIES) and not MODULE_POLICIES[-1]
+    return bool(_module_policy) and not _module_policy[-1]
 
 
 def push_module_policy(enabled: bool) -> None:
-    MODULE_POLICIES.append(bool(enabled))
+    _module_policy.append(bool(enabled))
 
 
 def pop_module_policy() -> None:
-    if MODULE_POLICIES:
-        MODULE_POLICIES.pop()
+    if _module_policy:
+        _module_policy.pop()

@@ -15,7 +15,6 @@ import torch
 from ..compat import (
     bytes_on_storage,
     copy_view_bits,
-    drop_storage_keep_version,
     set_versions,
     storage_use_count,
     tensor_on_storage,
@@ -120,7 +119,7 @@ class VersionWatch:
         self.size = t.shape
 
     def forget_storage(self) -> None:
-        drop_storage_keep_version(self.alias)
+        forget_storages([self])
 
     def check(self) -> None:
         if self.alias._version != self.version:  # the common case (unchanged) costs no call

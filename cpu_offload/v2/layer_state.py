@@ -291,25 +291,20 @@ def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> No
     dev, stream = rt.device, rt.stream
     buffers = [dev.alloc_device(entry.nbytes, entry.device) for entry in entries]
     pairs = [(b, e.cpu) for b, e in zip(buffers, entries)]
+    # The new buffers were allocated on the compute stream: copy once compute got there.
     if event_key is not None:
-        # The new buffers were allocated on the compute stream: copy once compute got there.
         dev.copy_after_compute(stream, pairs)
-        event = rt.record(event_key)
-        together = [False]
-        for entry, buf in zip(entries, buffers):
-            entry.lstats.reloaded_bytes += entry.nbytes
-            entry.reloaded = buf
-            entry.reload_event = event
-            entry.reload_waited = together
-            entry.waited = False
-        return
-    dev.wait_stream(stream, dev.current_stream())
-    events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
+        events = [rt.record(event_key)] * len(entries)
+        together: Optional[list] = [False]
+    else:
+        dev.wait_stream(stream, dev.current_stream())
+        events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
+        together = None
     for entry, buf, event in zip(entries, buffers, events):
         entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
         entry.reload_event = event
-        entry.reload_waited = None
+        entry.reload_waited = together
         entry.waited = False
 
 
@@ -432,8 +427,7 @@ class LayerState:
         key = storage.data_ptr()
         shared = self.shared
         entry = shared[key] if key in shared else None
-        if (entry is None or entry.gpu is None or entry.nbytes != nbytes
-                or entry.version != t._version):  # not ``Entry.matches``: no call
+        if entry is None or not entry.matches(t, nbytes):
             budget = self.rt.max_host_bytes
             if budget is not None and self.rt.pool.in_use_bytes + nbytes > budget:
                 return self._over_host_budget(t, nbytes, budget)
