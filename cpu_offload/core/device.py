@@ -159,6 +159,23 @@ class OffloadDevice(abc.ABC):
         A real device needs nothing; the simulation checks that no queued copy still reads it.
         """
 
+    def nominal_rates(self) -> Optional[dict]:
+        """Fixed rates to plan with instead of measured ones, or ``None`` (measure them).
+
+        A dict with ``"h2d_bytes_per_s"``, ``"d2h_bytes_per_s"`` (copies running in both
+        directions at once) and ``"cpu_params_per_s"`` (the CPU optimizer update); used by
+        ``HybridDeviceOptimizer(stream_fraction="auto")``. Simulations return fixed ones, so a
+        plan made on them is reproducible.
+        """
+        return None
+
+    def will_read(self, t: torch.Tensor) -> None:
+        """Compute is about to read device buffer ``t`` (a copy's destination).
+
+        A real device needs nothing (the compute stream's event waits order it); the simulation
+        checks that no copy still queued on a side stream writes into ``t``.
+        """
+
     def trace(self, what: str, layer: int) -> None:
         """Schedule milestones ('fwd', 'bwd', 'release', 'reload', ...); recorded by simulations."""
 

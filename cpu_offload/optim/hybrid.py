@@ -3,6 +3,7 @@ backward (and optionally with the next forward)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import numbers
 import threading
 import time
@@ -17,7 +18,7 @@ from torch import nn
 from ..core.checks import check_bool, check_int
 from ..core.device import Event, OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, OffloadUsageError
-from . import ddp
+from . import balance, ddp
 from . import state as state_format
 from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
 from .overlap import overlap_mode
@@ -25,12 +26,14 @@ from .partition import (
     DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
     make_buckets, next_update,
 )
+from .stream_update import DEFAULT_STREAM_BUDGET_BYTES, StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
 
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _PENDING = ("pending",)  # st.seen: DDP's reduced gradient copied; .grad recorded after backward
+_log = logging.getLogger("cpu_offload")
 
 
 def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
@@ -265,6 +268,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         cpu_threads: Optional[int] = None,
         cpu_chunk_bytes: Optional[int] = None,
+        stream_fraction: Any = "auto",
+        stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
@@ -275,6 +280,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_int("bucket_bytes", bucket_bytes, minimum=1, unit="bytes")
         check_int("cpu_threads", cpu_threads, minimum=1, allow_none=True)
         check_int("cpu_chunk_bytes", cpu_chunk_bytes, minimum=0, allow_none=True, unit="bytes")
+        self._stream_request = balance.check_stream_fraction(stream_fraction)
+        check_int("stream_budget_bytes", stream_budget_bytes, minimum=2**20, unit="bytes")
+        self.stream_budget_bytes = stream_budget_bytes
+        self.stream_fraction: Optional[float] = None  # the streamed share chosen (see _split)
+        self._parts: list[StreamedPart] = []
+        self._streamed: dict[int, tuple[StreamedPart, int]] = {}  # id(param) -> (part, index)
+        self._rates: Optional[dict] = None
+        self._state_probe: Optional[tuple[int, bool]] = None
+        self._balance: Optional[dict] = None
+        self._cpu_threads = cpu_threads or default_cpu_threads()
         self._mode = overlap_mode(overlap, overlap_cpu_optimizer_d2h_h2d)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(
                 max_grad_norm, numbers.Real) or not max_grad_norm > 0):
@@ -300,7 +315,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._bucket_bytes = bucket_bytes
-        cpu_threads = cpu_threads or default_cpu_threads()
+        cpu_threads = self._cpu_threads
         if cpu_chunk_bytes is None:
             cpu_chunk_bytes = default_chunk_bytes(cpu_threads)
         self._chunk_elems = cpu_chunk_bytes // 4
@@ -372,6 +387,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         chosen = choose_offloaded(sizes, arrival, self.offload_fraction)
         offloaded = set(chosen)
         hypers = self._hyperparameters()
+        chosen, streamed = self._split([params[i] for i in chosen], chosen, hypers)
+        if streamed:
+            part = StreamedPart(
+                self._device, [params[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
+                lambda groups: self._gpu_cls(groups, **self._kwargs), self.stream_budget_bytes,
+                *self._state_probe)
+            self._parts.append(part)
+            self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
         for order in make_buckets(chosen, sizes, self._bucket_bytes):
             bparams = [params[i] for i in order]
             self._engine.add_bucket(bparams)
@@ -395,6 +418,46 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if params[i].requires_grad:
                     self._hooks.append(params[i].register_post_accumulate_grad_hook(
                         lambda p, ref=ref: _call(ref, "_on_grad", p, p.grad)))
+
+    def _split(self, params: list[torch.Tensor], chosen: list[int],
+               hypers: list[dict]) -> tuple[list[int], list[int]]:
+        """``chosen`` (offloaded, in arrival order) as (CPU part, streamed part): the CPU takes
+        the earliest gradients (its updates overlap backward), ``1 - stream_fraction`` of the
+        elements; ``"auto"`` balances CPU and link (``balance``), logged once."""
+        if self._stream_request == 0 or not params:
+            self.stream_fraction = self.stream_fraction or 0.0
+            return chosen, []
+        numels = [p.numel() for p in params]
+        total = sum(numels)
+        lowp = [p.dtype in LOW_PRECISION for p in params]
+        cpu_bytes = sum(n * p.element_size() for n, p in zip(numels, params)) / total
+        if self._state_probe is None:
+            self._state_probe = state_elems_per_param(lambda groups: self._gpu_cls(groups, **self._kwargs))
+        state_elems = self._state_probe[0]
+        stream_bytes = sum(n * ((4 if lp else 0) + state_elems * (4 if lp else p.element_size()))
+                           for n, p, lp in zip(numels, params, lowp)) / total
+
+        def rates() -> dict:
+            if self._rates is None:
+                probe, elems = balance.cpu_update_probe(
+                    params[0].dtype, lambda groups: self._cpu_cls(groups, **self._kwargs),
+                    hypers[0], self._chunk_elems)
+                self._rates = balance.rates(self._device, params[0].device, probe,
+                                            self._cpu_threads, elems)
+            return self._rates
+
+        share, used = balance.stream_share(self._stream_request, rates, cpu_bytes, stream_bytes)
+        if used is not None and self.stream_fraction is None:
+            _log.info("HybridDeviceOptimizer: stream_fraction='auto' chose %.3f of the offloaded "
+                      "parameters streamed (CPU update %.2f G params/s, link %.1f / %.1f GB/s "
+                      "host->device / device->host; %.1f B/param streamed, %.1f on the CPU path)",
+                      share, used["cpu_params_per_s"] / 1e9, used["h2d_bytes_per_s"] / 1e9,
+                      used["d2h_bytes_per_s"] / 1e9, stream_bytes, cpu_bytes)
+        self.stream_fraction = share
+        self._balance = {"cpu_bytes": cpu_bytes, "stream_bytes": stream_bytes, "rates": used}
+        cpu = set(choose_offloaded(numels, list(range(len(params))), 1.0 - share))
+        return ([i for k, i in enumerate(chosen) if k in cpu],
+                [i for k, i in enumerate(chosen) if k not in cpu])
 
     def _add_gpu_group(self, gi: int, params: list[torch.Tensor], hypers: list[dict]) -> None:
         keys = []
@@ -732,6 +795,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 st.coefs.update((b, coef) for b in todo)
             self._queue_updates(st, todo)
             self._gpu_step(st.hypers)
+            for part in self._parts:  # on the device, from .grad as it is now (after clipping)
+                part.step(st.hypers)
             for ev in st.landed.values():  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(ev)
             st.keep.clear()
@@ -793,7 +858,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "redone_buckets": st.stats["redone"],
             "bytes_to_host": self._engine.bytes_out,
             "bytes_to_device": self._engine.bytes_in,
+            **self._stream_stats(),
         }
+
+    def _stream_stats(self) -> dict[str, Any]:
+        return {
+            "stream_fraction": self.stream_fraction,
+            "stream_budget_bytes": self.stream_budget_bytes,
+            "stream_staging_bytes": max([p.staging_bytes for p in self._parts] or [0]),
+            "stream_bytes_to_device": sum(p.bytes_in for p in self._parts),
+            "stream_bytes_to_host": sum(p.bytes_out for p in self._parts),
+        }
+
+    def streamed_params(self) -> list[torch.Tensor]:
+        """The offloaded parameters updated on the device from streamed state (see
+        ``stream_fraction``), in gradient-arrival order."""
+        return [p for part in self._parts for p in part.params]
 
     def _wait_buckets(self, buckets: Sequence[int]) -> None:
         st = self._inflight
@@ -858,6 +938,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if st is not None:
             self._drain(st)
         self._finish_inflight()
+        for part in self._parts:
+            part.sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. A backward that never reached ``step()`` is
@@ -969,7 +1051,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             for p in g["params"]:
                 cp = self._cpu.get(id(p))
-                if cp is not None:
+                sp = self._streamed.get(id(p))
+                if sp is not None:
+                    out.append(state_format.Placement(p, sp[0], sp[0].keys[sp[1]], True))
+                elif cp is not None:
                     out.append(state_format.Placement(p, self._buckets[cp.bucket], cp.master, True))
                 else:
                     key = self._gpu_master.get(id(p), p)
@@ -991,6 +1076,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sub_groups = {id(b): b.group_ids for b in self._buckets}
         if self._gpu_opt is not None:
             sub_groups[id(self._gpu_opt)] = self._gpu_groups
+        sub_groups.update((id(part), part.group_ids) for part in self._parts)
         placements = self._placements()
         state_format.scatter(state_dict, self.param_groups, placements, sub_groups)
         with torch.no_grad():
@@ -1002,6 +1088,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     self._engine.params.typed(p).copy_(m)
                 self._engine.fence_compute(
                     self._engine.params_in(bucket.params, self._engine.compute_event()))
+            for part in self._parts:
+                part.write_params()
 
     def reload_master_weights(self) -> None:
         """Start the master weights again from the model's current parameters: call this after
@@ -1013,6 +1101,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._engine.read_params(bucket.params)
                 for p, m in zip(bucket.params, bucket.masters):
                     m.copy_(self._engine.params.typed(p))
+            for part in self._parts:
+                part.read_params()
             for g in self.param_groups:
                 for p in g["params"]:
                     if id(p) in self._gpu_master:

@@ -1,0 +1,159 @@
+"""How the offloaded parameters are split between the CPU update and the streamed device update
+(``stream_fraction``): the argument check, the rates it balances, and the balance itself.
+
+The CPU path moves the model dtype's bytes per parameter each way (gradient out, parameter in)
+and is bound by the CPU update rate; the streamed path moves the master weights and the state
+each way (12 B for bf16 AdamW, 8 B for fp32: an fp32 parameter is its own master) and is bound by
+the link. Both run at once (the CPU worker during the streamed update), so the CPU share ``x``
+of ``N`` offloaded parameters is chosen so that they finish together::
+
+    x * N / cpu_rate = (x * cpu_bytes + (1 - x) * stream_bytes) * N / link_rate
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..core.device import OffloadDevice
+from ..core.errors import OffloadConfigError
+from .cpu_update import CpuBucket
+
+PROBE_ELEMS = 2**22  # CPU update probe: 4 Mi parameters
+PROBE_LINK_BYTES = 64 * 2**20
+
+
+def check_stream_fraction(value: Any) -> Union[str, float]:
+    """``"auto"`` or a float in [0, 1]; else an ``OffloadConfigError`` naming the fix."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not (
+            0.0 <= float(value) <= 1.0):
+        raise OffloadConfigError(
+            f"stream_fraction must be 'auto' or a number in [0, 1], got {value!r}: it is the "
+            "share of the offloaded parameters (by elements) updated on the device from "
+            "streamed state; 0 updates them all on the CPU"
+        )
+    return float(value)
+
+
+def balanced_cpu_share(cpu_params_per_s: float, link_bytes_per_s: float, cpu_bytes: float,
+                       stream_bytes: float) -> float:
+    """The CPU share ``x`` (see the module docstring), in [0, 1].
+
+    Example::
+
+        >>> round(balanced_cpu_share(2.07e9, 43e9, 2, 12), 2)   # bf16 AdamW on an H100 host
+        0.39
+    """
+    per_cpu = 1.0 / cpu_params_per_s
+    denom = per_cpu + (stream_bytes - cpu_bytes) / link_bytes_per_s
+    if denom <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (stream_bytes / link_bytes_per_s) / denom))
+
+
+def balanced_seconds(n_params: int, cpu_share: float, rates: dict, cpu_bytes: float,
+                     stream_bytes: float) -> dict:
+    """Expected CPU seconds, link seconds (each way) and their bound (the larger) for
+    ``n_params`` offloaded parameters split with ``cpu_share`` on the CPU."""
+    cpu = cpu_share * n_params / rates["cpu_params_per_s"]
+    each_way = (cpu_share * cpu_bytes + (1 - cpu_share) * stream_bytes) * n_params
+    h2d = each_way / rates["h2d_bytes_per_s"]
+    d2h = each_way / rates["d2h_bytes_per_s"]
+    return {"cpu_s": cpu, "h2d_s": h2d, "d2h_s": d2h, "bound_s": max(cpu, h2d, d2h)}
+
+
+def measure_link(device: OffloadDevice, where: torch.device, nbytes: int = PROBE_LINK_BYTES,
+                 repeats: int = 3) -> tuple[float, float]:
+    """Bytes per second host -> device and device -> host with both directions copying at once
+    (pinned memory, through ``device``); the best of ``repeats``."""
+    up, down = device.alloc_host(nbytes), device.alloc_host(nbytes)
+    dev_a, dev_b = device.alloc_device(nbytes, where), device.alloc_device(nbytes, where)
+    s1, s2 = device.new_stream(), device.new_stream()
+    compute = device.current_stream()
+    start = device.record_event(compute)
+    device.wait_event(s1, start)
+    device.wait_event(s2, start)
+    best = math.inf
+    for i in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        device.copy(s1, dev_a, up)
+        device.copy(s2, down, dev_b)
+        device.wait_host(device.record_event(s1))
+        device.wait_host(device.record_event(s2))
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    device.wait_event(compute, device.record_event(s1))
+    device.wait_event(compute, device.record_event(s2))
+    rate = nbytes / max(best, 1e-9)
+    return rate, rate
+
+
+def measure_cpu_rate(update: Callable[[], None], threads: int, elems: int, repeats: int = 2) -> float:
+    """Parameters per second of ``update`` (one CPU update of ``elems`` parameters), run on a
+    thread with ``threads`` intra-op threads as the worker does; the best of ``repeats`` after
+    a warm-up."""
+    result: list[float] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            torch.set_num_threads(threads)
+            update()
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                update()
+                best = min(best, time.perf_counter() - t0)
+            result.append(elems / max(best, 1e-9))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            error.append(exc)
+
+    t = threading.Thread(target=run, name="cpu_offload-optim-probe")
+    t.start()
+    t.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def cpu_update_probe(dtype: torch.dtype, make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                     hypers: dict, chunk_elems: int, elems: int = PROBE_ELEMS) -> tuple[Callable[[], None], int]:
+    """A CPU update of ``elems`` parameters of ``dtype`` as the CPU path runs it (a ``CpuBucket``:
+    conversion, chunked steps, write-back), and ``elems``; for ``measure_cpu_rate``."""
+    x = torch.zeros(elems, dtype=dtype)
+    bucket = CpuBucket([x], [0], [x], [hypers], make_optimizer, chunk_elems)
+    grad, out = torch.full_like(x, 1e-3), torch.empty_like(x)
+    scratch = torch.empty(bucket.scratch_elems, dtype=torch.float32)
+    return (lambda: bucket.update([grad], [out], scratch, [hypers], None)), elems
+
+
+def rates(device: OffloadDevice, where: torch.device, cpu_probe: Callable[[], None], threads: int,
+          elems: int) -> dict:
+    """``device.nominal_rates()`` if it has them (simulations), else measured."""
+    fixed = device.nominal_rates()
+    if fixed is not None:
+        return dict(fixed)
+    h2d, d2h = measure_link(device, where)
+    return {"h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h,
+            "cpu_params_per_s": measure_cpu_rate(cpu_probe, threads, elems)}
+
+
+def stream_share(fraction: Union[str, float], rates_fn: Callable[[], dict], cpu_bytes: float,
+                 stream_bytes: float) -> tuple[float, Optional[dict]]:
+    """The streamed share for ``fraction`` (``"auto"``: balanced from ``rates_fn()``), and the
+    rates used (``None`` for a fixed fraction)."""
+    if fraction != "auto":
+        return float(fraction), None
+    r = rates_fn()
+    link = min(r["h2d_bytes_per_s"], r["d2h_bytes_per_s"])
+    return 1.0 - balanced_cpu_share(r["cpu_params_per_s"], link, cpu_bytes, stream_bytes), r
+
+
+__all__ = ["balanced_cpu_share", "balanced_seconds", "check_stream_fraction", "cpu_update_probe",
+           "measure_cpu_rate",
+           "measure_link", "rates", "stream_share"]

@@ -1,0 +1,448 @@
+"""The streamed part of ``HybridDeviceOptimizer``: optimizer state in pinned CPU memory, the
+update on the device, the state streamed through a bounded device staging area.
+
+For the parameters of a ``StreamedPart`` the master weights (fp32 for bf16/fp16 parameters; an
+fp32 or fp64 parameter is its own master and stays on the device) and the wrapped optimizer's
+per-parameter state (``exp_avg``, ``exp_avg_sq``, ``step``...) live in pinned host memory. Inside
+``step()`` the parameters are updated chunk by chunk (about ``budget_bytes / 2`` of staging each):
+
+1. the chunk's masters and state are copied host -> device on a side stream (``h2d``) into one
+   of two device slots;
+2. the compute stream waits for that copy, converts the gradients to the master dtype in the
+   slot, runs the device optimizer class (``gpu_optimizer_cls``, fused AdamW by default) over the
+   slot views, and writes the new masters into the parameters (cast to their dtype);
+3. masters and state are copied back device -> host on another side stream (``d2h``).
+
+Two slots: the copy in of chunk ``i + 1`` overlaps the update of chunk ``i`` and the copy out of
+chunk ``i - 1``; a slot is refilled only after the copy out of the chunk before has read it.
+Device memory for it is allocated at the start of the update (compute stream) and dropped at
+its end, after the compute stream has waited for the last copy out, so the next step's copies
+in are ordered after this step's copies out, and outside ``step()`` the part holds no device
+memory. The update is the device class stepping over the same values as without offloading
+(gradients read from ``.grad`` inside ``step()``, after any clipping), so its result is bit for
+bit the wrapped class run on the device over fp32 masters (or over the parameters themselves).
+
+Chunks split parameters for the classes in ``cpu_update.ELEMENTWISE`` (element ranges starting
+at multiples of ``ALIGN_ELEMS``, as on the CPU); other classes get whole parameters per chunk
+(a parameter larger than a chunk then gets a chunk of its own, over the budget).
+
+The first update of a parameter lets the optimizer class create its state on the device (outside
+the staging budget, this one step); it is then copied into pinned host memory allocated for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from ..core.device import Event, OffloadDevice
+from .cpu_update import ALIGN_ELEMS, ELEMENTWISE, master_dtype, plan_chunks, sync_hyperparameters
+from .transfer import flat_bytes
+
+DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
+SLOTS = 2
+SLOT_ALIGN = 256  # bytes: every region of a slot starts aligned (vectorized device kernels)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def state_elems_per_param(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> tuple[int, bool]:
+    """How many per-element state tensors the optimizer class keeps (2 for Adam), found by one
+    step on a CPU dummy parameter, and whether the class updates elements independently (its
+    parameters may be split into chunks). Falls back to 2 if the dummy step fails."""
+    x = torch.zeros(8, requires_grad=True)
+    try:
+        opt = make_optimizer([{"params": [x]}])
+        elementwise = type(opt) in ELEMENTWISE
+        x.grad = torch.zeros_like(x)
+        opt.step()
+        st = opt.state.get(x, {})
+        return sum(1 for v in st.values() if torch.is_tensor(v) and v.shape == x.shape), elementwise
+    except Exception:  # noqa: BLE001 - an estimate only (sizes the chunks)
+        return 2, False
+
+
+@dataclass
+class _Piece:
+    index: int  # parameter index in the part
+    start: int
+    stop: int
+    key: torch.Tensor  # what the chunk's optimizer updates (a slot view set per step, or the param)
+    split: bool
+    streamed: dict = field(default_factory=dict)  # state name -> pinned host tensor (this piece)
+    kept: dict = field(default_factory=dict)  # state entries that stay where they are
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class _Chunk:
+    pieces: list[_Piece]
+    optimizer: torch.optim.Optimizer
+    group_ids: list[int]
+
+
+class StreamedPart:
+    """The streamed parameters of one ``HybridDeviceOptimizer`` attach (see the module docstring).
+
+    For ``state_dict`` it looks like one optimizer over ``keys`` (the host master of a
+    low-precision parameter, the parameter itself otherwise): ``param_groups`` (one per wrapper
+    group), ``state`` and ``load_state_dict`` in torch's format.
+    """
+
+    def __init__(
+        self,
+        device: OffloadDevice,
+        params: Sequence[torch.Tensor],
+        group_ids: Sequence[int],
+        hypers: Sequence[dict],
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
+        state_elems: int = 2,
+        elementwise: bool = True,
+    ) -> None:
+        self._device = device
+        self.params = list(params)
+        self.group_of = list(group_ids)
+        self.group_ids = list(dict.fromkeys(group_ids))
+        self.budget_bytes = budget_bytes
+        self.h2d = device.new_stream()
+        self.d2h = device.new_stream()
+        self._last: Optional[Event] = None  # the last copy out into host memory
+        self.masters: list[Optional[torch.Tensor]] = []
+        for p in self.params:
+            md = master_dtype(p.dtype)
+            if md == p.dtype:
+                self.masters.append(None)
+            else:
+                self.masters.append(device.alloc_host(p.numel() * md.itemsize).view(md).view(p.shape))
+        self.read_params()
+        self.keys = [m if m is not None else p for p, m in zip(self.params, self.masters)]
+        self._state_elems = state_elems
+        slot = budget_bytes // SLOTS - (2 + state_elems) * SLOT_ALIGN
+        per_elem = max([self._bytes_per_elem(i) for i in range(len(self.params))] or [1])
+        chunk_elems = max(1, slot // max(1, per_elem))
+        self.chunk_elems = chunk_elems // ALIGN_ELEMS * ALIGN_ELEMS or chunk_elems
+        plan = plan_chunks([p.numel() for p in self.params], self.chunk_elems, elementwise)
+        self.chunks = [self._build(c, hypers, make_optimizer) for c in self._regroup(plan, slot)]
+        self.staging_bytes = 0  # device bytes of the slots in the last update
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, name) -> pinned host state
+        self.state = _PartState(self)
+
+    def _bytes_per_elem(self, i: int) -> int:
+        p = self.params[i]
+        return (8 if self.masters[i] is not None else 0) + self._state_elems * master_dtype(p.dtype).itemsize
+
+    def _regroup(self, plan: list[list[tuple[int, int, int]]], slot: int) -> list[list[tuple[int, int, int]]]:
+        """Cut ``plan``'s chunks further so that each fits a slot with its regions aligned
+        (many small parameters: alignment adds up)."""
+        regions = 2 + self._state_elems
+        out = []
+        for chunk in plan:
+            current, filled = [], 0
+            for i, start, stop in chunk:
+                need = (stop - start) * self._bytes_per_elem(i) + regions * SLOT_ALIGN
+                if current and filled + need > slot:
+                    out.append(current)
+                    current, filled = [], 0
+                current.append((i, start, stop))
+                filled += need
+            if current:
+                out.append(current)
+        return out
+
+    def _build(self, pieces: Sequence[tuple[int, int, int]], hypers: Sequence[dict],
+               make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> _Chunk:
+        made = []
+        for i, start, stop in pieces:
+            p = self.params[i]
+            split = (start, stop) != (0, p.numel())
+            if self.masters[i] is not None:  # a slot view, set for each update
+                key = torch.empty(0, dtype=self.masters[i].dtype, device=p.device)
+            else:
+                key = p.detach().view(-1)[start:stop] if split else p.detach()
+            made.append(_Piece(i, start, stop, key, split))
+        gids = list(dict.fromkeys(self.group_of[pc.index] for pc in made))
+        groups = []
+        for gi in gids:
+            group = {k: v for k, v in hypers[gi].items() if k != "params"}
+            group["params"] = [pc.key for pc in made if self.group_of[pc.index] == gi]
+            groups.append(group)
+        return _Chunk(made, make_optimizer(groups), gids)
+
+    # ------------------------------------------------------------------------------------------
+    # host <-> device outside the update
+
+    def read_params(self) -> None:
+        """Masters from the current parameter values (construction, ``reload_master_weights``)."""
+        dev = self._device
+        lowp = [(p, m) for p, m in zip(self.params, self.masters) if m is not None]
+        if not lowp:
+            return
+        self.sync()
+        tmp = dev.alloc_host(max(p.numel() * p.element_size() for p, _ in lowp))
+        dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
+        for p, m in lowp:
+            raw = tmp[: p.numel() * p.element_size()]
+            dev.copy(self.d2h, raw, flat_bytes(p))
+            dev.wait_host(dev.record_event(self.d2h))
+            m.copy_(raw.view(p.dtype).view(p.shape))
+
+    def write_params(self) -> None:
+        """Parameters from the masters (after ``load_state_dict``)."""
+        dev = self._device
+        lowp = [(p, m) for p, m in zip(self.params, self.masters) if m is not None]
+        if not lowp:
+            return
+        tmp = dev.alloc_host(sum(_aligned(p.numel() * p.element_size()) for p, _ in lowp))
+        dev.wait_event(self.h2d, dev.record_event(dev.current_stream()))
+        offset = 0
+        for p, m in lowp:
+            n = p.numel() * p.element_size()
+            raw = tmp[offset: offset + n]
+            raw.view(p.dtype).view(p.shape).copy_(m)
+            dev.copy(self.h2d, flat_bytes(p), raw)
+            offset += _aligned(n)
+        dev.wait_event(dev.current_stream(), dev.record_event(self.h2d))
+        dev.wait_host(dev.record_event(self.h2d))
+
+    def sync(self) -> None:
+        """Block until the last update's copies into host memory have landed (before the host
+        reads masters or state: ``state_dict``, ``load_state_dict``)."""
+        if self._last is not None:
+            self._device.wait_host(self._last)
+            self._last = None
+
+    # ------------------------------------------------------------------------------------------
+    # the update
+
+    def _layout(self, pieces: list[_Piece]) -> tuple[list[tuple], int]:
+        """Per piece: (master offset | None, grad offset | None, {name: offset}); total bytes."""
+        out, offset = [], 0
+        for pc in pieces:
+            m_off = g_off = None
+            if self.masters[pc.index] is not None:
+                n = _aligned(pc.numel * self.masters[pc.index].element_size())
+                m_off, g_off, offset = offset, offset + n, offset + 2 * n
+            names = {}
+            for name, host in pc.streamed.items():
+                names[name] = offset
+                offset += _aligned(host.numel() * host.element_size())
+            out.append((m_off, g_off, names))
+        return out, offset
+
+    def _wait_chunk(self, event: Event) -> None:
+        """The compute stream waits for a chunk's copy in (tests remove it: a hazard)."""
+        self._device.wait_event(self._device.current_stream(), event)
+
+    def step(self, hypers: Sequence[dict]) -> None:
+        """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``,
+        on the compute stream; the host is not blocked)."""
+        live = []
+        for c in self.chunks:
+            pieces = [pc for pc in c.pieces if self.params[pc.index].grad is not None]
+            if pieces:
+                live.append((c, pieces, *self._layout(pieces)))
+        if not live:
+            return
+        self.sync()  # the previous step's copies out are waited for by compute already
+        dev = self._device
+        compute = dev.current_stream()
+        slot_bytes = max(total for *_, total in live)
+        slots = [dev.alloc_device(max(slot_bytes, 1), self.params[0].device)
+                 for _ in range(min(SLOTS, len(live)))]
+        self.staging_bytes = sum(s.numel() for s in slots)
+        start = dev.record_event(compute)
+        outs: list[Event] = []
+        keep: list[torch.Tensor] = []  # device state the optimizer created, read by copies out
+        for i, (chunk, pieces, layout, total) in enumerate(live):
+            slot = slots[i % SLOTS]
+            dev.wait_event(self.h2d, start if i < SLOTS else outs[i - SLOTS])
+            views = []
+            for pc, (m_off, g_off, names) in zip(pieces, layout):
+                m = g = None
+                if m_off is not None:
+                    host = self.masters[pc.index].view(-1)[pc.start:pc.stop]
+                    m = slot[m_off: m_off + host.numel() * host.element_size()]
+                    g = slot[g_off: g_off + m.numel()]
+                    dev.copy(self.h2d, m, flat_bytes(host))
+                    self.bytes_in += m.numel()
+                st = {}
+                for name, off in names.items():
+                    host = pc.streamed[name]
+                    raw = slot[off: off + host.numel() * host.element_size()]
+                    dev.copy(self.h2d, raw, flat_bytes(host))
+                    self.bytes_in += raw.numel()
+                    st[name] = raw.view(host.dtype).view(host.shape)
+                views.append((m, g, st))
+            self._wait_chunk(dev.record_event(self.h2d))
+            dev.will_read(slot[:total])
+            sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
+            self._update(chunk, pieces, views)
+            dev.wait_event(self.d2h, dev.record_event(compute))
+            for pc, (m, _, _) in zip(pieces, views):
+                if m is not None:
+                    dev.copy(self.d2h, flat_bytes(self.masters[pc.index].view(-1)[pc.start:pc.stop]), m)
+                    self.bytes_out += m.numel()
+                keep += self._copy_state_out(chunk, pc)
+            outs.append(dev.record_event(self.d2h))
+        dev.wait_event(compute, outs[-1])  # slots and new state may be freed; next step ordered
+        for t in slots + keep:
+            dev.will_free(t)
+        self._last = outs[-1]
+
+    def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple]) -> None:
+        opt = chunk.optimizer
+        try:
+            for pc, (m, g, st) in zip(pieces, views):
+                p = self.params[pc.index]
+                grad = p.grad.detach()
+                grad = grad.reshape(-1)[pc.start:pc.stop] if pc.split else grad
+                if m is not None:
+                    pc.key.set_(m.untyped_storage(), m.storage_offset() // pc.key.element_size(),
+                                (pc.numel,) if pc.split else p.shape)
+                    gm = g.view(pc.key.dtype).view(pc.key.shape)
+                    gm.copy_(grad.view(pc.key.shape))
+                    pc.key.grad = gm
+                else:
+                    pc.key.grad = grad
+                if pc.streamed or pc.kept:
+                    opt.state[pc.key] = {**pc.kept, **st}
+            opt.step()
+            with torch.no_grad():
+                for pc in pieces:
+                    if self.masters[pc.index] is not None:
+                        p = self.params[pc.index].detach()
+                        (p.view(-1)[pc.start:pc.stop] if pc.split else p).copy_(pc.key.view(
+                            (pc.numel,) if pc.split else p.shape))
+        finally:
+            for pc in pieces:
+                pc.key.grad = None
+
+    def _copy_state_out(self, chunk: _Chunk, pc: _Piece) -> list[torch.Tensor]:
+        """Queue the copies of piece ``pc``'s state back into host memory (first time: allocate
+        it); returns device tensors the optimizer created, which the copies read."""
+        dev = self._device
+        st = chunk.optimizer.state.pop(pc.key, None) or {}
+        created = []
+        key_device = self.params[pc.index].device
+        for name, v in st.items():
+            if not (torch.is_tensor(v) and v.device == key_device and dev.is_device_tensor(v)):
+                pc.kept[name] = v
+                continue
+            host = pc.streamed.get(name)
+            if host is None:
+                host = pc.streamed[name] = self._host_state(pc, name, v)
+                created.append(v)
+            dev.copy(self.d2h, flat_bytes(host), flat_bytes(v.contiguous()))
+            self.bytes_out += host.numel() * host.element_size()
+        if self.masters[pc.index] is not None:
+            pc.key.set_()  # drop the slot view
+        return created
+
+    def _host_state(self, pc: _Piece, name: str, v: torch.Tensor) -> torch.Tensor:
+        """Pinned host memory for state ``name`` of piece ``pc`` (a view of one tensor per
+        parameter for per-element state)."""
+        if v.shape == pc.key.shape:  # per-element state
+            p = self.params[pc.index]
+            full = self._full.get((pc.index, name))
+            if full is None or full.dtype != v.dtype:
+                full = self._full[(pc.index, name)] = self._device.alloc_host(
+                    p.numel() * v.element_size()).view(v.dtype).view(p.shape)
+            return full.view(-1)[pc.start:pc.stop].view(v.shape)
+        return self._device.alloc_host(v.numel() * v.element_size()).view(v.dtype).view(v.shape)
+
+    # -- the part as one optimizer over ``keys`` (state_dict support) ---------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        out = []
+        for gi in self.group_ids:
+            g = next(g for c in self.chunks for g, cg in zip(c.optimizer.param_groups, c.group_ids)
+                     if cg == gi)
+            out.append({**{k: v for k, v in g.items() if k != "params"},
+                        "params": [k for k, og in zip(self.keys, self.group_of) if og == gi]})
+        return out
+
+    def param_state(self, index: int) -> dict[str, Any]:
+        """Optimizer state of parameter ``index`` as the wrapped class keeps it (host tensors;
+        call ``sync()`` first)."""
+        pieces = [pc for c in self.chunks for pc in c.pieces if pc.index == index]
+        first = pieces[0]
+        if not first.streamed and not first.kept:
+            return {}
+        out = dict(first.kept)
+        for name, host in first.streamed.items():
+            out[name] = self._full.get((index, name), host)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's format over ``keys`` (grouped as ``param_groups``): each chunk's optimizer
+        loads its entries (so they are cast as the wrapped class casts them), then the state
+        moves into pinned host memory."""
+        self.sync()
+        dev = self._device
+        local = {i: pos for pos, i in enumerate(
+            i for gi in self.group_ids for i, og in enumerate(self.group_of) if og == gi)}
+        saved_groups = dict(zip(self.group_ids, state_dict["param_groups"]))
+        for c in self.chunks:
+            state, groups, n = {}, [], 0
+            for group, gi in zip(c.optimizer.param_groups, c.group_ids):
+                ids = []
+                for key in group["params"]:
+                    pc = next(pc for pc in c.pieces if pc.key is key)
+                    entry = state_dict["state"].get(local[pc.index])
+                    if entry is not None:
+                        state[n] = self._slice(entry, pc) if pc.split else entry
+                    ids.append(n)
+                    n += 1
+                groups.append({**{k: v for k, v in saved_groups[gi].items() if k != "params"},
+                               "params": ids})
+            for pc in c.pieces:
+                pc.streamed, pc.kept = {}, {}
+                if self.masters[pc.index] is not None:  # shape and device for load's casts
+                    pc.key.set_(torch.empty((pc.numel,) if pc.split else self.params[pc.index].shape,
+                                            dtype=pc.key.dtype, device=pc.key.device))
+            c.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            keep = []
+            dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
+            for pc in c.pieces:
+                keep += self._copy_state_out(c, pc)
+            dev.wait_host(dev.record_event(self.d2h))
+            for t in keep:
+                dev.will_free(t)
+
+    def _slice(self, entry: dict, pc: _Piece) -> dict:
+        shape = self.params[pc.index].shape
+        return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
+                if torch.is_tensor(v) else v for k, v in entry.items()}
+
+
+class _PartState(Mapping):
+    """``part.state[key]``: per-parameter optimizer state (only parameters with state)."""
+
+    def __init__(self, part: StreamedPart) -> None:
+        self._part = part
+
+    def _index(self, key: torch.Tensor) -> Optional[int]:
+        return next((i for i, k in enumerate(self._part.keys) if k is key), None)
+
+    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
+        i = self._index(key)
+        st = self._part.param_state(i) if i is not None else None
+        if not st:
+            raise KeyError(key)
+        return st
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (k for i, k in enumerate(self._part.keys) if self._part.param_state(i))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
