@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from ..core.device import Event, OffloadDevice
+from ..core.errors import OffloadUsageError
 from .cpu_update import ALIGN_ELEMS, ELEMENTWISE, master_dtype, plan_chunks, sync_hyperparameters
 from .transfer import flat_bytes
 
@@ -245,6 +246,12 @@ class StreamedPart:
     def step(self, hypers: Sequence[dict]) -> None:
         """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``,
         on the compute stream; the host is not blocked)."""
+        for p in self.params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise OffloadUsageError(
+                    f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
+                    "dense gradients (e.g. nn.Embedding(sparse=False))"
+                )
         live = []
         for c in self.chunks:
             pieces = [pc for pc in c.pieces if self.params[pc.index].grad is not None]

@@ -38,7 +38,9 @@ def loss_of(m, i):
 
 
 def hybrid(m, fraction=0.5, overlap="backward_update", cls=torch.optim.AdamW, **kw):
-    kw = {**KW, **kw}
+    # these tests exercise the CPU path: nothing streamed unless asked (test_stream_update.py
+    # covers the split between the CPU path and the streamed device update)
+    kw = {**KW, "stream_fraction": 0, **kw}
     opt = HybridDeviceOptimizer(
         m.parameters(), fraction, cpu_optimizer_cls=cls, gpu_optimizer_cls=cls,
         device=kw.pop("device", None) or SimulatedDevice(), overlap=overlap,
@@ -139,7 +141,7 @@ def test_offloads_the_parameters_whose_gradients_arrive_first():
     order = grad_arrival_order(m.parameters(), lambda: loss_of(m, 0).backward())
     m.zero_grad()
     assert order[0] in set(m.layers[-1].parameters()) and order[-1] in set(m.layers[0].parameters())
-    rev = HybridDeviceOptimizer(m.parameters(), 0.25, device=SimulatedDevice(),
+    rev = HybridDeviceOptimizer(m.parameters(), 0.25, device=SimulatedDevice(), stream_fraction=0,
                                 grad_order=order[::-1], lr=1e-2)  # pretend layer 0 arrives first
     assert rev.offloaded_params()[0] is order[-1]
 
@@ -503,10 +505,17 @@ def test_mixed_devices_and_bad_classes():
 def test_sparse_gradient_is_rejected():
     emb = nn.Embedding(10, 4, sparse=True)
     opt = HybridDeviceOptimizer(emb.parameters(), 1.0, torch.optim.SGD, torch.optim.SGD,
-                                device=SimulatedDevice(), lr=0.1)
+                                device=SimulatedDevice(), lr=0.1, stream_fraction=0)
     with pytest.raises(OffloadUsageError, match="sparse gradient"):
         emb(torch.tensor([1, 2])).sum().backward()
     opt.close()
+    streamed = HybridDeviceOptimizer(emb.parameters(), 1.0, torch.optim.SGD, torch.optim.SGD,
+                                     device=SimulatedDevice(), lr=0.1, stream_fraction=1)
+    emb.zero_grad()
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(OffloadUsageError, match="sparse gradient"):
+        streamed.step()
+    streamed.close()
 
 
 def test_next_forward_requires_forward_waits():

@@ -100,7 +100,7 @@ def test_params_and_state_equal_the_wrapped_optimizer(dtype, fraction, mode):
     opt = hybrid(m, fraction, mode)
     assert train(m, opt, 3) == ref_losses
     assert_same(m, opt, ref, ref_opt)
-    offloaded = opt.offloaded_params()
+    offloaded = opt.offloaded_params() + opt.streamed_params()  # CPU path + streamed
     assert offloaded and (len(offloaded) == len(list(m.parameters()))) == (fraction == 1.0)
     masters = opt.state_dict()["hybrid"]["master_weights"]
     assert masters and all(w.dtype == dtype for w in masters.values())
