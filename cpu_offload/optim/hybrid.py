@@ -26,7 +26,9 @@ from .partition import (
     DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
     make_buckets, next_update,
 )
-from .stream_update import DEFAULT_STREAM_BUDGET_BYTES, StreamedPart, state_elems_per_param
+from .stream_update import (
+    DEFAULT_STREAM_BUDGET_BYTES, MIN_STREAM_BUDGET_BYTES, StreamedPart, state_elems_per_param,
+)
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
 
@@ -281,7 +283,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_int("cpu_threads", cpu_threads, minimum=1, allow_none=True)
         check_int("cpu_chunk_bytes", cpu_chunk_bytes, minimum=0, allow_none=True, unit="bytes")
         self._stream_request = balance.check_stream_fraction(stream_fraction)
-        check_int("stream_budget_bytes", stream_budget_bytes, minimum=2**20, unit="bytes")
+        check_int("stream_budget_bytes", stream_budget_bytes, minimum=MIN_STREAM_BUDGET_BYTES, unit="bytes")
         self.stream_budget_bytes = stream_budget_bytes
         self.stream_fraction: Optional[float] = None  # the streamed share chosen (see _split)
         self._parts: list[StreamedPart] = []

@@ -42,6 +42,7 @@ from .cpu_update import ALIGN_ELEMS, ELEMENTWISE, master_dtype, plan_chunks, syn
 from .transfer import flat_bytes
 
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
+MIN_STREAM_BUDGET_BYTES = 64 * 2**10  # two slots of at least 1024 elements each
 SLOTS = 2
 SLOT_ALIGN = 256  # bytes: every region of a slot starts aligned (vectorized device kernels)
 
