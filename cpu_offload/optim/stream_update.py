@@ -314,8 +314,7 @@ class StreamedPart:
                 grad = p.grad.detach()
                 grad = grad.reshape(-1)[pc.start:pc.stop] if pc.split else grad
                 if m is not None:
-                    pc.key.set_(m.untyped_storage(), m.storage_offset() // pc.key.element_size(),
-                                (pc.numel,) if pc.split else p.shape)
+                    pc.key.set_(m.view(pc.key.dtype).view((pc.numel,) if pc.split else p.shape))
                     gm = g.view(pc.key.dtype).view(pc.key.shape)
                     gm.copy_(grad.view(pc.key.shape))
                     pc.key.grad = gm
@@ -336,7 +335,7 @@ class StreamedPart:
 
     def _copy_state_out(self, chunk: _Chunk, pc: _Piece) -> list[torch.Tensor]:
         """Queue the copies of piece ``pc``'s state back into host memory (first time: allocate
-        it); returns device tensors the optimizer created, which the copies read."""
+        it); returns the device tensors the copies read (to keep until they are done)."""
         dev = self._device
         st = chunk.optimizer.state.pop(pc.key, None) or {}
         created = []
@@ -348,8 +347,9 @@ class StreamedPart:
             host = pc.streamed.get(name)
             if host is None:
                 host = pc.streamed[name] = self._host_state(pc, name, v)
-                created.append(v)
-            dev.copy(self.d2h, flat_bytes(host), flat_bytes(v.contiguous()))
+            v = v.contiguous()
+            created.append(v)
+            dev.copy(self.d2h, flat_bytes(host), flat_bytes(v))
             self.bytes_out += host.numel() * host.element_size()
         if self.masters[pc.index] is not None:
             pc.key.set_()  # drop the slot view
