@@ -8,7 +8,17 @@ master weights). Rows, each on a freshly built model in the same process:
 - ``f=0.25/0.5/1`` HybridDeviceOptimizer with that ``offload_fraction``, ``overlap="next_forward"``
   (fused CPU AdamW on the worker thread, fused GPU AdamW for the rest);
 - ``f=1 none``     fraction 1 with ``overlap="none"``: everything inside ``step()`` (Megatron-style);
-- ``f=1 +act``     fraction 1 plus activation offloading of half the layers (V2).
+- ``f=1 +act``     fraction 1 plus activation offloading of half the layers (V2);
+- ``split f=0.25/0.5/1`` that ``offload_fraction`` with ``stream_fraction="auto"``: part of the
+  offloaded parameters updated on the GPU from state streamed through a bounded staging area,
+  the rest on the CPU, split so both finish together (the other ``f=`` rows: ``stream_fraction=0``,
+  everything offloaded on the CPU).
+
+Split rows add: the streamed share chosen, link time each way (H2D ms, D2H ms: measured bytes
+per step over the measured link rates), and the optimizer's own balanced estimate (``balanced
+ms``: max of its expected CPU update and link times, from the rates it measured at
+construction, ``split_estimate()``). Their link time for the bound is the larger direction (the
+streamed part copies both ways at once), not the sum.
 
 Per row: GPU peak memory (max allocated over the timed steps) and steady memory (allocated
 after a step: weights plus GPU optimizer state), step time (wall clock per training iteration,
@@ -63,13 +73,17 @@ GIB = 1024**3
 TARGET = 1.10
 DEFAULT_CFG = GPTConfig(hidden=2048, heads=16, seq=2048, batch=2, layers=30, dtype=torch.bfloat16)
 BIG_CFG = GPTConfig(hidden=4096, heads=32, seq=2048, batch=1, layers=28, dtype=torch.bfloat16)
-ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation offloading)
-    "plain": (None, None, False),
-    "f=0.25": (0.25, "next_forward", False),
-    "f=0.5": (0.5, "next_forward", False),
-    "f=1": (1.0, "next_forward", False),
-    "f=1 none": (1.0, "none", False),
-    "f=1 +act": (1.0, "next_forward", True),
+ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation offloading,
+    #                  stream_fraction)
+    "plain": (None, None, False, 0),
+    "f=0.25": (0.25, "next_forward", False, 0),
+    "f=0.5": (0.5, "next_forward", False, 0),
+    "f=1": (1.0, "next_forward", False, 0),
+    "f=1 none": (1.0, "none", False, 0),
+    "f=1 +act": (1.0, "next_forward", True, 0),
+    "split f=0.25": (0.25, "next_forward", False, "auto"),
+    "split f=0.5": (0.5, "next_forward", False, "auto"),
+    "split f=1": (1.0, "next_forward", False, "auto"),
 }
 KW = dict(lr=1e-4, weight_decay=0.1)
 
@@ -89,6 +103,10 @@ class Row:
     peak_gib: Optional[float] = None
     steady_gib: Optional[float] = None
     max_loss_diff: Optional[float] = None
+    stream_pct: Optional[float] = None
+    h2d_ms: Optional[float] = None
+    d2h_ms: Optional[float] = None
+    balanced_ms: Optional[float] = None
     bound_ratio: Optional[float] = None
     verdict: Optional[str] = None
     error: Optional[str] = None
@@ -96,11 +114,13 @@ class Row:
 
 
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
-                    device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None) -> Any:
+                    device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
+                    stream: Any = 0) -> Any:
     if fraction is None:
         return MasterWeightOptimizer(model.parameters(), **KW)
     opt = HybridDeviceOptimizer(
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
+        stream_fraction=stream,
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
         cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
         bucket_bytes=64 * 2**20 if device.is_cuda else 2**14, **KW)
@@ -120,14 +140,15 @@ def make_forward(model: torch.nn.Module, act: bool, device: BenchDevice, cfg: GP
 
 def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: BenchDevice,
             args: argparse.Namespace, link: dict) -> Row:
-    fraction, overlap, act = spec
+    fraction, overlap, act, stream = spec
     row = Row(label, workload)
     model = opt = None
     try:
         model = build_model(cfg, device.torch_device, seed=args.seed)
         row.params = sum(p.numel() for p in model.parameters())
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
-        opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib)
+        opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib,
+                              stream)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -145,8 +166,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
             train_step(i)
         device.synchronize()
         device.reset_peak()
-        engine = opt._engine if hybrid else None
-        moved0 = (engine.bytes_out, engine.bytes_in) if engine else (0, 0)
+        moved0 = _moved(opt) if hybrid else (0, 0)
         del stats[:]
         # Steady state, as a training loop sees it: the timed steps start and end in the same
         # phase (device drained, the last step's CPU update in flight under "next_forward"), so
@@ -177,11 +197,19 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         device.synchronize()
         row.fwd_bwd_ms = (time.perf_counter() - t0) * 1e3 / args.iters
         if hybrid:
-            out = (engine.bytes_out - moved0[0]) / args.iters
-            into = (engine.bytes_in - moved0[1]) / args.iters
+            moved = _moved(opt)
+            out = (moved[0] - moved0[0]) / args.iters
+            into = (moved[1] - moved0[1]) / args.iters
             row.gb_per_step = (out + into) / 1e9
             row.link_gbps = row.gb_per_step / (row.step_ms / 1e3)
-            row.link_ms = (out / link["d2h_gbps"] + into / link["h2d_gbps"]) / 1e6
+            row.d2h_ms = out / link["d2h_gbps"] / 1e6
+            row.h2d_ms = into / link["h2d_gbps"] / 1e6
+            row.link_ms = row.d2h_ms + row.h2d_ms
+            if stream != 0:  # the streamed part copies both ways at once
+                row.link_ms = max(row.d2h_ms, row.h2d_ms)
+                row.stream_pct = 100 * (opt.stream_fraction or 0.0)
+                est = opt.split_estimate()
+                row.balanced_ms = None if est is None else 1e3 * est["bound_s"]
             if stats:
                 row.cpu_update_ms = 1e3 * sum(s["cpu_update_s"] for s in stats) / len(stats)
                 row.overlap_pct = 100 * sum(s["overlapped_with_backward"] for s in stats) / len(stats)
@@ -198,6 +226,13 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         del model, opt
         device.free_memory()
     return row
+
+
+def _moved(opt: HybridDeviceOptimizer) -> tuple[int, int]:
+    """Bytes copied so far (to the host, to the device), CPU path and streamed part."""
+    parts = opt._parts
+    return (opt._engine.bytes_out + sum(p.bytes_out for p in parts),
+            opt._engine.bytes_in + sum(p.bytes_in for p in parts))
 
 
 class _null:
@@ -306,7 +341,7 @@ def microbench(threads_list: list[int], elems: int, reps: int,
 
 HEADERS = ("workload", "row", "params", "step ms", "fwd+bwd ms", "CPU upd ms", "link ms",
            "GB/step", "link GB/s", "upd overl. %", "peak GiB", "steady GiB", "max dloss",
-           "step/bound", "target")
+           "stream %", "H2D ms", "D2H ms", "balanced ms", "step/bound", "target")
 
 
 def _count(n: int) -> str:
@@ -322,7 +357,8 @@ def table_rows(rows: list[Row]) -> list[list[Any]]:
             continue
         out.append([r.workload, r.label, _count(r.params), r.step_ms, r.fwd_bwd_ms,
                     r.cpu_update_ms, r.link_ms, r.gb_per_step, r.link_gbps, r.overlap_pct,
-                    r.peak_gib, r.steady_gib, r.max_loss_diff, r.bound_ratio, r.verdict])
+                    r.peak_gib, r.steady_gib, r.max_loss_diff, r.stream_pct, r.h2d_ms, r.d2h_ms,
+                    r.balanced_ms, r.bound_ratio, r.verdict])
     return out
 
 
@@ -409,7 +445,7 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
                     row.max_loss_diff = max(abs(a - b) for a, b in zip(row.losses, base.losses))
                 rows.append(row)
                 shown = row.error or f"{row.step_ms:.1f} ms/step"
-                print(f"  {name:8s} {label:10s} {shown}", flush=True)
+                print(f"  {name:8s} {label:12s} {shown}", flush=True)
 
     print()
     if micro:

@@ -872,6 +872,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "stream_bytes_to_host": sum(p.bytes_out for p in self._parts),
         }
 
+    def split_estimate(self) -> Optional[dict[str, Any]]:
+        """What ``stream_fraction="auto"`` planned with: the rates (measured at construction, or
+        the device's ``nominal_rates``), bytes per parameter each way on each path, and the
+        expected seconds per step of the CPU update, each link direction and their maximum
+        (``bound_s``, the balanced time) for the split chosen. ``None`` unless "auto" chose it."""
+        if not self._balance or self._balance["rates"] is None:
+            return None
+        b = self._balance
+        n = sum(p.numel() for p in self.offloaded_params() + self.streamed_params())
+        share = self.stream_fraction or 0.0
+        return {"stream_fraction": share, "rates": dict(b["rates"]), "cpu_bytes": b["cpu_bytes"],
+                "stream_bytes": b["stream_bytes"],
+                **balance.balanced_seconds(n, 1.0 - share, b["rates"], b["cpu_bytes"], b["stream_bytes"])}
+
     def streamed_params(self) -> list[torch.Tensor]:
         """The offloaded parameters updated on the device from streamed state (see
         ``stream_fraction``), in gradient-arrival order."""

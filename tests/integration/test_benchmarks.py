@@ -33,6 +33,21 @@ def test_offload_benchmark_smoke_sim(tmp_path):
     assert (tmp_path / "offload_benchmark_sim.json").exists()
 
 
+def test_optim_benchmark_smoke_sim(tmp_path):
+    bench = _benchmark_module("optim_benchmark")
+    rows = bench.main([
+        "--device", "sim", "--no-microbench", "--rows", "plain,f=1,split f=1", "--layers", "2",
+        "--warmup", "1", "--iters", "1", "--out", str(tmp_path),
+    ])
+    assert [r.label for r in rows] == ["plain", "f=1", "split f=1"]
+    assert all(r.error is None for r in rows), rows
+    cpu, split = rows[1], rows[2]
+    assert cpu.max_loss_diff == 0 and split.max_loss_diff == 0  # the same numbers as plain
+    assert cpu.stream_pct is None and 0 < split.stream_pct < 100  # "auto": a real split
+    assert split.h2d_ms > 0 and split.d2h_ms > 0 and split.balanced_ms > 0
+    assert (tmp_path / "optim_benchmark_sim.md").exists()
+
+
 def test_hook_overhead_smoke_sim(tmp_path):
     bench = _benchmark_module("hook_overhead")
     payload = bench.main([
