@@ -7,6 +7,8 @@ Modules, one job each:
 - ``transfer``   pinned staging buffers and the copies to/from the device (``OffloadDevice`` only);
 - ``worker``     the CPU thread that runs the updates;
 - ``cpu_update`` one bucket: fp32 master weights, its optimizer, the update;
+- ``stream_update`` the streamed part: state in pinned CPU memory, updated on the device in chunks;
+- ``balance``    how the offloaded parameters split between the CPU and the streamed part;
 - ``state``      state_dict format and conversion to the wrapped optimizer's format;
 - ``overlap``    the overlap modes: what runs during backward and what ``step()`` waits for;
 - ``ddp``        DistributedDataParallel's communication hook (reduced gradients to the host);

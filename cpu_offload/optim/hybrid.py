@@ -149,7 +149,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     parameter bytes, get master weights (fp32 for bf16/fp16 parameters, the parameter's own dtype
     for fp32/fp64 ones) and optimizer state in CPU memory and are updated by
     ``cpu_optimizer_cls`` on a CPU worker thread; the rest are updated on the device by
-    ``gpu_optimizer_cls`` as usual. For those CPU parameters:
+    ``gpu_optimizer_cls`` as usual. Part of the offloaded parameters (``stream_fraction``,
+    balanced against the CPU by default) keep their state in CPU memory but are updated on the
+    device, their state streamed in and out in chunks inside ``step()``. For the CPU parameters:
 
     1. during backward, each gradient is copied (model dtype, on a side stream) into pinned
        buffers allocated at construction, as soon as it is final (post-accumulate-grad hooks);
@@ -226,10 +228,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             own instance of ``cpu_optimizer_cls``; parameters larger than a chunk are split for
             ``torch.optim.Adam``/``AdamW``/``SGD`` only (bit-identical to whole-tensor steps,
             see ``cpu_offload.optim.cpu_update``).
+        stream_fraction: share of the offloaded parameters (by elements) updated *on the
+            device* from state kept in pinned CPU memory, streamed in chunks through
+            ``stream_budget_bytes`` of device staging (``cpu_offload.optim.stream_update``): their
+            masters and state (12 B/param each way for bf16 AdamW) cross the link, the CPU does
+            no work for them. The rest of the offloaded parameters (the earliest gradients) keep
+            the CPU path above. ``"auto"`` (default): balance the two so that they finish
+            together, from the CPU update rate and the link rate both ways measured at
+            construction (``device.nominal_rates()`` on a simulated device: reproducible);
+            the choice is logged once (logger ``"cpu_offload"``) and kept in
+            ``stream_fraction`` / ``split_estimate()``. ``0``: everything offloaded is updated
+            on the CPU (the behaviour before streaming existed). The streamed part runs inside
+            ``step()`` in every overlap mode, from ``.grad`` as it is then (after any clipping),
+            with ``gpu_optimizer_cls``: its result is that class run on the device, bit for bit.
+        stream_budget_bytes: device bytes for the streamed part's staging (two chunks, so that
+            the copy of one overlaps the update of the other; default 256 MiB, at least 64 KiB),
+            allocated inside ``step()`` only (``last_step_stats["stream_staging_bytes"]``). The
+            first step of a parameter also lets the class create its state on the device once.
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
-        OffloadConfigError: ``offload_fraction`` outside [0, 1]; a flag that is not a bool or a
+        OffloadConfigError: ``offload_fraction`` outside [0, 1]; ``stream_fraction`` neither
+            ``"auto"`` nor in [0, 1]; ``stream_budget_bytes`` under 64 KiB; a flag that is not a bool or a
             size that is not an int (e.g. ``pin_cpu_grads="no"``); parameters on several
             devices, non-contiguous or non-leaf; an unknown ``overlap``; an optimizer class
             without the ``torch.optim.Optimizer`` API or rejecting ``optimizer_kwargs``.
