@@ -142,6 +142,7 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
     bf16 = spec.dtype == "bfloat16"
     kw = dict(offload_fraction=opt.fraction, overlap=repr(opt.overlap),
               bucket_bytes=opt.bucket_bytes, cpu_chunk_bytes=opt.chunk_bytes, cpu_threads=1,
+              stream_fraction=repr(opt.stream_fraction), stream_budget_bytes=1 << 16,
               lr=0.01, weight_decay=opt.weight_decay)
     if opt.max_grad_norm is not None:
         kw.update(max_grad_norm=opt.max_grad_norm)

@@ -12,7 +12,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 from cpu_offload.optim import OVERLAP_MODES
 from cpu_offload.v2.schedule import validate_synchronization_dict
@@ -56,6 +56,7 @@ class OptSpec:
     no_sync: bool = True  # accumulate micro-batches inside opt.no_sync()
     weight_decay: float = 0.0
     shared_device: bool = True  # the optimizer uses the activation offloading's device
+    stream_fraction: Any = 0.0  # share of the offloaded parameters streamed ("auto" or [0, 1])
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
         f.update(f"edit={e[0]}" for e in opt.edits)
         if opt.max_grad_norm is not None:
             f["max_grad_norm"] += 1
+        if opt.stream_fraction != 0.0 and opt.fraction > 0:
+            f["stream"] += 1
     return f
 
 
@@ -315,6 +318,7 @@ def _optimizer(rng: random.Random) -> OptSpec:
         no_sync=rng.random() < 0.5,
         weight_decay=rng.choice((0.0, 0.1)),
         shared_device=rng.random() < 0.5,
+        stream_fraction=rng.choice((0.0, "auto", 0.5, 1.0)),  # last draw: earlier seeds unchanged
     )
 
 
