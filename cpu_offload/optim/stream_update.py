@@ -116,13 +116,19 @@ class StreamedPart:
         self.h2d = device.new_stream()
         self.d2h = device.new_stream()
         self._last: Optional[Event] = None  # the last copy out into host memory
+        # pinned host memory for masters and per-element state, allocated here in large blocks
+        # (torch's pinned allocator rounds every allocation up to a power of two)
+        sizes = []
+        for p in self.params:
+            n = p.numel() * master_dtype(p.dtype).itemsize
+            sizes += [n] * ((master_dtype(p.dtype) != p.dtype) + state_elems)
+        bufs = iter(_pack(device, sizes))
         self.masters: list[Optional[torch.Tensor]] = []
+        self._reserved: list[list[torch.Tensor]] = []  # per param: host buffers for its state
         for p in self.params:
             md = master_dtype(p.dtype)
-            if md == p.dtype:
-                self.masters.append(None)
-            else:
-                self.masters.append(device.alloc_host(p.numel() * md.itemsize).view(md).view(p.shape))
+            self.masters.append(None if md == p.dtype else next(bufs).view(md).view(p.shape))
+            self._reserved.append([next(bufs) for _ in range(state_elems)])
         self.read_params()
         self.keys = [m if m is not None else p for p, m in zip(self.params, self.masters)]
         self._state_elems = state_elems
@@ -132,6 +138,10 @@ class StreamedPart:
         self.chunk_elems = chunk_elems // ALIGN_ELEMS * ALIGN_ELEMS or chunk_elems
         plan = plan_chunks([p.numel() for p in self.params], self.chunk_elems, elementwise)
         self.chunks = [self._build(c, hypers, make_optimizer) for c in self._regroup(plan, slot)]
+        pieces = sum(len(c.pieces) for c in self.chunks)  # small state (AdamW's step): 2 each
+        pool = device.alloc_host(pieces * 2 * SMALL_STATE_BYTES) if pieces else None
+        self._small = [pool[k: k + SMALL_STATE_BYTES]
+                       for k in range(0, pieces * 2 * SMALL_STATE_BYTES, SMALL_STATE_BYTES)]
         self.staging_bytes = 0  # device bytes of the slots in the last update
         self.bytes_in = 0
         self.bytes_out = 0
@@ -362,10 +372,16 @@ class StreamedPart:
             p = self.params[pc.index]
             full = self._full.get((pc.index, name))
             if full is None or full.dtype != v.dtype:
-                full = self._full[(pc.index, name)] = self._device.alloc_host(
-                    p.numel() * v.element_size()).view(v.dtype).view(p.shape)
+                nbytes = p.numel() * v.element_size()
+                reserved = self._reserved[pc.index]
+                raw = (reserved.pop(0) if reserved and reserved[0].numel() == nbytes
+                       else self._device.alloc_host(nbytes))
+                full = self._full[(pc.index, name)] = raw.view(v.dtype).view(p.shape)
             return full.view(-1)[pc.start:pc.stop].view(v.shape)
-        return self._device.alloc_host(v.numel() * v.element_size()).view(v.dtype).view(v.shape)
+        nbytes = v.numel() * v.element_size()
+        raw = (self._small.pop()[:nbytes] if self._small and nbytes <= SMALL_STATE_BYTES
+               else self._device.alloc_host(nbytes))
+        return raw.view(v.dtype).view(v.shape)
 
     # -- the part as one optimizer over ``keys`` (state_dict support) ---------------------------
 
@@ -431,6 +447,29 @@ class StreamedPart:
         shape = self.params[pc.index].shape
         return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
                 if torch.is_tensor(v) else v for k, v in entry.items()}
+
+
+HOST_BLOCK_BYTES = 2**30
+SMALL_STATE_BYTES = 64  # host bytes reserved per small (non per-element) state tensor
+
+
+def _pack(device: OffloadDevice, sizes: Sequence[int], block: int = HOST_BLOCK_BYTES) -> list[torch.Tensor]:
+    """Pinned host buffers of ``sizes`` bytes (in order), carved from blocks of ``block`` bytes
+    (a size over ``block`` gets its own allocation; the last block only what it holds)."""
+    plan, used, cur = [], [], None  # plan: (block, offset) per size; used: bytes per block
+    for n in sizes:
+        n_al = _aligned(n)
+        if n_al > block:
+            plan.append((len(used), 0))
+            used.append(n_al)
+            continue
+        if cur is None or used[cur] + n_al > block:
+            cur = len(used)
+            used.append(0)
+        plan.append((cur, used[cur]))
+        used[cur] += n_al
+    blocks = [device.alloc_host(block if i != cur and u <= block else u) for i, u in enumerate(used)]
+    return [blocks[b][off: off + n] for (b, off), n in zip(plan, sizes)]
 
 
 class _PartState(Mapping):

@@ -306,3 +306,16 @@ def test_streamed_peak_memory_within_the_budget_on_cuda():
 def _cuda():
     from cpu_offload import CudaDevice
     return CudaDevice()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pinned_memory_is_allocated_at_construction_only(dtype):
+    dev = SimulatedDevice()
+    m = model(dtype)
+    opt = hybrid(m, 1.0, 1.0, device=dev)
+    allocs, nbytes = dev.host_allocs, dev.host_bytes_allocated
+    train(m, opt, 3)
+    assert (dev.host_allocs, dev.host_bytes_allocated) == (allocs, nbytes)
+    state = sum(p.numel() for p in m.parameters()) * 4 * (3 if dtype == torch.bfloat16 else 2)
+    assert state <= nbytes <= 2 * state  # masters and state, packed (not rounded per tensor)
+    opt.close()
