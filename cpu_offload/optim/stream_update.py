@@ -280,37 +280,50 @@ class StreamedPart:
         start = dev.record_event(compute)
         outs: list[Event] = []
         keep: list[torch.Tensor] = []  # device state the optimizer created, read by copies out
-        for i, (chunk, pieces, layout, total) in enumerate(live):
-            slot = slots[i % SLOTS]
-            dev.wait_event(self.h2d, start if i < SLOTS else outs[i - SLOTS])
-            views = []
-            for pc, (m_off, g_off, names) in zip(pieces, layout):
-                m = g = None
-                if m_off is not None:
-                    host = self.masters[pc.index].view(-1)[pc.start:pc.stop]
-                    m = slot[m_off: m_off + host.numel() * host.element_size()]
-                    g = slot[g_off: g_off + m.numel()]
-                    dev.copy(self.h2d, m, flat_bytes(host))
-                    self.bytes_in += m.numel()
-                st = {}
-                for name, off in names.items():
-                    host = pc.streamed[name]
-                    raw = slot[off: off + host.numel() * host.element_size()]
-                    dev.copy(self.h2d, raw, flat_bytes(host))
-                    self.bytes_in += raw.numel()
-                    st[name] = raw.view(host.dtype).view(host.shape)
-                views.append((m, g, st))
-            self._wait_chunk(dev.record_event(self.h2d))
-            dev.will_read(slot[:total])
-            sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
-            self._update(chunk, pieces, views)
-            dev.wait_event(self.d2h, dev.record_event(compute))
-            for pc, (m, _, _) in zip(pieces, views):
-                if m is not None:
-                    dev.copy(self.d2h, flat_bytes(self.masters[pc.index].view(-1)[pc.start:pc.stop]), m)
-                    self.bytes_out += m.numel()
-                keep += self._copy_state_out(chunk, pc)
-            outs.append(dev.record_event(self.d2h))
+        try:
+            for i, (chunk, pieces, layout, total) in enumerate(live):
+                slot = slots[i % SLOTS]
+                dev.wait_event(self.h2d, start if i < SLOTS else outs[i - SLOTS])
+                views = []
+                for pc, (m_off, g_off, names) in zip(pieces, layout):
+                    m = g = None
+                    if m_off is not None:
+                        host = self.masters[pc.index].view(-1)[pc.start:pc.stop]
+                        m = slot[m_off: m_off + host.numel() * host.element_size()]
+                        g = slot[g_off: g_off + m.numel()]
+                        dev.copy(self.h2d, m, flat_bytes(host))
+                        self.bytes_in += m.numel()
+                    st = {}
+                    for name, off in names.items():
+                        host = pc.streamed[name]
+                        raw = slot[off: off + host.numel() * host.element_size()]
+                        dev.copy(self.h2d, raw, flat_bytes(host))
+                        self.bytes_in += raw.numel()
+                        st[name] = raw.view(host.dtype).view(host.shape)
+                    views.append((m, g, st))
+                self._wait_chunk(dev.record_event(self.h2d))
+                dev.will_read(slot[:total])
+                sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
+                self._update(chunk, pieces, views)
+                dev.wait_event(self.d2h, dev.record_event(compute))
+                for pc, (m, _, _) in zip(pieces, views):
+                    if m is not None:
+                        dev.copy(self.d2h, flat_bytes(self.masters[pc.index].view(-1)[pc.start:pc.stop]), m)
+                        self.bytes_out += m.numel()
+                    keep += self._copy_state_out(chunk, pc)
+                outs.append(dev.record_event(self.d2h))
+        except BaseException:
+            # the chunks before keep their update (as on the CPU path); unbind this one's slot
+            # views and order everything queued before the slots and state can be freed
+            for c, pieces, *_ in live:
+                for pc in pieces:
+                    c.optimizer.state.pop(pc.key, None)
+                    if self.masters[pc.index] is not None:
+                        pc.key.set_()
+            dev.wait_event(compute, dev.record_event(self.h2d))
+            dev.wait_event(compute, dev.record_event(self.d2h))
+            self._last = dev.record_event(self.d2h)
+            raise
         dev.wait_event(compute, outs[-1])  # slots and new state may be freed; next step ordered
         for t in slots + keep:
             dev.will_free(t)

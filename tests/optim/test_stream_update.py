@@ -319,3 +319,29 @@ def test_pinned_memory_is_allocated_at_construction_only(dtype):
     state = sum(p.numel() for p in m.parameters()) * 4 * (3 if dtype == torch.bfloat16 else 2)
     assert state <= nbytes <= 2 * state  # masters and state, packed (not rounded per tensor)
     opt.close()
+
+
+def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch):
+    dev = SimulatedDevice()
+    m = model()
+    opt = hybrid(m, 1.0, 1.0, device=dev)
+    train(m, opt, 1)
+    calls = []
+    update = StreamedPart._update
+
+    def failing(self, chunk, pieces, views):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("update failed")
+        update(self, chunk, pieces, views)
+
+    monkeypatch.setattr(StreamedPart, "_update", failing)
+    loss_of(m, 1).backward()
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.step()
+    assert dev.pending_ops() == 0
+    monkeypatch.setattr(StreamedPart, "_update", update)
+    opt.zero_grad()
+    train(m, opt, 1, start=2)  # works again: slots freed in order, nothing bound to them
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    opt.close()
