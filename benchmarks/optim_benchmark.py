@@ -45,6 +45,12 @@ GPU (H100 + 16-core host, about 3 minutes; with --big about 5)::
 
     python benchmarks/optim_benchmark.py --out bench_out
 
+The split against CPU-only offloading, and core binding (compare with and without)::
+
+    python benchmarks/optim_benchmark.py --no-microbench \
+        --rows "plain,f=0.25,f=0.5,f=1,split f=0.25,split f=0.5,split f=1"
+    python benchmarks/optim_benchmark.py --no-microbench --rows "plain,f=1,split f=1" --bind-cores
+
 CPU smoke test (tiny model, SimulatedDevice; numbers mean nothing)::
 
     python benchmarks/optim_benchmark.py --device sim
@@ -66,7 +72,9 @@ from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, tiny_co
 from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
 from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
 from cpu_offload.optim.cpu_update import CpuBucket  # noqa: E402
-from cpu_offload.optim.worker import CpuWorker, default_chunk_bytes, default_cpu_threads  # noqa: E402
+from cpu_offload.optim.worker import (  # noqa: E402
+    CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores,
+)
 from offload_benchmark import measure_link  # noqa: E402
 
 GIB = 1024**3
@@ -115,12 +123,12 @@ class Row:
 
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
                     device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
-                    stream: Any = 0) -> Any:
+                    stream: Any = 0, bind: bool = False) -> Any:
     if fraction is None:
         return MasterWeightOptimizer(model.parameters(), **KW)
     opt = HybridDeviceOptimizer(
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
-        stream_fraction=stream,
+        stream_fraction=stream, bind_cpu_cores=bind,
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
         cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
         bucket_bytes=64 * 2**20 if device.is_cuda else 2**14, **KW)
@@ -148,7 +156,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         row.params = sum(p.numel() for p in model.parameters())
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
         opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib,
-                              stream)
+                              stream, args.bind_cores)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -317,7 +325,7 @@ def _micro_job(shapes: list, reps: int, chunk_mib: Sequence[Optional[float]],
 
 
 def microbench(threads_list: list[int], elems: int, reps: int,
-               chunk_mib: Sequence[Optional[float]] = (0, None)) -> list[dict]:
+               chunk_mib: Sequence[Optional[float]] = (0, None), bind: bool = False) -> list[dict]:
     """CPU update throughput per worker thread count: raw fused AdamW (fp32 grads in place) vs
     one bucket's full update path (``CpuBucket.update``: bf16 grad -> fp32, AdamW, fp32 -> bf16
     write-back) on the same elements, measured in the same run, per chunk size."""
@@ -325,7 +333,7 @@ def microbench(threads_list: list[int], elems: int, reps: int,
     elems = sum(torch.Size(s).numel() for s in shapes)
     out = []
     for threads in threads_list:
-        worker = CpuWorker(threads)
+        worker = CpuWorker(threads, cores=worker_cores(threads) if bind else None)
         try:
             best = worker.submit(_micro_job, shapes, reps, chunk_mib, threads).result()
         finally:
@@ -394,6 +402,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "the optimizer's default for the thread count)")
     p.add_argument("--cpu-chunk-mib", type=float,
                    help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="HybridDeviceOptimizer(bind_cpu_cores=True) for the rows and the microbench: "
+                        "the CPU worker on physical cores (of the GPU's NUMA node)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
@@ -425,7 +436,7 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
             counts = [int(t) for t in args.microbench_threads.split(",")]
         reps = args.microbench_reps or (5 if device.is_cuda else 2)
         chunks = [None if c.strip() == "default" else float(c) for c in args.microbench_chunks.split(",")]
-        micro = microbench(counts, elems, reps, chunks)
+        micro = microbench(counts, elems, reps, chunks, args.bind_cores)
     rows: list[Row] = []
     link: dict = {}
     if not args.microbench_only:

@@ -30,7 +30,7 @@ from .stream_update import (
     DEFAULT_STREAM_BUDGET_BYTES, MIN_STREAM_BUDGET_BYTES, StreamedPart, state_elems_per_param,
 )
 from .transfer import TransferEngine
-from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all
+from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_all, worker_cores
 
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -245,6 +245,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             the copy of one overlaps the update of the other; default 256 MiB, at least 64 KiB),
             allocated inside ``step()`` only (``last_step_stats["stream_staging_bytes"]``). The
             first step of a parameter also lets the class create its state on the device once.
+        bind_cpu_cores: run the CPU worker and its intra-op threads on physical cores only (one
+            hyperthread per core, of the GPU's NUMA node where the host exposes it, leaving one
+            core to the launching thread): ``os.sched_setaffinity``. Off by default until
+            measured (``optim_benchmark.py --bind-cores``). The cores: ``cpu_cores``.
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
@@ -292,12 +296,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         cpu_chunk_bytes: Optional[int] = None,
         stream_fraction: Any = "auto",
         stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
+        bind_cpu_cores: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
         for name, flag in (("param_update_in_fp32", param_update_in_fp32), ("pin_cpu_grads", pin_cpu_grads),
                            ("pin_cpu_params", pin_cpu_params),
-                           ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d)):
+                           ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d),
+                           ("bind_cpu_cores", bind_cpu_cores)):
             check_bool(name, flag)
         check_int("bucket_bytes", bucket_bytes, minimum=1, unit="bytes")
         check_int("cpu_threads", cpu_threads, minimum=1, allow_none=True)
@@ -366,7 +372,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._attach(range(len(self.param_groups)))
         index = self._torch_device.index if self._torch_device is not None else None
         cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
-        self._worker = CpuWorker(cpu_threads, cuda_index)
+        self._worker = CpuWorker(cpu_threads, cuda_index,
+                                 worker_cores(cpu_threads, cuda_index) if bind_cpu_cores else None)
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -905,6 +912,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return {"stream_fraction": share, "rates": dict(b["rates"]), "cpu_bytes": b["cpu_bytes"],
                 "stream_bytes": b["stream_bytes"],
                 **balance.balanced_seconds(n, 1.0 - share, b["rates"], b["cpu_bytes"], b["stream_bytes"])}
+
+    @property
+    def cpu_cores(self) -> Optional[list[int]]:
+        """The CPUs the worker is bound to (``bind_cpu_cores=True``), else None."""
+        return self._worker.cores
 
     def streamed_params(self) -> list[torch.Tensor]:
         """The offloaded parameters updated on the device from streamed state (see

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -28,22 +29,81 @@ def default_chunk_bytes(threads: int) -> int:
     return max(4, threads) * 2**20
 
 
-def _init_thread(threads: int, cuda_index: Optional[int]) -> None:
+def _cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` (sysfs CPU list) as CPU numbers."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def physical_cores(cpus: Optional[Iterable[int]] = None, sys_cpu: str = "/sys/devices/system/cpu") -> list[int]:
+    """One logical CPU per physical core among ``cpus`` (default: those this process may run
+    on): the lowest-numbered hyperthread sibling present, from sysfs topology (a CPU whose
+    topology is unreadable counts as its own core)."""
+    allowed = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    chosen, seen = [], set()
+    for cpu in allowed:
+        try:
+            siblings = tuple(_cpu_list(Path(f"{sys_cpu}/cpu{cpu}/topology/thread_siblings_list").read_text()))
+        except (OSError, ValueError):
+            siblings = (cpu,)
+        if siblings not in seen:
+            seen.add(siblings)
+            chosen.append(cpu)
+    return chosen
+
+
+def gpu_numa_cpus(cuda_index: Optional[int]) -> Optional[list[int]]:
+    """The CPUs of the NUMA node of GPU ``cuda_index`` where the host exposes it, else None."""
+    if cuda_index is None:
+        return None
+    try:
+        props = torch.cuda.get_device_properties(cuda_index)
+        bdf = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        node = int(Path(f"/sys/bus/pci/devices/{bdf}/numa_node").read_text())
+        if node < 0:
+            return None
+        return _cpu_list(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return None
+
+
+def worker_cores(threads: int, cuda_index: Optional[int] = None) -> list[int]:
+    """Cores for a worker with ``threads`` intra-op threads: physical cores (one hyperthread
+    each) of the GPU's NUMA node where known and allowed, leaving the first to the thread that
+    launches GPU work when there are enough."""
+    allowed = set(os.sched_getaffinity(0))
+    local = gpu_numa_cpus(cuda_index)
+    pool = physical_cores(sorted(allowed & set(local)) if local and allowed & set(local) else allowed)
+    if len(pool) < threads + 1:
+        pool = physical_cores(allowed)
+    return pool[1: threads + 1] if len(pool) > threads else pool
+
+
+def _init_thread(threads: int, cuda_index: Optional[int], cores: Optional[Sequence[int]] = None) -> None:
+    if cores:  # before any parallel work: the intra-op threads inherit this thread's mask
+        os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
     if cuda_index is not None:  # copies queued from this thread target the params' GPU
         torch.cuda.set_device(cuda_index)
 
 
 class CpuWorker:
-    """A single background thread with ``threads`` intra-op threads."""
+    """A single background thread with ``threads`` intra-op threads; with ``cores``, it (and
+    the intra-op threads it starts) runs on those CPUs only."""
 
-    def __init__(self, threads: int, cuda_index: Optional[int] = None) -> None:
+    def __init__(self, threads: int, cuda_index: Optional[int] = None,
+                 cores: Optional[Sequence[int]] = None) -> None:
         if threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {threads}")
         self.threads = threads
+        self.cores = list(cores) if cores else None
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="cpu_offload-optim",
-            initializer=_init_thread, initargs=(threads, cuda_index),
+            initializer=_init_thread, initargs=(threads, cuda_index, self.cores),
         )
         self._finalizer = weakref.finalize(self, self._pool.shutdown, False)
 
