@@ -345,3 +345,30 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch):
     train(m, opt, 1, start=2)  # works again: slots freed in order, nothing bound to them
     assert all(torch.isfinite(p).all() for p in m.parameters())
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_param_group_and_reload_master_weights(dtype):
+    ref, ref_opt = reference(dtype)
+    m = model(dtype)
+    layers = list(m.children())
+    opt = HybridDeviceOptimizer(
+        layers[0].parameters(), 1.0, device=SimulatedDevice(), stream_fraction=0.5,
+        stream_budget_bytes=BUDGET, cpu_threads=1, param_update_in_fp32=True, **KW)
+    for layer in layers[1:]:
+        if list(layer.parameters()):
+            opt.add_param_group({"params": list(layer.parameters())})
+    assert len(opt.streamed_params()) > 1
+    assert train(m, opt, 2) == train(ref, ref_opt, 2)
+    assert_same(m, opt, ref, ref_opt)
+    with torch.no_grad():  # parameters changed outside the optimizer, on both sides
+        for p, q in zip(m.parameters(), ref.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+    opt.reload_master_weights()
+    if isinstance(ref_opt, MasterWeightOptimizer):
+        for w, q in zip(ref_opt.masters, ref.parameters()):
+            w.copy_(q)
+    assert train(m, opt, 2, start=2) == train(ref, ref_opt, 2, start=2)
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
