@@ -11,16 +11,20 @@ of ``N`` offloaded parameters is chosen so that they finish together::
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError
-from .cpu_update import CpuBucket
+from .cpu_update import CpuBucket, master_dtype
+from .partition import choose_offloaded
+
+_log = logging.getLogger("cpu_offload")
 
 PROBE_ELEMS = 2**22  # CPU update probe: 4 Mi parameters
 PROBE_LINK_BYTES = 64 * 2**20
@@ -154,6 +158,35 @@ def stream_share(fraction: Union[str, float], rates_fn: Callable[[], dict], cpu_
     return 1.0 - balanced_cpu_share(r["cpu_params_per_s"], link, cpu_bytes, stream_bytes), r
 
 
+def split(params: Sequence[torch.Tensor], fraction: Union[str, float], state_elems: int,
+          rates_fn: Callable[[], dict], log: bool = True) -> tuple[set, dict]:
+    """Which of ``params`` (offloaded, earliest gradient first) stay on the CPU path: the first
+    ``1 - share`` of the elements, where ``share`` is ``fraction`` or, for ``"auto"``, the
+    balanced streamed share (logged when ``log``). Returns their positions and the plan
+    (``stream_fraction``, bytes per parameter each way on each path, the rates used or None).
+
+    Bytes per parameter each way: the CPU path moves the model dtype (gradient out, parameter
+    in); the streamed one the master (low-precision parameters only: others are their own
+    master) and ``state_elems`` state tensors of the master dtype.
+    """
+    numels = [p.numel() for p in params]
+    total = sum(numels) or 1
+    cpu_bytes = sum(n * p.element_size() for n, p in zip(numels, params)) / total
+    stream_bytes = sum(
+        n * ((master_dtype(p.dtype).itemsize if master_dtype(p.dtype) != p.dtype else 0)
+             + state_elems * master_dtype(p.dtype).itemsize)
+        for n, p in zip(numels, params)) / total
+    share, used = stream_share(fraction, rates_fn, cpu_bytes, stream_bytes)
+    if used is not None and log:
+        _log.info("HybridDeviceOptimizer: stream_fraction='auto' chose %.3f of the offloaded "
+                  "parameters streamed (CPU update %.2f G params/s, link %.1f / %.1f GB/s "
+                  "host->device / device->host; %.1f B/param streamed, %.1f on the CPU path)",
+                  share, used["cpu_params_per_s"] / 1e9, used["h2d_bytes_per_s"] / 1e9,
+                  used["d2h_bytes_per_s"] / 1e9, stream_bytes, cpu_bytes)
+    on_cpu = set(choose_offloaded(numels, list(range(len(params))), 1.0 - share))
+    return on_cpu, {"stream_fraction": share, "cpu_bytes": cpu_bytes,
+                    "stream_bytes": stream_bytes, "rates": used}
+
+
 __all__ = ["balanced_cpu_share", "balanced_seconds", "check_stream_fraction", "cpu_update_probe",
-           "measure_cpu_rate",
-           "measure_link", "rates", "stream_share"]
+           "measure_cpu_rate", "measure_link", "rates", "split", "stream_share"]

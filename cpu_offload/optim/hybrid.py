@@ -3,7 +3,6 @@ backward (and optionally with the next forward)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import numbers
 import threading
 import time
@@ -35,7 +34,6 @@ from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, wait_al
 REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _PENDING = ("pending",)  # st.seen: DDP's reduced gradient copied; .grad recorded after backward
-_log = logging.getLogger("cpu_offload")
 
 
 def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
@@ -451,20 +449,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _split(self, params: list[torch.Tensor], chosen: list[int],
                hypers: list[dict]) -> tuple[list[int], list[int]]:
         """``chosen`` (offloaded, in arrival order) as (CPU part, streamed part): the CPU takes
-        the earliest gradients (its updates overlap backward), ``1 - stream_fraction`` of the
-        elements; ``"auto"`` balances CPU and link (``balance``), logged once."""
+        the earliest gradients (its updates overlap backward), see ``balance.split``."""
         if self._stream_request == 0 or not params:
             self.stream_fraction = self.stream_fraction or 0.0
             return chosen, []
-        numels = [p.numel() for p in params]
-        total = sum(numels)
-        lowp = [p.dtype in LOW_PRECISION for p in params]
-        cpu_bytes = sum(n * p.element_size() for n, p in zip(numels, params)) / total
         if self._state_probe is None:
             self._state_probe = state_elems_per_param(lambda groups: self._gpu_cls(groups, **self._kwargs))
-        state_elems = self._state_probe[0]
-        stream_bytes = sum(n * ((4 if lp else 0) + state_elems * (4 if lp else p.element_size()))
-                           for n, p, lp in zip(numels, params, lowp)) / total
 
         def rates() -> dict:
             if self._rates is None:
@@ -475,18 +465,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                                             self._cpu_threads, elems)
             return self._rates
 
-        share, used = balance.stream_share(self._stream_request, rates, cpu_bytes, stream_bytes)
-        if used is not None and self.stream_fraction is None:
-            _log.info("HybridDeviceOptimizer: stream_fraction='auto' chose %.3f of the offloaded "
-                      "parameters streamed (CPU update %.2f G params/s, link %.1f / %.1f GB/s "
-                      "host->device / device->host; %.1f B/param streamed, %.1f on the CPU path)",
-                      share, used["cpu_params_per_s"] / 1e9, used["h2d_bytes_per_s"] / 1e9,
-                      used["d2h_bytes_per_s"] / 1e9, stream_bytes, cpu_bytes)
-        self.stream_fraction = share
-        self._balance = {"cpu_bytes": cpu_bytes, "stream_bytes": stream_bytes, "rates": used}
-        cpu = set(choose_offloaded(numels, list(range(len(params))), 1.0 - share))
-        return ([i for k, i in enumerate(chosen) if k in cpu],
-                [i for k, i in enumerate(chosen) if k not in cpu])
+        on_cpu, self._balance = balance.split(params, self._stream_request, self._state_probe[0],
+                                              rates, log=self.stream_fraction is None)
+        self.stream_fraction = self._balance["stream_fraction"]
+        return ([i for k, i in enumerate(chosen) if k in on_cpu],
+                [i for k, i in enumerate(chosen) if k not in on_cpu])
 
     def _add_gpu_group(self, gi: int, params: list[torch.Tensor], hypers: list[dict]) -> None:
         keys = []
