@@ -33,7 +33,7 @@ time = bytes to host / D2H GB/s + bytes to device / H2D GB/s (measured here).
 
 ``--big`` adds a model that does not fit on one 80 GB GPU with plain AdamW (about 5.6B
 parameters: 16 B/param = 90 GB) but trains with optimizer (f=1) + activation offloading
-(needs about 80 GB of host memory). A CPU microbenchmark runs first (``--microbench-only``: just
+(needs about 80 GB of host memory), with and without the split. A CPU microbenchmark runs first (``--microbench-only``: just
 that): per worker thread count, raw fused AdamW (fp32 gradients already in place) vs one bucket's
 whole CPU update path (``CpuBucket.update``: bf16 gradient -> fp32, the same fused AdamW, fp32 ->
 bf16 write-back) on the same elements, as G elements/s and time relative to raw AdamW, for each
@@ -92,6 +92,7 @@ ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation of
     "split f=0.25": (0.25, "next_forward", False, "auto"),
     "split f=0.5": (0.5, "next_forward", False, "auto"),
     "split f=1": (1.0, "next_forward", False, "auto"),
+    "split f=1 +act": (1.0, "next_forward", True, "auto"),
 }
 KW = dict(lr=1e-4, weight_decay=0.1)
 
@@ -445,7 +446,7 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
         workloads = [("default", cfg, labels)]
         if args.big:
             big = BIG_CFG if device.is_cuda else cfg.with_(layers=6)
-            workloads.append(("big", big, ["plain", "f=1 +act"]))
+            workloads.append(("big", big, ["plain", "f=1 +act", "split f=1 +act"]))
         for name, wcfg, wlabels in workloads:
             base = None
             for label in wlabels:
