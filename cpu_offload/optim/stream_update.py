@@ -250,6 +250,11 @@ class StreamedPart:
             out.append((m_off, g_off, names))
         return out, offset
 
+    def _wait_slot(self, event: Event) -> None:
+        """The copy in waits until its slot is free: allocated (the step's start) or read out by
+        the copy out of the chunk before in it (tests remove it: corrupted state)."""
+        self._device.wait_event(self.h2d, event)
+
     def _wait_chunk(self, event: Event) -> None:
         """The compute stream waits for a chunk's copy in (tests remove it: a hazard)."""
         self._device.wait_event(self._device.current_stream(), event)
@@ -283,7 +288,7 @@ class StreamedPart:
         try:
             for i, (chunk, pieces, layout, total) in enumerate(live):
                 slot = slots[i % SLOTS]
-                dev.wait_event(self.h2d, start if i < SLOTS else outs[i - SLOTS])
+                self._wait_slot(start if i < SLOTS else outs[i - SLOTS])
                 views = []
                 for pc, (m_off, g_off, names) in zip(pieces, layout):
                     m = g = None

@@ -22,7 +22,7 @@ from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
 from cpu_offload.optim.balance import balanced_cpu_share, balanced_seconds
 from cpu_offload.optim.reference import MasterWeightOptimizer
-from cpu_offload.optim.stream_update import MIN_STREAM_BUDGET_BYTES, StreamedPart
+from cpu_offload.optim.stream_update import MIN_STREAM_BUDGET_BYTES, SLOTS, StreamedPart
 
 KW = dict(lr=1e-2, weight_decay=0.1)
 BUDGET = MIN_STREAM_BUDGET_BYTES  # 1024-element chunks: big parameters are split
@@ -371,4 +371,24 @@ def test_add_param_group_and_reload_master_weights(dtype):
             w.copy_(q)
     assert train(m, opt, 2, start=2) == train(ref, ref_opt, 2, start=2)
     assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+def test_refilling_a_slot_before_its_copy_out_is_caught(monkeypatch):
+    """Without the wait for the copy out of the chunk two before, the copy in of the next chunk
+    overwrites a slot whose state has not reached the host yet: the simulation defers the copy
+    out past it, so the state goes wrong."""
+    ref, ref_opt = reference(torch.float32)
+    ref_losses = train(ref, ref_opt, 3)
+    m = model()
+    opt = hybrid(m, 1.0, 1.0)
+
+    def only_after_compute(self, event):  # the slot is allocated, its copy out not waited for
+        self._device.wait_event(self.h2d, self._device.record_event(self._device.current_stream()))
+
+    monkeypatch.setattr(StreamedPart, "_wait_slot", only_after_compute)
+    assert len(opt._parts[0].chunks) > SLOTS
+    losses = train(m, opt, 3)
+    same = all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+    assert losses != ref_losses or not same
     opt.close()
