@@ -71,36 +71,54 @@ def balanced_seconds(n_params: int, cpu_share: float, rates: dict, cpu_bytes: fl
     return {"cpu_s": cpu, "h2d_s": h2d, "d2h_s": d2h, "bound_s": max(cpu, h2d, d2h)}
 
 
+class LinkProbe:
+    """Pinned host and device buffers of ``nbytes`` and two side streams, for timing copies in
+    both directions at once (through ``device``)."""
+
+    def __init__(self, device: OffloadDevice, where: torch.device, nbytes: int = PROBE_LINK_BYTES) -> None:
+        self.device, self.nbytes = device, nbytes
+        self.up, self.down = device.alloc_host(nbytes), device.alloc_host(nbytes)
+        self.dev_a, self.dev_b = device.alloc_device(nbytes, where), device.alloc_device(nbytes, where)
+        self.s1, self.s2 = device.new_stream(), device.new_stream()
+        start = device.record_event(device.current_stream())
+        device.wait_event(self.s1, start)
+        device.wait_event(self.s2, start)
+
+    def round(self) -> float:
+        """One copy each way, at once; seconds until both have landed."""
+        dev = self.device
+        t0 = time.perf_counter()
+        dev.copy(self.s1, self.dev_a, self.up)
+        dev.copy(self.s2, self.down, self.dev_b)
+        dev.wait_host(dev.record_event(self.s1))
+        dev.wait_host(dev.record_event(self.s2))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """The compute stream waits for the copies (the device buffers may be freed)."""
+        compute = self.device.current_stream()
+        self.device.wait_event(compute, self.device.record_event(self.s1))
+        self.device.wait_event(compute, self.device.record_event(self.s2))
+
+
 def measure_link(device: OffloadDevice, where: torch.device, nbytes: int = PROBE_LINK_BYTES,
                  repeats: int = 3) -> tuple[float, float]:
     """Bytes per second host -> device and device -> host with both directions copying at once
-    (pinned memory, through ``device``); the best of ``repeats``."""
-    up, down = device.alloc_host(nbytes), device.alloc_host(nbytes)
-    dev_a, dev_b = device.alloc_device(nbytes, where), device.alloc_device(nbytes, where)
-    s1, s2 = device.new_stream(), device.new_stream()
-    compute = device.current_stream()
-    start = device.record_event(compute)
-    device.wait_event(s1, start)
-    device.wait_event(s2, start)
-    best = math.inf
-    for i in range(repeats + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        device.copy(s1, dev_a, up)
-        device.copy(s2, down, dev_b)
-        device.wait_host(device.record_event(s1))
-        device.wait_host(device.record_event(s2))
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    device.wait_event(compute, device.record_event(s1))
-    device.wait_event(compute, device.record_event(s2))
+    (pinned memory, through ``device``); the best of ``repeats`` after a warm-up."""
+    probe = LinkProbe(device, where, nbytes)
+    probe.round()
+    best = min(probe.round() for _ in range(repeats))
+    probe.close()
     rate = nbytes / max(best, 1e-9)
     return rate, rate
 
 
-def measure_cpu_rate(update: Callable[[], None], threads: int, elems: int, repeats: int = 2) -> float:
+def measure_cpu_rate(update: Callable[[], None], threads: int, elems: int, repeats: int = 2,
+                     busy: Optional[Callable[[], Any]] = None) -> float:
     """Parameters per second of ``update`` (one CPU update of ``elems`` parameters), run on a
     thread with ``threads`` intra-op threads as the worker does; the best of ``repeats`` after
-    a warm-up."""
+    a warm-up. ``busy``: called over and over on the calling thread meanwhile (copies over the
+    link: in a step the CPU update shares host memory bandwidth with them)."""
     result: list[float] = []
     error: list[BaseException] = []
 
@@ -119,6 +137,8 @@ def measure_cpu_rate(update: Callable[[], None], threads: int, elems: int, repea
 
     t = threading.Thread(target=run, name="cpu_offload-optim-probe")
     t.start()
+    while busy is not None and t.is_alive():
+        busy()
     t.join()
     if error:
         raise error[0]
@@ -138,13 +158,19 @@ def cpu_update_probe(dtype: torch.dtype, make_optimizer: Callable[[list[dict]], 
 
 def rates(device: OffloadDevice, where: torch.device, cpu_probe: Callable[[], None], threads: int,
           elems: int) -> dict:
-    """``device.nominal_rates()`` if it has them (simulations), else measured."""
+    """``device.nominal_rates()`` if it has them (simulations), else measured: the link both ways
+    at once, then the CPU update while that traffic keeps running (as in a step)."""
     fixed = device.nominal_rates()
     if fixed is not None:
         return dict(fixed)
-    h2d, d2h = measure_link(device, where)
-    return {"h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h,
-            "cpu_params_per_s": measure_cpu_rate(cpu_probe, threads, elems)}
+    link = LinkProbe(device, where)
+    try:
+        link.round()  # warm-up
+        rate = link.nbytes / max(min(link.round() for _ in range(3)), 1e-9)
+        cpu = measure_cpu_rate(cpu_probe, threads, elems, busy=link.round)  # under link traffic
+    finally:
+        link.close()
+    return {"h2d_bytes_per_s": rate, "d2h_bytes_per_s": rate, "cpu_params_per_s": cpu}
 
 
 def stream_share(fraction: Union[str, float], rates_fn: Callable[[], dict], cpu_bytes: float,
@@ -189,4 +215,4 @@ def split(params: Sequence[torch.Tensor], fraction: Union[str, float], state_ele
 
 
 __all__ = ["balanced_cpu_share", "balanced_seconds", "check_stream_fraction", "cpu_update_probe",
-           "measure_cpu_rate", "measure_link", "rates", "split", "stream_share"]
+           "LinkProbe", "measure_cpu_rate", "measure_link", "rates", "split", "stream_share"]

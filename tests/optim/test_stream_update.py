@@ -392,3 +392,29 @@ def test_refilling_a_slot_before_its_copy_out_is_caught(monkeypatch):
     same = all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
     assert losses != ref_losses or not same
     opt.close()
+
+
+def test_measured_rates_run_through_the_device():
+    """What "auto" measures on a real device (here run on the simulated one, whose copies are
+    plain CPU copies): the link both ways through the device interface, the CPU update while
+    that traffic runs."""
+    from cpu_offload.optim import balance
+    dev = SimulatedDevice()
+    calls = []
+    probe = lambda: calls.append(torch.ones(1000).sum())  # noqa: E731
+    r = balance.rates(_NoNominal(dev), torch.device("cpu"), probe, 1, 1000)
+    assert r["h2d_bytes_per_s"] > 0 and r["cpu_params_per_s"] > 0 and len(calls) == 3
+    assert len(dev.copies("h2d")) >= 4 and len(dev.copies("d2h")) >= 4 and dev.pending_ops() == 0
+
+
+class _NoNominal:
+    """A simulated device that asks to be measured."""
+
+    def __init__(self, dev):
+        self._dev = dev
+
+    def nominal_rates(self):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._dev, name)
