@@ -275,7 +275,8 @@ class StreamedPart:
                 live.append((c, pieces, *self._layout(pieces)))
         if not live:
             return
-        self.sync()  # the previous step's copies out are waited for by compute already
+        # no host wait: the previous step's copies out are ordered before ``start`` (the compute
+        # stream waited for them), and the host reads no state here
         dev = self._device
         compute = dev.current_stream()
         slot_bytes = max(total for *_, total in live)
