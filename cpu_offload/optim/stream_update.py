@@ -75,6 +75,7 @@ class _Piece:
     key: torch.Tensor  # what the chunk's optimizer updates (a slot view set per step, or the param)
     split: bool
     streamed: dict = field(default_factory=dict)  # state name -> pinned host tensor (this piece)
+    previous: dict = field(default_factory=dict)  # before load_state_dict: reused if they fit
     kept: dict = field(default_factory=dict)  # state entries that stay where they are
 
     @property
@@ -129,6 +130,8 @@ class StreamedPart:
             md = master_dtype(p.dtype)
             self.masters.append(None if md == p.dtype else next(bufs).view(md).view(p.shape))
             self._reserved.append([next(bufs) for _ in range(state_elems)])
+        lowp = [p.numel() * p.element_size() for p, m in zip(self.params, self.masters) if m is not None]
+        self._io = device.alloc_host(min(IO_BYTES, max(lowp))) if lowp else None
         self.read_params()
         self.keys = [m if m is not None else p for p, m in zip(self.params, self.masters)]
         self._state_elems = state_elems
@@ -192,36 +195,39 @@ class StreamedPart:
     # ------------------------------------------------------------------------------------------
     # host <-> device outside the update
 
+    def _lowp(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p, m) for p, m in zip(self.params, self.masters) if m is not None]
+
+    def _io_slices(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(parameter bytes, master elements, pinned buffer) slices of at most ``IO_BYTES`` of
+        model dtype, through one pinned buffer allocated at construction."""
+        for p, m in self._lowp():
+            step = max(1, IO_BYTES // p.element_size())
+            flat, mflat = flat_bytes(p), m.view(-1)
+            for start in range(0, p.numel(), step):
+                n = min(step, p.numel() - start)
+                raw = self._io[: n * p.element_size()]
+                yield flat[start * p.element_size(): (start + n) * p.element_size()], \
+                    mflat[start: start + n], raw, raw.view(p.dtype)
+
     def read_params(self) -> None:
         """Masters from the current parameter values (construction, ``reload_master_weights``)."""
         dev = self._device
-        lowp = [(p, m) for p, m in zip(self.params, self.masters) if m is not None]
-        if not lowp:
-            return
         self.sync()
-        tmp = dev.alloc_host(max(p.numel() * p.element_size() for p, _ in lowp))
         dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
-        for p, m in lowp:
-            raw = tmp[: p.numel() * p.element_size()]
-            dev.copy(self.d2h, raw, flat_bytes(p))
+        for pbytes, mpiece, raw, typed in self._io_slices():
+            dev.copy(self.d2h, raw, pbytes)
             dev.wait_host(dev.record_event(self.d2h))
-            m.copy_(raw.view(p.dtype).view(p.shape))
+            mpiece.copy_(typed)
 
     def write_params(self) -> None:
         """Parameters from the masters (after ``load_state_dict``)."""
         dev = self._device
-        lowp = [(p, m) for p, m in zip(self.params, self.masters) if m is not None]
-        if not lowp:
-            return
-        tmp = dev.alloc_host(sum(_aligned(p.numel() * p.element_size()) for p, _ in lowp))
         dev.wait_event(self.h2d, dev.record_event(dev.current_stream()))
-        offset = 0
-        for p, m in lowp:
-            n = p.numel() * p.element_size()
-            raw = tmp[offset: offset + n]
-            raw.view(p.dtype).view(p.shape).copy_(m)
-            dev.copy(self.h2d, flat_bytes(p), raw)
-            offset += _aligned(n)
+        for pbytes, mpiece, raw, typed in self._io_slices():
+            dev.wait_host(dev.record_event(self.h2d))  # the previous slice has left the buffer
+            typed.copy_(mpiece)
+            dev.copy(self.h2d, pbytes, raw)
         dev.wait_event(dev.current_stream(), dev.record_event(self.h2d))
         dev.wait_host(dev.record_event(self.h2d))
 
@@ -397,6 +403,9 @@ class StreamedPart:
                        else self._device.alloc_host(nbytes))
                 full = self._full[(pc.index, name)] = raw.view(v.dtype).view(p.shape)
             return full.view(-1)[pc.start:pc.stop].view(v.shape)
+        prev = pc.previous.pop(name, None)
+        if prev is not None and prev.dtype == v.dtype and prev.shape == v.shape:
+            return prev
         nbytes = v.numel() * v.element_size()
         raw = (self._small.pop()[:nbytes] if self._small and nbytes <= SMALL_STATE_BYTES
                else self._device.alloc_host(nbytes))
@@ -449,7 +458,7 @@ class StreamedPart:
                 groups.append({**{k: v for k, v in saved_groups[gi].items() if k != "params"},
                                "params": ids})
             for pc in c.pieces:
-                pc.streamed, pc.kept = {}, {}
+                pc.previous, pc.streamed, pc.kept = pc.streamed, {}, {}
                 if self.masters[pc.index] is not None:  # shape and device for load's casts
                     pc.key.set_(torch.empty((pc.numel,) if pc.split else self.params[pc.index].shape,
                                             dtype=pc.key.dtype, device=pc.key.device))
@@ -469,6 +478,7 @@ class StreamedPart:
 
 
 HOST_BLOCK_BYTES = 2**30
+IO_BYTES = 16 * 2**20  # pinned buffer for reading/writing low-precision parameters (load, reload)
 SMALL_STATE_BYTES = 64  # host bytes reserved per small (non per-element) state tensor
 
 

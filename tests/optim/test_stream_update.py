@@ -418,3 +418,17 @@ class _NoNominal:
 
     def __getattr__(self, name):
         return getattr(self._dev, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_pinned_allocation_after_construction_with_checkpoints(dtype):
+    dev = SimulatedDevice()
+    m = model(dtype)
+    opt = hybrid(m, 1.0, 0.6, device=dev, mode="next_forward")
+    allocs = dev.host_allocs
+    train(m, opt, 2)
+    opt.load_state_dict(opt.state_dict())
+    opt.reload_master_weights()
+    train(m, opt, 1, start=2)
+    assert dev.host_allocs == allocs
+    opt.close()
