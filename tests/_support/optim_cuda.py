@@ -37,8 +37,9 @@ def loss_of(m, i):
 
 
 def hybrid(m, fraction, overlap, **kw):
+    # the CPU path (compared with the CPU class): nothing streamed unless asked
     opt = HybridDeviceOptimizer(m.parameters(), fraction, overlap=overlap, bucket_bytes=BUCKET,
-                                cpu_chunk_bytes=CHUNK, **{**KW, **kw})
+                                cpu_chunk_bytes=CHUNK, **{**KW, "stream_fraction": 0, **kw})
     if overlap == "next_forward":
         opt.register_forward_waits(m)
     return opt
