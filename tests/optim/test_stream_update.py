@@ -24,6 +24,8 @@ from cpu_offload.optim.balance import balanced_cpu_share, balanced_seconds
 from cpu_offload.optim.reference import MasterWeightOptimizer
 from cpu_offload.optim.stream_update import MIN_STREAM_BUDGET_BYTES, SLOTS, StreamedPart
 
+from _support import optim_cuda
+
 KW = dict(lr=1e-2, weight_decay=0.1)
 BUDGET = MIN_STREAM_BUDGET_BYTES  # 1024-element chunks: big parameters are split
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -269,6 +271,7 @@ def test_bad_stream_budget(value):
 # CUDA
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")  # also fills fresh slots: copies in must follow it
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("budget", [BUDGET, 2**20])
 def test_streamed_part_is_bit_identical_to_fused_adamw_on_cuda(dtype, budget):
@@ -282,6 +285,7 @@ def test_streamed_part_is_bit_identical_to_fused_adamw_on_cuda(dtype, budget):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
 def test_streamed_peak_memory_within_the_budget_on_cuda():
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda().to(torch.bfloat16)
@@ -300,6 +304,38 @@ def test_streamed_peak_memory_within_the_budget_on_cuda():
             assert peak <= budget, (peak, budget)
         opt.zero_grad()
     assert 0 < opt.last_step_stats["stream_staging_bytes"] <= budget
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("mode", ["backward_update", "next_forward"])
+def test_auto_split_on_cuda_each_part_equals_its_class(mode):
+    """The measured "auto" split on a GPT stack: CPU-path parameters equal fused AdamW on the
+    CPU, streamed ones fused AdamW on the GPU (fp32 masters), bit for bit."""
+    m = optim_cuda.model()
+    opt = optim_cuda.hybrid(m, 1.0, mode, stream_fraction="auto", param_update_in_fp32=True)
+    streamed = {id(p) for p in opt.streamed_params()}
+    on_cpu = {id(p) for p in opt.offloaded_params()}
+    assert streamed and on_cpu and opt.split_estimate()["bound_s"] > 0
+    cpu_ref = optim_cuda.CpuReference(m)
+    gpu_ref = MasterWeightOptimizer([p.detach().clone().requires_grad_() for p in m.parameters()],
+                                    **optim_cuda.KW)
+    for i in range(3):
+        optim_cuda.loss_of(m, i).backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        opt.zero_grad()
+        want_cpu = cpu_ref.step(grads)
+        for q, g in zip(gpu_ref.params, grads):
+            q.grad = g
+        gpu_ref.step()
+        opt.wait_params()
+        for p, a, b in zip(m.parameters(), want_cpu, gpu_ref.params):
+            if id(p) in streamed:
+                assert torch.equal(p, b)
+            else:
+                assert torch.equal(p.detach().cpu(), a)
     opt.close()
 
 
