@@ -124,12 +124,13 @@ class Row:
 
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
                     device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
-                    stream: Any = 0, bind: bool = False) -> Any:
+                    stream: Any = 0, bind: bool = False, budget_mib: Optional[float] = None) -> Any:
     if fraction is None:
         return MasterWeightOptimizer(model.parameters(), **KW)
     opt = HybridDeviceOptimizer(
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
         stream_fraction=stream, bind_cpu_cores=bind,
+        **({} if budget_mib is None else {"stream_budget_bytes": int(budget_mib * 2**20)}),
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
         cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
         bucket_bytes=64 * 2**20 if device.is_cuda else 2**14, **KW)
@@ -150,6 +151,8 @@ def make_forward(model: torch.nn.Module, act: bool, device: BenchDevice, cfg: GP
 def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: BenchDevice,
             args: argparse.Namespace, link: dict) -> Row:
     fraction, overlap, act, stream = spec
+    if stream == "auto" and args.stream_fraction != "auto":
+        stream = float(args.stream_fraction)
     row = Row(label, workload)
     model = opt = None
     try:
@@ -157,7 +160,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         row.params = sum(p.numel() for p in model.parameters())
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
         opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib,
-                              stream, args.bind_cores)
+                              stream, args.bind_cores, args.stream_budget_mib)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -403,6 +406,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "the optimizer's default for the thread count)")
     p.add_argument("--cpu-chunk-mib", type=float,
                    help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
+    p.add_argument("--stream-fraction", default="auto",
+                   help="stream_fraction of the 'split' rows: 'auto' (default) or a number in [0, 1]")
+    p.add_argument("--stream-budget-mib", type=float,
+                   help="stream_budget_bytes of the rows, in MiB (default: the optimizer's, 256)")
     p.add_argument("--bind-cores", action="store_true",
                    help="HybridDeviceOptimizer(bind_cpu_cores=True) for the rows and the microbench: "
                         "the CPU worker on physical cores (of the GPU's NUMA node)")
