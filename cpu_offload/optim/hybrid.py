@@ -242,7 +242,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         stream_budget_bytes: device bytes for the streamed part's staging (two chunks, so that
             the copy of one overlaps the update of the other; default 256 MiB, at least 64 KiB),
             allocated inside ``step()`` only (``last_step_stats["stream_staging_bytes"]``). The
-            first step of a parameter also lets the class create its state on the device once.
+            first step of a parameter also lets the class create its state on the device, one
+            chunk at a time (at most half the budget more, that step).
         bind_cpu_cores: run the CPU worker and its intra-op threads on physical cores only (one
             hyperthread per core, of the GPU's NUMA node where the host exposes it, leaving one
             core to the launching thread): ``os.sched_setaffinity``. Off by default until

@@ -27,7 +27,8 @@ at multiples of ``ALIGN_ELEMS``, as on the CPU); other classes get whole paramet
 (a parameter larger than a chunk then gets a chunk of its own, over the budget).
 
 The first update of a parameter lets the optimizer class create its state on the device (outside
-the staging budget, this one step); it is then copied into pinned host memory allocated for it.
+the staging budget); it is then copied into pinned host memory allocated for it, and freed before
+the next chunk's update, so that step holds at most one chunk's new state beyond the budget.
 """
 from __future__ import annotations
 
@@ -292,6 +293,7 @@ class StreamedPart:
         start = dev.record_event(compute)
         outs: list[Event] = []
         keep: list[torch.Tensor] = []  # device state the optimizer created, read by copies out
+        fresh = False  # this chunk's class created state on the device (a parameter's first step)
         try:
             for i, (chunk, pieces, layout, total) in enumerate(live):
                 slot = slots[i % SLOTS]
@@ -322,8 +324,11 @@ class StreamedPart:
                     if m is not None:
                         dev.copy(self.d2h, flat_bytes(self.masters[pc.index].view(-1)[pc.start:pc.stop]), m)
                         self.bytes_out += m.numel()
-                    keep += self._copy_state_out(chunk, pc)
+                    fresh |= self._copy_state_out(chunk, pc, keep)
                 outs.append(dev.record_event(self.d2h))
+                if fresh:  # state the class just created: freed chunk by chunk, not at the end
+                    self._free_after_copy_out(outs[-1], keep)
+                    fresh = False
         except BaseException:
             # the chunks before keep their update (as on the CPU path); unbind this one's slot
             # views and order everything queued before the slots and state can be freed
@@ -368,12 +373,24 @@ class StreamedPart:
             for pc in pieces:
                 pc.key.grad = None
 
-    def _copy_state_out(self, chunk: _Chunk, pc: _Piece) -> list[torch.Tensor]:
+    def _free_after_copy_out(self, copied: Event, keep: list[torch.Tensor]) -> None:
+        """Drop the device tensors in ``keep`` once the copy out recorded by ``copied`` has read
+        them: the compute stream (where they were allocated) waits for it first. Only after a
+        first step's chunk, so that its new state (8 B/param for AdamW) never adds up on the
+        device beyond one chunk; it costs that step's overlap of compute with the copies out."""
+        dev = self._device
+        dev.wait_event(dev.current_stream(), copied)
+        for t in keep:
+            dev.will_free(t)
+        keep.clear()
+
+    def _copy_state_out(self, chunk: _Chunk, pc: _Piece, created: list[torch.Tensor]) -> bool:
         """Queue the copies of piece ``pc``'s state back into host memory (first time: allocate
-        it); returns the device tensors the copies read (to keep until they are done)."""
+        it); appends the device tensors the copies read to ``created`` (to keep until they are
+        done); True if the class created state on the device (none was in host memory yet)."""
         dev = self._device
         st = chunk.optimizer.state.pop(pc.key, None) or {}
-        created = []
+        fresh = False
         key_device = self.params[pc.index].device
         for name, v in st.items():
             if not (torch.is_tensor(v) and v.device == key_device and dev.is_device_tensor(v)):
@@ -382,13 +399,14 @@ class StreamedPart:
             host = pc.streamed.get(name)
             if host is None:
                 host = pc.streamed[name] = self._host_state(pc, name, v)
+                fresh = True
             v = v.contiguous()
             created.append(v)
             dev.copy(self.d2h, flat_bytes(host), flat_bytes(v))
             self.bytes_out += host.numel() * host.element_size()
         if self.masters[pc.index] is not None:
             pc.key.set_()  # drop the slot view
-        return created
+        return fresh
 
     def _host_state(self, pc: _Piece, name: str, v: torch.Tensor) -> torch.Tensor:
         """Pinned host memory for state ``name`` of piece ``pc`` (a view of one tensor per
@@ -466,7 +484,7 @@ class StreamedPart:
             keep = []
             dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
             for pc in c.pieces:
-                keep += self._copy_state_out(c, pc)
+                self._copy_state_out(c, pc, keep)
             dev.wait_host(dev.record_event(self.d2h))
             for t in keep:
                 dev.will_free(t)

@@ -300,8 +300,9 @@ def test_streamed_peak_memory_within_the_budget_on_cuda():
         opt.step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
-        if i > 0:  # the first step lets AdamW create its state on the device once
-            assert peak <= budget, (peak, budget)
+        # the first step lets AdamW create its state on the device, one chunk at a time
+        # (2 x 4 B/param, a chunk is a slot: 12 B/param)
+        assert peak <= (budget if i else budget * 3 // 2), (i, peak, budget)
         opt.zero_grad()
     assert 0 < opt.last_step_stats["stream_staging_bytes"] <= budget
     opt.close()
