@@ -143,3 +143,27 @@ def test_frontier_selection_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     bench.plot(points, [0.9, 0.5], list(bench.METHODS), tmp_path / "f.png", "test")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_optim_memory_smoke_sim():
+    bench = _benchmark_module("optim_memory")
+    results = bench.main(["--sim", "--width", "64", "--layers", "2", "--steps", "2"])
+    assert list(results) == ["plain", "f=1 cpu", "f=1 streamed"]
+
+
+@pytest.mark.gpu
+def test_optim_memory_accounts_for_every_byte_on_cuda():
+    """README's bound, in units of the parameter bytes P of an fp32 model with small
+    activations: plain AdamW peaks at weights + gradients + 2 states (4P); at fraction 1 the
+    CPU path at weights + gradients (2P), the streamed path at that plus its staging."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    bench = _benchmark_module("optim_memory")
+    budget_mib = 64
+    r = bench.main(["--budget-mib", str(budget_mib)])
+    p_mib = 8 * (2048 * 2048 + 2048) * 4 / 2**20
+    assert 3.9 <= r["plain"]["whole step"] <= 4.1, r
+    assert 1.9 <= r["f=1 cpu"]["whole step"] <= 2.1, r
+    assert r["f=1 cpu"]["between steps"] <= 1.05, r  # the weights only
+    assert r["f=1 streamed"]["between steps"] <= 1.05, r
+    assert r["f=1 streamed"]["whole step"] <= 2.1 + budget_mib / p_mib, r
