@@ -66,6 +66,13 @@ def _is_functional_wrapper(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and torch._is_functional_tensor(t)
 
 
+# Whether a hook pair may be installed and removed with torch's own two calls (what
+# ``saved_tensors_hooks.__enter__``/``__exit__`` make), with no object per entry: where torch
+# reports the installed hooks itself, so nothing has to record them.
+DIRECT_HOOKS = _top_default_hooks is not None
+push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+pop_pushed_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
 if _top_default_hooks is not None:
     # Public since torch 1.10; kept behind a name so V1 and V2 share one entry point. From torch
     # 2.5 on, torch.compile's tracing does not run the installed hooks either.
@@ -260,6 +267,12 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+def storage_use_counter() -> Optional[Callable[[int], int]]:
+    """torch's use count of a storage by its ``_cdata`` (references to it: tensors and its Python
+    object), or None where torch lacks it."""
+    return getattr(torch._C, "_storage_Use_Count", None)
+
+
 def storage_use_count(t: torch.Tensor) -> int:
     """How many references hold the storage behind ``t`` (tensors, storage objects), or 0 where
     torch cannot say. Used to tell whether dropping our reference would free any memory."""
@@ -294,6 +307,9 @@ def copy_view_bits(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+# ``graph_task_id`` without the Python call, for code that runs once per layer.
+current_graph_task_id: Callable[[], int] = _current_graph_task_id or (lambda: -1)
 
 
 def graph_task_id() -> int:

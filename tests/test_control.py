@@ -33,10 +33,10 @@ def on_cpu(t: torch.Tensor) -> bool:
 @pytest.fixture(autouse=True)
 def _empty_policy_stack():
     """Every test starts and must end with no module policy pushed."""
-    assert markers._module_policy == []
+    assert markers.MODULE_POLICY == []
     yield
-    leaked = list(markers._module_policy)
-    markers._module_policy.clear()
+    leaked = list(markers.MODULE_POLICY)
+    markers.MODULE_POLICY.clear()
     assert leaked == [], "a test left module policies on the stack"
 
 
@@ -122,7 +122,7 @@ def test_exception_inside_forward_leaves_the_policy_stack_empty():
     set_activation_offloading(inner, True)
     with pytest.raises(RuntimeError, match="boom"):
         outer(torch.randn(2, 8))
-    assert markers._module_policy == []
+    assert markers.MODULE_POLICY == []
     probe = Probe()
     probe(torch.randn(2, 8))
     assert probe.seen == [False, False]
@@ -140,8 +140,8 @@ def test_failing_foreign_pre_hook_does_not_pop_an_outer_policy():
     with offload_opt_out():
         with pytest.raises(ValueError, match="pre-hook failed"):
             m(torch.randn(2, 8))
-        assert markers._module_policy == [False]
-    assert markers._module_policy == []
+        assert markers.MODULE_POLICY == [False]
+    assert markers.MODULE_POLICY == []
 
 
 def test_removing_the_setting_inside_forward_is_refused():
@@ -330,7 +330,7 @@ def test_v2_offloads_only_where_the_innermost_setting_allows():
 
     set_activation_offloading(block, None)  # GELU's explicit True stays, the rest is default
     assert _offloaded_bytes_of_layer0(block, x0) == everything
-    assert markers._module_policy == []
+    assert markers.MODULE_POLICY == []
 
 
 def test_v2_exception_in_opted_out_module_leaves_stack_and_context_clean():
@@ -344,7 +344,7 @@ def test_v2_exception_in_opted_out_module_leaves_stack_and_context_clean():
     with pytest.raises(RuntimeError, match="boom"):
         with ctx:
             bad(torch.randn(4, 8, requires_grad=True))
-    assert markers._module_policy == []
+    assert markers.MODULE_POLICY == []
     good = nn.ModuleList([Block(), Block()])
     x0 = torch.randn(4, 8)
     ref = _train_step(good, x0, *get_cpu_offload_context(enabled=False))

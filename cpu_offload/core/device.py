@@ -51,6 +51,9 @@ class OffloadDevice(abc.ABC):
     name: str = "abstract"
     display_name: str = "device"  # what messages call it: "freed 1.0 MiB of <display_name> memory"
     times_events: bool = False  # whether elapsed_ms can answer (statistics' copy-wait time)
+    # ``t.device.type`` of exactly the tensors ``is_device_tensor`` accepts, if one type tells
+    # them (the pack hook then compares it instead of calling); None: ask ``is_device_tensor``.
+    tensor_device_type: Optional[str] = None
 
     @abc.abstractmethod
     def is_device_tensor(self, t: torch.Tensor) -> bool:
@@ -209,6 +212,7 @@ class CudaDevice(OffloadDevice):
 
     name = "cuda"
     display_name = "GPU"
+    tensor_device_type = "cuda"
 
     def __init__(self, time_waits: Optional[bool] = None) -> None:
         # Timed events cost a little on every stream wait, so timing the copy waits in the

@@ -78,18 +78,19 @@ def _is_weight_itself(t: torch.Tensor) -> bool:
 # --- per-module opt-out: a stack of per-module policies; the innermost module with an
 # explicit setting decides whether tensors saved while it runs may be offloaded.
 
-_module_policy: list[bool] = []
+# The stack itself is read by V2's pack hook (no call); it is only ever changed in place.
+MODULE_POLICY: list[bool] = []
 
 
 def module_opt_out_active() -> bool:
     """True while the innermost module with an explicit offload setting has it switched off."""
-    return bool(_module_policy) and not _module_policy[-1]
+    return bool(MODULE_POLICY) and not MODULE_POLICY[-1]
 
 
 def push_module_policy(enabled: bool) -> None:
-    _module_policy.append(bool(enabled))
+    MODULE_POLICY.append(bool(enabled))
 
 
 def pop_module_policy() -> None:
-    if _module_policy:
-        _module_policy.pop()
+    if MODULE_POLICY:
+        MODULE_POLICY.pop()

@@ -70,6 +70,21 @@ class PinnedPool:
             self.peak_in_use_bytes = in_use
         return buf
 
+    def acquire_many(self, sizes: list, keys: list) -> list:
+        """``acquire`` for each size (and key), in one call: a layer's buffers at its end."""
+        if keys[0] is not None:
+            return [self.acquire(n, k) for n, k in zip(sizes, keys)]
+        used, free_lists, out = self._used, self._free, []
+        allocate = self._allocate
+        for nbytes in sizes:
+            used[nbytes] += 1
+            free = free_lists[nbytes] if nbytes in free_lists else None
+            out.append(free.pop() if free else allocate(nbytes))
+            in_use = self.in_use_bytes = self.in_use_bytes + nbytes
+            if in_use > self.peak_in_use_bytes:
+                self.peak_in_use_bytes = in_use
+        return out
+
     def _count_in_use(self, nbytes: int) -> None:
         self.in_use_bytes += nbytes
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)

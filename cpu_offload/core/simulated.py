@@ -106,6 +106,7 @@ class SimulatedDevice(OffloadDevice):
 
     name = "simulated"
     display_name = "simulated device"
+    tensor_device_type = "cpu"
     times_events = True  # with no clock: every wait reads as 0 ms once passed
 
     def __init__(self, defer: bool = True) -> None:

@@ -17,12 +17,14 @@ from ..compat import (
     copy_view_bits,
     set_versions,
     storage_use_count,
+    storage_use_counter,
     tensor_on_storage,
     untyped_storage,
 )
 
 
 _tuple_new = tuple.__new__
+_storage_use_count = storage_use_counter()
 
 
 class ViewMeta(NamedTuple):
@@ -77,6 +79,12 @@ def checksum(flat: torch.Tensor) -> torch.Tensor:
     return flat.sum(dtype=torch.int64)
 
 
+def storage_use_count_of(storage: torch.UntypedStorage) -> int:
+    """How many references hold ``storage`` (tensors on it, and its Python object), or a
+    number larger than any count where torch cannot say (then nothing is deemed freed)."""
+    return _storage_use_count(storage._cdata) if _storage_use_count is not None else 1 << 62
+
+
 def held_elsewhere(flat: torch.Tensor) -> bool:
     """Whether anything besides ``flat`` (our flat alias of a storage) holds that storage: then
     dropping ``flat`` frees no memory (a tensor the caller keeps, or one saved by a layer that is
@@ -127,9 +135,13 @@ class VersionWatch:
 
 
 def forget_storages(watches: list) -> None:
-    """``forget_storage`` for each watch, with one version-counter call for all of them (a
-    layer releases all its saved tensors at once)."""
-    aliases = [w.alias for w in watches]
+    """``forget_storage`` for each watch, with one version-counter call for all of them."""
+    forget_aliases([w.alias for w in watches])
+
+
+def forget_aliases(aliases: list) -> None:
+    """Make detached aliases let go of their memory while they keep their version counters
+    (shared with the saved tensors), with one version-counter call for all of them."""
     versions = [a._version for a in aliases]
     for alias in aliases:
         alias.set_()  # a detached alias needs no grad mode switch; set_ counts as a change...

@@ -17,12 +17,19 @@ import torch
 
 from ..core import markers
 from ..core.checks import check_context_types, check_int
-from ..compat import compiler_disable, saved_tensors_hooks
+from ..compat import (
+    DIRECT_HOOKS,
+    compiler_disable,
+    pop_pushed_saved_tensors_hooks,
+    push_saved_tensors_hooks,
+    saved_tensors_hooks,
+)
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from .schedule import Schedule, check_default_arguments, validate_synchronization_dict
 from .selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
 from .stats import StepStats
+from .layer_state import unpack
 from .synchronizer import (
     ManualOffloadSynchronizer,
     OffloadSynchronizer,
@@ -41,6 +48,7 @@ _state = _ThreadState()
 VERIFY_ENV = "CPU_OFFLOAD_VERIFY"  # 1: verify mode for every context (checksums, host syncs)
 
 _RECOMPUTE = object()  # a frame entered during backward: activation-checkpoint recomputation
+_DIRECT = object()  # a frame whose layer's hooks were pushed with torch's own call
 
 
 class OffloadContext:
@@ -71,9 +79,17 @@ class OffloadContext:
         if not sync.fwd_step():
             self._frames.append(_RECOMPUTE)
             return self
-        hooks = None
-        if sync.hooks_needed:
-            selective = sync.current_selective
+        hooks: Any = None
+        layer, selective = sync.current, sync.current_selective
+        if selective is None and layer is not None and DIRECT_HOOKS:
+            # The layer's own pack hook, installed with torch's call: no object per layer.
+            try:
+                push_saved_tensors_hooks(layer.pack, unpack)
+            except BaseException:
+                sync.abort()
+                raise
+            hooks = _DIRECT
+        elif layer is not None or selective is not None:
             hooks = self._hooks if selective is None else self._selective_hooks
             try:
                 hooks.__enter__()
@@ -98,16 +114,25 @@ class OffloadContext:
         if hooks is _RECOMPUTE:
             return False
         active = _state.active
-        for i in range(len(active) - 1, -1, -1):
-            if active[i] is sync:
-                del active[i]
-                break
-        if hooks is not None:
+        if active and active[-1] is sync:
+            active.pop()
+        else:
+            for i in range(len(active) - 1, -1, -1):
+                if active[i] is sync:
+                    del active[i]
+                    break
+        if hooks is _DIRECT:
+            pop_pushed_saved_tensors_hooks()
+        elif hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             sync.abort()
         else:
-            sync.end_fwd_layer()
+            try:
+                sync.end_fwd_layer()  # queues the layer's copies (pinned allocation may fail)
+            except BaseException:
+                sync.abort()
+                raise
         return False
 
 

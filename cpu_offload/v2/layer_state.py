@@ -4,12 +4,26 @@ Ownership is arranged so that offloading never extends or shortens a tensor's li
 
 - autograd's graph holds a ``SavedRef`` per saved tensor (what the pack hook returns);
 - a ``SavedRef`` holds its ``Entry`` (one per storage, shared by views and duplicates);
-- an ``Entry`` holds the host copy while any ``SavedRef`` to it is alive, the device storage
-  until the schedule releases it, and the reloaded storage until its last unpack in a backward.
+- an ``Entry`` holds the device storage and a detached alias per saved tensor until the
+  schedule releases it, the host copy while any ``SavedRef`` to it is alive, and the reloaded
+  storage until its last unpack in a backward.
 
 When the graph frees a saved variable, its ``SavedRef`` dies and, with the last one, the entry
 gives its host buffer back to the pool. Nothing here refers to a tensor with a ``grad_fn``, so no
 reference cycle can form (memory returns to baseline with ``gc.disable()``).
+
+Note [hot path calls]: the pack hook, the release, the reload and the unpack hook run for every
+saved tensor or storage, so they make only the calls they must and spell out small helpers
+(``benchmarks/call_count.py`` counts them, ``tests/v2/test_hot_path_calls.py`` pins the count):
+
+- pack: the alias (``detach``: the version counter, and the memory until release), the storage
+  (identity and size) and the geometry. Grouping into copies happens at the layer's end.
+- release: one device-side wait for the layer, then per storage one use count. A storage that
+  nobody else references needs no in-place watch after release (nothing can change it any more):
+  its aliases are simply dropped. One that something else holds keeps aliases that forget the
+  memory but keep the version counter (``forget_storages``).
+- unpack: the tensor rebuilt on the storage (``new_empty`` + ``set_``); the layer's reload
+  event is waited for once, by the first unpack.
 """
 from __future__ import annotations
 
@@ -19,30 +33,34 @@ from typing import Any, Hashable, Optional
 
 import torch
 
+from ..compat import is_parameter, is_traceable_wrapper_subclass
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
-from ..core.markers import READY_EVENT_ATTR
+from ..core.markers import MODULE_POLICY, READY_EVENT_ATTR, SKIP_ATTR
 from ..core.pinned_pool import PinnedPool
-from ..core.subclass import tensor_unflatten
+from ..core.subclass import tensor_flatten, tensor_unflatten
 from ..core.storage import (
     KeptRef,
-    VersionWatch,
     ViewMeta,
+    check_version,
     checksum,
-    forget_storages,
-    held_elsewhere,
+    forget_aliases,
     restore_view,
-    storage_bytes,
+    storage_use_count_of,
 )
-
-_tuple_new = tuple.__new__
 from .stats import LayerStats, StepStats
+
+_new = object.__new__
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_strided = torch.strided
+_uint8 = torch.uint8
 
 # Copies of storages smaller than this are batched: the device-to-host copies of a layer's small
 # saved tensors are queued together (at the layer's end, or when this many bytes are waiting, or
-# before a large copy), and small reloads share one completion event. A launch costs the host
-# microseconds while this many bytes take the link about 20 us, so batching them delays nothing
-# that matters; larger storages are copied, and waited for, one by one, as soon as possible.
+# before a large copy). A launch costs the host microseconds while this many bytes take the link
+# about 20 us, so batching them delays nothing that matters; larger storages are copied as soon
+# as they are saved, so that they overlap the rest of the layer's forward.
 BATCH_BYTES = 1 << 20
 
 
@@ -51,7 +69,7 @@ class Runtime:
 
     __slots__ = (
         "device", "stream", "pool", "retain", "verify", "max_host_bytes", "threshold", "warned",
-        "byte_limits", "events", "checks_frees",
+        "byte_limits", "events", "checks_frees", "policy", "device_type",
     )
 
     def __init__(
@@ -63,6 +81,7 @@ class Runtime:
         verify: bool = False,
         max_host_bytes: Optional[int] = None,
         threshold: int = 0,
+        policy: Any = None,
     ) -> None:
         self.device = device
         self.stream = stream
@@ -79,6 +98,14 @@ class Runtime:
         self.events: dict[tuple, Event] = {}
         # whether the device checks frees (the simulation): a real device is not even called
         self.checks_frees = type(device).will_free is not OffloadDevice.will_free
+        # The selection policy (``SelectionPolicy``) of the pack hook's general path. When it
+        # tells device tensors by the device's own test and the device names the type of its
+        # tensors (``OffloadDevice.tensor_device_type``), the fast path compares that instead.
+        self.policy = policy
+        self.device_type = (
+            device.tensor_device_type
+            if policy is not None and policy.is_device_tensor == device.is_device_tensor else None
+        )
 
     def record(self, key: tuple) -> Event:
         """Record the point reached on the copy stream, in the event kept for ``key``."""
@@ -103,83 +130,74 @@ class Entry:
     Several layers may share it (a layer's output saved by the next layer too, a RoPE table saved
     by every layer): each lists it, the first release frees it, the first reload restores it. It
     refers to the step-independent ``Runtime`` only, never back to a ``LayerState``, so entries
-    and layers form no cycle.
+    and layers form no cycle. Made by ``LayerState.pack`` without ``__init__`` (every field is
+    set there); ``Entry.new`` makes one elsewhere.
     """
 
     __slots__ = (
-        "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version", "owner",
-        "gpu", "cpu", "reloaded", "ready_event", "reload_event", "waited", "watches", "live",
-        "pops", "generation", "checksum", "verified", "error", "recheck", "listed_by",
-        "reload_waited",
+        "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version",
+        "storage", "gpu", "aliases", "nrefs", "owner", "cpu", "reloaded", "rstorage",
+        "ready_event", "reload_event", "reload_wait", "live", "pops", "generation", "checksum",
+        "verified", "error", "recheck", "listed_by",
     )
 
-    def __init__(
-        self,
-        rt: Runtime,
-        stats: StepStats,
-        lstats: LayerStats,
-        layer: int,
-        pool_key: Optional[Hashable],
-        t: torch.Tensor,
-        storage: Any,
-        nbytes: int,
-        key: int,
-    ) -> None:
-        self.rt = rt
-        self.stats = stats  # of the step that saved it (holds no tensors: no cycle)
-        self.lstats = lstats  # stats.layer(layer), looked up once: counted on every copy
-        self.layer = layer  # the first layer that saved it
-        self.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
-        # flat uint8 over the storage (``storage_bytes``, spelled out for a plain tensor)
-        self.gpu: Optional[torch.Tensor] = (
-            t.new_empty(0, dtype=torch.uint8).set_(storage) if type(t) is torch.Tensor
-            else storage_bytes(t, storage)
-        )
-        self.nbytes = nbytes
-        self.device = t.device
-        self.key = key
-        self.version = t._version  # of the saved tensors' version counter at the copy
-        # The tensor that owns the memory, weakly: if something else keeps it alive past our
-        # release (the caller, a layer that is not offloaded), backward uses it, no reload.
-        self.owner = weakref.ref(t if t._base is None else t._base)
-        self.cpu: Optional[torch.Tensor] = None
-        self.reloaded: Optional[torch.Tensor] = None
-        self.ready_event: Optional[Event] = None
-        self.reload_event: Optional[Event] = None
-        self.waited = False
-        self.watches: Optional[list] = []  # VersionWatch of each SavedRef, until release
-        self.live = 0  # SavedRefs alive
-        self.pops = 0  # live SavedRefs unpacked since the reload (each counted once)
-        self.generation = 0  # bumped whenever the reload is dropped: a new round of unpacks
-        self.checksum: Optional[torch.Tensor] = checksum(self.gpu) if rt.verify else None
-        self.verified = -1  # the generation whose reload passed the verify check
-        self.error: Optional[str] = None
-        self.recheck = False  # counted as held elsewhere when released; see ``recount``
-        self.listed_by = layer  # the last layer that listed it (each lists it once)
-        # Shared by the entries reloaded together (one event): whether compute waited for it
-        self.reload_waited: Optional[list] = None
+    @classmethod
+    def new(
+        cls, rt: Runtime, stats: StepStats, lstats: LayerStats, layer: int,
+        pool_key: Optional[Hashable], alias: torch.Tensor, storage: Any, nbytes: int,
+        version: int,
+    ) -> "Entry":
+        entry = _new(cls)
+        entry.rt = rt
+        entry.stats = stats  # of the step that saved it (holds no tensors: no cycle)
+        entry.lstats = lstats  # stats.layer(layer), looked up once: counted on every copy
+        entry.layer = entry.listed_by = layer  # the first layer that saved it; the last to list it
+        entry.pool_key = pool_key  # (layer, slot) when pinned buffers are retained
+        entry.nbytes = nbytes
+        entry.device = alias.device
+        entry.key = storage._cdata  # the storage's identity while we hold it
+        entry.version = version  # of the saved tensors' version counters when saved
+        entry.storage = storage  # the device storage, until release
+        entry.gpu = None  # flat uint8 over ``storage``, made when its copy is queued
+        entry.aliases = [alias]  # a detached alias per saved tensor, until release
+        entry.nrefs = 1  # aliases made (SavedRef.index counts them)
+        entry.owner = None  # after a release that freed nothing: the storage, weakly
+        entry.cpu = entry.reloaded = entry.rstorage = None
+        entry.ready_event = entry.reload_event = entry.reload_wait = None
+        entry.live = entry.pops = entry.generation = 0
+        entry.checksum = None
+        entry.verified = -1  # the generation whose reload passed the verify check
+        entry.error = None
+        entry.recheck = False  # counted as held elsewhere when released; see ``recount``
+        return entry
 
-    def matches(self, t: torch.Tensor, nbytes: int) -> bool:
-        """Whether saving ``t`` again can reuse this entry: same storage, still on the device,
-        unchanged since its copy was queued (an in-place change needs a fresh copy)."""
-        return self.gpu is not None and self.nbytes == nbytes and self.version == t._version
+    def flat(self) -> torch.Tensor:
+        """A flat ``uint8`` tensor over the device storage (made once, when first needed)."""
+        gpu = self.gpu
+        if gpu is None:
+            gpu = self.gpu = self.aliases[0].new_empty(0, dtype=_uint8).set_(self.storage)
+            if self.rt.verify:
+                self.checksum = checksum(gpu)
+        return gpu
 
     def still_on_device(self) -> Optional[torch.Tensor]:
-        """After release: the original storage, if something else kept it alive unchanged."""
-        owner = self.owner()
-        if owner is None or owner._version != self.version:
-            return None
-        storage = owner.untyped_storage()
-        if storage.data_ptr() != self.key or storage.nbytes() != self.nbytes:
-            return None  # re-pointed with set_
-        return storage_bytes(owner, storage)
+        """After a release that freed nothing: the original storage, if something else kept it
+        alive unchanged (then backward uses it, no reload)."""
+        owner = self.owner
+        storage = owner() if owner is not None else None
+        if storage is None or storage.nbytes() != self.nbytes:
+            return None  # freed since, or resized
+        for alias in self.aliases or ():
+            if alias._version != self.version:
+                return None  # changed in place (unpacking it raises anyway)
+        return torch.empty(0, dtype=_uint8, device=self.device).set_(storage)
 
     def device_bytes_for_unpack(self) -> torch.Tensor:
-        """The device storage to rebuild a saved tensor from, waiting (device-side) for it."""
-        if self.gpu is not None:
-            return self.gpu
+        """The device bytes to rebuild a saved tensor from, waiting (device-side) for them."""
+        if self.storage is not None:
+            return self.flat()
         if self.reloaded is None:
-            original = self.still_on_device()
+            original = self.still_on_device() if self.owner is not None else None
             if original is not None:
                 return original
             if self.cpu is None:
@@ -188,20 +206,22 @@ class Entry:
                     "was aborted by an exception); run the forward pass again"
                 )
             copy_in(self.rt, [self])  # not scheduled (custom schedule / partial backward): now
-        if not self.waited:
-            together = self.reload_waited
-            if together is None or not together[0]:
-                dev = self.rt.device
-                compute = dev.current_stream()
-                if dev.times_events:
-                    self.stats.record_wait(dev.record_event(compute), self.reload_event)
-                dev.wait_event(compute, self.reload_event)
-                if together is not None:
-                    together[0] = True
-            self.waited = True
-            if self.checksum is not None:
-                self.verify_reload()
+        if self.reload_wait[0] is not None:
+            self.wait_reload()
+        if self.checksum is not None:
+            self.verify_reload()
         return self.reloaded
+
+    def wait_reload(self) -> None:
+        """Make compute wait (device-side) for the reload: the first unpack of what was
+        reloaded together (a layer) waits for all of it, once."""
+        wait = self.reload_wait
+        event, wait[0] = wait[0], None
+        dev = self.rt.device
+        compute = dev.current_stream()
+        if dev.times_events:
+            self.stats.record_wait(dev.record_event(compute), event)
+        dev.wait_event(compute, event)
 
     def verify_reload(self) -> None:
         """Verify mode: the reloaded bytes must be the bytes that were saved (blocks the host)."""
@@ -220,12 +240,13 @@ class Entry:
         """Queue the device-to-host copy once the storage is final (``ready`` or now)."""
         rt = self.rt
         dev, stream = rt.device, rt.stream
+        src = self.flat()
         self.cpu = rt.pool.acquire(self.nbytes, self.pool_key)
         if ready is not None:
             dev.wait_event(stream, ready)
         else:
             dev.wait_stream(stream, dev.current_stream())
-        dev.copy(stream, self.cpu, self.gpu)
+        dev.copy(stream, self.cpu, src)
         self.lstats.copied_out_bytes += self.nbytes
 
     def release(self, recheck: bool = False) -> None:
@@ -233,18 +254,27 @@ class Entry:
         holds it, that frees it; otherwise it lives on and backward uses it without a reload.
         ``recheck``: the holder may be about to let go (released inside a layer's call, whose
         caller still holds its input): ``recount`` looks again when backward starts."""
-        if self.watches:
-            forget_storages(self.watches)  # the watches must not be what keeps the memory alive
-        self.watches = []
-        stats = self.lstats
-        if held_elsewhere(self.gpu):
-            stats.held_elsewhere_bytes += self.nbytes
+        storage, aliases = self.storage, self.aliases
+        # Ours: the flat tensor, the storage object and one alias per saved tensor.
+        held = storage_use_count_of(storage) > self.nrefs + 2
+        changed = False
+        if not held:
+            for alias in aliases:
+                if alias._version != self.version:
+                    changed = True  # unpacking it must raise: keep its version counter
+        if held or changed:
+            forget_aliases(aliases)  # version counters kept, memory let go
+            self.owner = weakref.ref(storage)
+        else:
+            self.aliases = None  # nothing can change the memory once we let go: no watch
+        if held:
+            self.lstats.held_elsewhere_bytes += self.nbytes
             self.recheck = recheck
         else:
             if self.rt.checks_frees:
                 self.rt.device.will_free(self.gpu)
-            stats.freed_bytes += self.nbytes
-        self.gpu = None
+            self.lstats.freed_bytes += self.nbytes
+        self.gpu = self.storage = None
 
     def recount(self) -> None:
         """At backward start: memory counted as held elsewhere at its release, but whose owner
@@ -258,16 +288,14 @@ class Entry:
     def free_reload(self) -> None:
         """Forget the reloaded storage; if its copy was never waited for, make compute wait for
         it first, so the allocator cannot hand the memory out while the copy still writes."""
-        buf = self.reloaded
-        if buf is None:
+        if self.reloaded is None:
             return
-        self.reloaded = None
-        if not self.waited and self.reload_event is not None:
+        wait = self.reload_wait
+        if wait is not None and wait[0] is not None:
             dev = self.rt.device
-            dev.wait_event(dev.current_stream(), self.reload_event)
-        self.reload_event = None
-        self.reload_waited = None
-        self.waited = False
+            dev.wait_event(dev.current_stream(), wait[0])
+            wait[0] = None
+        self.reloaded = self.rstorage = self.reload_event = self.reload_wait = None
         self.pops = 0
         self.generation += 1
 
@@ -277,7 +305,7 @@ class Entry:
             self.free_reload()
         if self.cpu is not None:
             self.rt.pool.release(self.cpu, self.pool_key)
-        self.cpu = self.gpu = self.watches = None
+        self.cpu = self.gpu = self.storage = self.aliases = None
 
 
 def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> None:
@@ -289,41 +317,57 @@ def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> No
     for, on behalf of all; without it (a reload on demand), one event per group of small
     copies and per large copy."""
     dev, stream = rt.device, rt.stream
-    buffers = [dev.alloc_device(entry.nbytes, entry.device) for entry in entries]
+    alloc = dev.alloc_device
+    buffers = [alloc(entry.nbytes, entry.device) for entry in entries]
     pairs = [(b, e.cpu) for b, e in zip(buffers, entries)]
     # The new buffers were allocated on the compute stream: copy once compute got there.
     if event_key is not None:
         dev.copy_after_compute(stream, pairs)
-        events = [rt.record(event_key)] * len(entries)
-        together: Optional[list] = [False]
-    else:
-        dev.wait_stream(stream, dev.current_stream())
-        events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
-        together = None
+        event = rt.record(event_key)
+        wait = [event]  # shared: the first unpack of any of them waits, for all
+        for entry, buf in zip(entries, buffers):
+            entry.lstats.reloaded_bytes += entry.nbytes
+            entry.reloaded = buf
+            entry.rstorage = buf.untyped_storage()
+            entry.reload_event = event
+            entry.reload_wait = wait
+        return
+    dev.wait_stream(stream, dev.current_stream())
+    events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
     for entry, buf, event in zip(entries, buffers, events):
         entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
+        entry.rstorage = buf.untyped_storage()
         entry.reload_event = event
-        entry.reload_waited = together
-        entry.waited = False
+        entry.reload_wait = [event]
 
 
 class SavedRef:
-    """What autograd stores instead of an offloaded tensor: its storage entry and geometry."""
+    """What autograd stores instead of an offloaded tensor: its storage entry, which of the
+    entry's aliases is its own (``index``), and its geometry. Made by ``LayerState.pack``
+    without ``__init__``; ``SavedRef.new`` makes one elsewhere."""
 
-    __slots__ = ("entry", "meta", "cls", "watch", "popped")
+    __slots__ = ("entry", "index", "dtype", "size", "stride", "offset", "bits", "cls", "popped")
 
-    def __init__(self, entry: Entry, meta: ViewMeta, cls: type, watch: VersionWatch) -> None:
-        self.entry = entry
-        self.meta = meta
-        self.cls = cls
-        self.watch = watch
-        self.popped = -1  # the entry generation in which this was last unpacked
+    @classmethod
+    def new(cls, entry: Entry, index: int, meta: ViewMeta, tensor_cls: type) -> "SavedRef":
+        ref = _new(cls)
+        ref.dtype, ref.size, ref.stride, ref.offset, ref.bits = meta
+        ref.cls = tensor_cls
+        ref.index = index
+        ref.popped = -1  # the entry generation in which this was last unpacked
+        ref.entry = entry
         entry.live += 1
+        return ref
+
+    @property
+    def meta(self) -> ViewMeta:
+        return ViewMeta(self.dtype, self.size, self.stride, self.offset, self.bits)
 
     def __del__(self) -> None:
-        entry = getattr(self, "entry", None)
-        if entry is None:  # __init__ did not finish (torch 2.1 can drop a half-built ref)
+        try:
+            entry = self.entry
+        except AttributeError:  # never finished (an exception while it was made)
             return
         entry.live -= 1
         if self.popped == entry.generation:
@@ -332,31 +376,7 @@ class SavedRef:
             entry.drop()
 
     def unpack(self) -> torch.Tensor:
-        watch = self.watch  # per saved tensor, as autograd itself checks
-        if watch.alias._version != watch.version:
-            watch.check()
-        entry = self.entry
-        if entry.error is not None:
-            raise OffloadUsageError(entry.error)
-        flat = entry.gpu
-        if flat is None:
-            flat = entry.device_bytes_for_unpack()
-        meta = self.meta
-        if meta.bits_of is None:  # ``restore_view``, spelled out for the common case
-            t = flat.new_empty(0, dtype=meta.dtype).set_(
-                flat.untyped_storage(), meta.storage_offset, meta.size, meta.stride)
-        else:
-            t = restore_view(flat, meta)
-        if self.cls is not torch.Tensor:
-            t = t.as_subclass(self.cls)
-        if self.popped != entry.generation:
-            self.popped = entry.generation
-            entry.pops += 1
-        if entry.pops >= entry.live and entry.gpu is None:
-            # Last unpack of this backward: autograd now owns the only reference, so the
-            # reloaded memory is freed as soon as the backward node is done with it.
-            entry.free_reload()
-        return t
+        return unpack(self)
 
 
 class SavedSubclassRef:
@@ -377,8 +397,42 @@ class SavedSubclassRef:
 
 
 def unpack(packed: Any) -> Any:
-    """Inverse of the synchronizer's push."""
-    return packed.unpack()
+    """The unpack hook of every V2 layer: the inverse of the pack hook (``SavedRef`` spelled
+    out, see Note [hot path calls])."""
+    if type(packed) is not SavedRef:
+        return packed.unpack()
+    entry = packed.entry
+    aliases = entry.aliases
+    if aliases is not None:  # before release, or held elsewhere: as autograd checks
+        alias = aliases[packed.index]
+        if alias._version != entry.version:
+            check_version(alias, entry.version, packed.size)
+    if entry.error is not None:
+        raise OffloadUsageError(entry.error)
+    flat = entry.reloaded
+    if flat is not None and entry.reload_wait[0] is None and entry.checksum is None:
+        storage = entry.rstorage  # reloaded and waited for (by an earlier unpack)
+    else:
+        flat = entry.device_bytes_for_unpack()
+        storage = flat.untyped_storage()
+    if packed.bits is None:  # ``restore_view``, spelled out for the common case
+        t = flat.new_empty(0, dtype=packed.dtype).set_(
+            storage, packed.offset, packed.size, packed.stride)
+    else:
+        t = restore_view(flat, packed.meta)
+    if packed.cls is not _Tensor:
+        t = t.as_subclass(packed.cls)
+    if packed.popped != entry.generation:
+        packed.popped = entry.generation
+        entry.pops += 1
+    if entry.pops >= entry.live and entry.storage is None and entry.reloaded is not None:
+        # Last unpack of this backward: autograd now owns the only reference, so the reloaded
+        # memory is freed as soon as the backward node is done with it (``free_reload``; the
+        # copy was waited for above).
+        entry.reloaded = entry.rstorage = entry.reload_event = entry.reload_wait = None
+        entry.pops = 0
+        entry.generation += 1
+    return t
 
 
 class LayerState:
@@ -397,39 +451,86 @@ class LayerState:
         self.stats = stats
         self.lstats: Optional[LayerStats] = None  # made when first counted (see layer_stats)
         self.entries: list[Entry] = []
-        self.shared = shared  # storage address -> Entry, for the whole forward pass of a step
-        self.eager = eager  # copy at save time (default schedule, or manual after start_offload)
+        self.shared = shared  # storage key -> Entry, for the whole forward pass of a step
+        self.eager = eager  # copy at the layer's end (default schedule, or manual after start)
         self.offload_event: Optional[Event] = None
         self.released = False
         self.reload_started = False
         self.limit = rt.byte_limits.get(index)  # bytes this layer may still offload, if limited
-        self.pending: list[Entry] = []  # small storages whose copies are batched (BATCH_BYTES)
+        self.pending: list[Entry] = []  # new storages whose copies are queued at the layer's end
         self.pending_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------------
-    def push(self, t: torch.Tensor) -> Any:
-        """Register a saved tensor; its storage's copy to the host starts now (eager mode).
+    def pack(self, t: torch.Tensor) -> Any:
+        """The pack hook of an offloaded layer (Note [hot path calls]). A plain tensor without
+        marks (nothing in its or its base's ``__dict__``) outside an opted-out module is judged
+        here with attribute reads only; anything else goes through ``pack_checked``."""
+        base = t._base
+        if (type(t) is not _Tensor or t.__dict__ or (MODULE_POLICY and not MODULE_POLICY[-1])
+                or t.layout is not _strided):
+            return self.pack_checked(t)
+        rt = self.rt
+        if base is not None:
+            if type(base) is _Parameter and SKIP_ATTR not in base.__dict__ and (
+                    rt.device_type == t.device.type):
+                # A view of a parameter (``F.linear`` saves ``weight.t()``): kept.
+                lstats = self.lstats if self.lstats is not None else self.layer_stats()
+                lstats.skipped_bytes["parameter"] += t.nbytes
+                return KeptRef(t)
+            if type(base) is not _Tensor or base.__dict__:
+                return self.pack_checked(t)
+        if (rt.device_type != t.device.type or t.is_nested
+                or (rt.threshold and t.nbytes < rt.threshold * t.itemsize)):
+            return self.pack_checked(t)
+        return self.offload(t)
 
-        Note [hot path calls]: this runs for every offloaded saved tensor, so it makes only
-        the calls it must (storage, geometry, version alias) and spells out small helpers;
-        ``benchmarks/call_count.py`` counts them and ``tests/v2/test_hot_path_calls.py`` pins
-        the count."""
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
+    def pack_checked(self, t: torch.Tensor) -> Any:
+        """The pack hook's general path: the selection policy decides (and the statistics say
+        why a tensor stays); wrapper subclasses are taken apart, inner tensor by inner tensor."""
+        policy = self.rt.policy
+        if type(t) is not _Tensor and is_traceable_wrapper_subclass(t):
+            if policy.wrapper_skip_reason(t) is not None:
+                return KeptRef(t)
+            names, ctx = tensor_flatten(t)
+            inner = {name: self.pack_checked(getattr(t, name)) for name in names}
+            if all(type(v) is KeptRef for v in inner.values()):
+                return KeptRef(t)  # nothing inside was offloaded
+            return SavedSubclassRef(t, ctx, inner)
+        reason = policy.skip_reason(t)
+        if reason is not None:
+            if reason == "weight mark" and is_parameter(t._base):
+                reason = "parameter"  # F.linear saves weight.t()
+            self.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
             return KeptRef(t)
-        if self.released:
-            raise OffloadUsageError(
-                f"layer {self.index} saved a tensor for backward after "
-                f"release_activation_forward_gpu_memory({self.index}); release a layer only after "
-                "its forward is over"
-            )
-        key = storage.data_ptr()
+        ready = getattr(t, READY_EVENT_ATTR, None)
+        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+            ready = getattr(t._base, READY_EVENT_ATTR, None)
+        return self.offload(t, ready)
+
+    def offload(self, t: torch.Tensor, ready: Optional[Event] = None) -> Any:
+        """Register a saved tensor the policy selected; its storage's copy to the host is queued
+        at the layer's end (or at once, for a large one). ``ready``: the tensor is final from
+        that event on (``start_offload``)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
         shared = self.shared
         entry = shared[key] if key in shared else None
-        if entry is None or not entry.matches(t, nbytes):
-            budget = self.rt.max_host_bytes
-            if budget is not None and self.rt.pool.in_use_bytes + nbytes > budget:
+        if (entry is None or entry.storage is None or entry.version != t._version
+                or entry.nbytes != storage.nbytes()):
+            # Saved for the first time in this forward (or changed since: a fresh copy).
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                return KeptRef(t)
+            if self.released:
+                raise OffloadUsageError(
+                    f"layer {self.index} saved a tensor for backward after "
+                    f"release_activation_forward_gpu_memory({self.index}); release a layer only "
+                    "after its forward is over"
+                )
+            rt = self.rt
+            budget = rt.max_host_bytes
+            if budget is not None and (
+                    rt.pool.in_use_bytes + self.pending_bytes + nbytes > budget):
                 return self._over_host_budget(t, nbytes, budget)
             if self.limit is not None:
                 if nbytes > self.limit:
@@ -437,51 +538,71 @@ class LayerState:
                     self.layer_stats().skipped_bytes[reason] += nbytes
                     return KeptRef(t)
                 self.limit -= nbytes
-            entry = self._new_entry(t, storage, key, nbytes)
-        elif entry.listed_by != self.index:  # saved before, by an earlier layer
-            entry.listed_by = self.index
+            alias = t.detach()
+            lstats = self.lstats if self.lstats is not None else self.layer_stats()
+            entry = _new(Entry)  # ``Entry.new``, spelled out
+            entry.rt = rt
+            entry.stats = self.stats
+            entry.lstats = lstats
+            entry.layer = entry.listed_by = self.index
+            entry.pool_key = (self.index, len(self.entries)) if rt.retain else None
+            entry.nbytes = nbytes
+            entry.device = alias.device
+            entry.key = key
+            entry.version = t._version
+            entry.storage = storage
+            entry.gpu = None
+            entry.aliases = [alias]
+            entry.nrefs = 1
+            entry.owner = entry.cpu = entry.reloaded = entry.rstorage = None
+            entry.ready_event = entry.reload_event = entry.reload_wait = None
+            entry.live = entry.pops = entry.generation = 0
+            entry.checksum = entry.error = None
+            entry.verified = -1
+            entry.recheck = False
+            shared[key] = entry
             self.entries.append(entry)
-        watch = VersionWatch(t)
-        entry.watches.append(watch)
-        lstats = self.lstats if self.lstats is not None else self.layer_stats()
-        lstats.offloaded_tensors += 1
-        cls = type(t)
-        if cls is not torch.Tensor and cls is torch.nn.Parameter:
-            cls = torch.Tensor
-        if t.is_neg() or t.is_conj():
-            meta = ViewMeta.of(t)
-        else:  # ``ViewMeta.of`` spelled out (tensors without lazy bits)
-            meta = _tuple_new(ViewMeta, (t.dtype, t.shape, t.stride(), t.storage_offset(), None))
-        return SavedRef(entry, meta, cls, watch)
-
-    def _new_entry(self, t: torch.Tensor, storage: Any, key: int, nbytes: int) -> Entry:
-        """A storage saved for the first time in this forward (or changed since): list it and
-        start its copy (eager), or note when it is final (the copy starts later)."""
-        rt = self.rt
-        pool_key = (self.index, len(self.entries)) if rt.retain else None
-        lstats = self.lstats if self.lstats is not None else self.layer_stats()
-        entry = Entry(rt, self.stats, lstats, self.index, pool_key, t, storage, nbytes, key)
-        self.shared[key] = entry
-        ready = getattr(t, READY_EVENT_ATTR, None)
-        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
-            ready = getattr(t._base, READY_EVENT_ATTR, None)
-        if self.eager and ready is None and self.offload_event is None:
-            # The automatic schedule: batch small copies, queue a large one (and the batch
-            # before it) at once, so it overlaps the rest of the layer's forward.
-            entry.cpu = rt.pool.acquire(entry.nbytes, pool_key)
-            self.pending.append(entry)
-            self.pending_bytes += entry.nbytes
-            if entry.nbytes >= BATCH_BYTES or self.pending_bytes >= BATCH_BYTES:
-                self.flush_copies()
-        elif self.eager:
-            self.flush_copies()
-            entry.copy_out(ready)
-            if self.offload_event is not None:  # manual: offload already started
-                self.offload_event = rt.device.record_event(rt.stream)
+            index = 0
+            if self.eager:
+                if ready is None and self.offload_event is None:
+                    # The automatic schedule: copies queued together at the layer's end; a
+                    # large one (and those before it) at once.
+                    self.pending.append(entry)
+                    self.pending_bytes += nbytes
+                    if nbytes >= BATCH_BYTES or self.pending_bytes >= BATCH_BYTES:
+                        self.flush_copies()
+                else:
+                    self.flush_copies()
+                    entry.copy_out(ready)
+                    if self.offload_event is not None:  # manual: offload already started
+                        self.offload_event = rt.device.record_event(rt.stream)
+            else:
+                entry.ready_event = ready or rt.device.record_event(rt.device.current_stream())
         else:
-            entry.ready_event = ready or rt.device.record_event(rt.device.current_stream())
-        self.entries.append(entry)
-        return entry
+            if entry.listed_by != self.index:  # saved before, by an earlier layer
+                entry.listed_by = self.index
+                self.entries.append(entry)
+            alias = t.detach()
+            index = entry.nrefs
+            entry.nrefs = index + 1
+            entry.aliases.append(alias)
+            lstats = self.lstats if self.lstats is not None else self.layer_stats()
+        lstats.offloaded_tensors += 1
+        ref = _new(SavedRef)  # ``SavedRef.new``, spelled out
+        ref.entry = entry
+        ref.index = index
+        ref.dtype = t.dtype
+        ref.size = t.shape
+        ref.stride = t.stride()
+        ref.offset = t.storage_offset()
+        ref.bits = None
+        if t.is_neg() or (t.dtype.is_complex and t.is_conj()):
+            ref.bits = ViewMeta.of(t).bits_of
+        cls = type(t)
+        ref.cls = _Tensor if cls is _Parameter else cls
+        ref.popped = -1
+        entry.live += 1
+        return ref
 
     def layer_stats(self) -> LayerStats:
         """This layer's counters, looked up once. Made only when something is counted, so a
@@ -500,19 +621,25 @@ class LayerState:
         return KeptRef(t)
 
     def flush_copies(self) -> None:
-        """Queue the batched device-to-host copies (after the compute that produced them)."""
+        """Queue the pending device-to-host copies (after the compute that produced them): one
+        stream wait and one batch for all of them."""
         pending = self.pending
         if not pending:
             return
         self.pending = []
         self.pending_bytes = 0
         # An entry whose saved tensors autograd already freed was dropped: nothing to copy.
-        pending = [e for e in pending if e.gpu is not None]
+        pending = [e for e in pending if e.storage is not None]
         if not pending:
             return
-        self.rt.device.copy_after_compute(self.rt.stream, [(e.cpu, e.gpu) for e in pending])
-        for entry in pending:
+        rt = self.rt
+        bufs = rt.pool.acquire_many([e.nbytes for e in pending], [e.pool_key for e in pending])
+        pairs = []
+        for entry, buf in zip(pending, bufs):
+            entry.cpu = buf
+            pairs.append((buf, entry.flat()))
             entry.lstats.copied_out_bytes += entry.nbytes
+        rt.device.copy_after_compute(rt.stream, pairs)
 
     def finish_forward(self) -> None:
         """End of this layer's forward: mark where its offload copies end on the copy stream
@@ -525,7 +652,7 @@ class LayerState:
         """Manual mode: queue the copies of every entry not copied yet; tensors this layer saves
         from now on are copied as they are saved."""
         for entry in self.entries:
-            if entry.cpu is None and entry.gpu is not None:
+            if entry.cpu is None and entry.storage is not None:
                 entry.copy_out(entry.ready_event)
         self.eager = True
         self.offload_event = self.rt.device.record_event(self.rt.stream)
@@ -536,23 +663,20 @@ class LayerState:
         ``recheck``: see ``Entry.release``."""
         if self.released:
             return
-        on_device = [e for e in self.entries if e.gpu is not None]
-        if None in [e.cpu for e in on_device]:
-            raise OffloadUsageError(
-                f"release_activation_forward_gpu_memory({self.index}) before "
-                f"start_offload_layer({self.index}): start the offload first"
-            )
+        on_device = [e for e in self.entries if e.storage is not None]
+        for e in on_device:
+            if e.cpu is None:
+                raise OffloadUsageError(
+                    f"release_activation_forward_gpu_memory({self.index}) before "
+                    f"start_offload_layer({self.index}): start the offload first"
+                )
         dev = self.rt.device
         if on_device:
             compute = dev.current_stream()
             if dev.times_events:
                 self.stats.record_wait(dev.record_event(compute), self.offload_event)
             dev.wait_event(compute, self.offload_event)
-        watches = [w for e in on_device if e.watches for w in e.watches]
-        if watches:  # forgotten together: one version-counter call for the layer
-            forget_storages(watches)
         for entry in on_device:
-            entry.watches = []
             entry.release(recheck)
         self.released = True
         dev.trace("release", self.index)
@@ -562,14 +686,13 @@ class LayerState:
         """Allocate device storages on the compute stream and queue the copies back."""
         if not self.released or self.reload_started:
             return
-        for entry in self.entries:
-            if entry.recheck:
-                entry.recount()
-        todo = [
-            e for e in reversed(self.entries)
-            if e.live and e.gpu is None and e.reloaded is None and e.cpu is not None
-            and e.still_on_device() is None
-        ]
+        todo = []
+        for e in reversed(self.entries):
+            if e.recheck:
+                e.recount()
+            if (e.live and e.storage is None and e.reloaded is None and e.cpu is not None
+                    and (e.owner is None or e.still_on_device() is None)):
+                todo.append(e)
         if todo:
             copy_in(self.rt, todo, (self.index, "reload"))
         self.reload_started = True
@@ -588,7 +711,8 @@ class LayerState:
         ``reason``: what unpacking one of its saved tensors raises (default: an exception)."""
         dev = self.rt.device
         dev.wait_stream(dev.current_stream(), self.rt.stream)
-        self.pending = []  # never queued: their host buffers go back below
+        self.pending = []  # never queued
+        self.pending_bytes = 0
         for entry in self.entries:
             entry.error = reason or (
                 "this saved tensor belongs to a forward pass interrupted by an exception inside "
@@ -597,7 +721,8 @@ class LayerState:
             entry.drop()
 
     def held_device_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.gpu is not None or e.reloaded is not None)
+        return sum(e.nbytes for e in self.entries
+                   if e.storage is not None or e.reloaded is not None)
 
     def held_host_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e.cpu is not None)

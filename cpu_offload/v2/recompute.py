@@ -567,10 +567,10 @@ class SelectiveLayer:
         src = self.sources.get(spec.key)
         if type(src) is SavedRef:
             entry = src.entry
-            gpu = entry.gpu
-            if (gpu is not None and entry.version == spec.version
-                    and gpu.untyped_storage() is spec.storage()):
-                return SavedRef(entry, spec.meta, torch.Tensor, src.watch)
+            if (entry.storage is not None and entry.version == spec.version
+                    and entry.storage is spec.storage()):
+                # The same storage, watched through the alias of the tensor saved there.
+                return SavedRef.new(entry, src.index, spec.meta, torch.Tensor)
         elif type(src) is KeptRef:
             if src.version == spec.version and src.alias.untyped_storage() is spec.storage():
                 return KeptInput(src, spec.meta)

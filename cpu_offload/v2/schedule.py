@@ -199,6 +199,14 @@ class Schedule:
         """``(releases_at(pos), reloads_at(pos))``: what the synchronizer does at a position."""
         return self._releases.get(pos, ()), self._reloads.get(pos, ())  # type: ignore[attr-defined]
 
+    def actions(self) -> list:
+        """``at(pos)`` for every position, as a list (``None`` where nothing happens): looked up
+        per layer without a call."""
+        out: list = [None] * (2 * self.model_layers + 2)
+        for pos in set(self._releases) | set(self._reloads):  # type: ignore[attr-defined]
+            out[pos] = self.at(pos)
+        return out
+
     def releases_at(self, pos: int) -> list[int]:
         return self._releases.get(pos, [])  # type: ignore[attr-defined]
 

@@ -15,20 +15,16 @@ import torch
 
 from ..compat import (
     compiler_disable,
-    graph_task_id,
-    in_backward,
+    current_graph_task_id,
     in_checkpoint_region,
-    is_parameter,
-    is_traceable_wrapper_subclass,
     queue_backward_callback,
 )
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadUsageError, check_sync_argument
-from .layer_state import LayerState, Runtime, SavedSubclassRef, unpack
+from .layer_state import LayerState, Runtime, unpack
 from .recompute import SelectiveLayer, check_selective_scope
 from ..core.storage import KeptRef
 from ..core.pinned_pool import PinnedPool
-from ..core.subclass import tensor_flatten
 from .schedule import Schedule
 from .selection import SelectionPolicy
 from .stats import StepStats
@@ -41,6 +37,7 @@ class Step:
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
         "selective_indices", "selective", "selective_scope", "applied", "backward_ran",
+        "actions",
     )
 
     def __init__(
@@ -69,6 +66,8 @@ class Step:
         # pass is over, the next `with ctx:` begins a new one (manual synchronization, whose
         # forward may run fewer than model_layers layers, knows it only so).
         self.backward_ran = False
+        # position -> (layers released, layers reloaded) there (``Schedule.at``), looked up once
+        self.actions = schedule.actions() if schedule is not None else None
 
     @property
     def complete(self) -> bool:
@@ -102,18 +101,24 @@ class Step:
             return self.last_trigger() is None
         return self.grad_layers == 0 and torch.is_grad_enabled()
 
-    def begin_forward(self, checkpointed: bool = False) -> Optional[LayerState]:
+    def begin_forward(self, checkpointed: bool = False, grad: Optional[bool] = None
+                      ) -> Optional[LayerState]:
         """Count a layer's forward. ``checkpointed``: it runs inside a non-reentrant checkpoint
         region, which stores none of its saved tensors (it recomputes them in backward): the
-        layer is counted, but neither offloaded nor selective, and gets no hooks."""
+        layer is counted, but neither offloaded nor selective, and gets no hooks. ``grad``:
+        ``torch.is_grad_enabled()``, where the caller knows it."""
         index = self.fwd_count
-        self.fwd_count += 1
-        grad = torch.is_grad_enabled()
+        self.fwd_count = pos = index + 1
+        if grad is None:
+            grad = torch.is_grad_enabled()
         self.grad_layers += grad
-        self._apply(self.fwd_count)
+        actions = self.actions
+        if actions is not None and pos < len(actions) and actions[pos] is not None:
+            self._apply(pos)
         self.rt.device.trace("fwd", index)
-        manual = self.schedule is None
-        offloaded = manual or self.schedule.is_offloaded(index)
+        schedule = self.schedule
+        manual = schedule is None
+        offloaded = manual or index in schedule.sync
         if offloaded and not grad:
             self.stats.layers_without_grad += 1
         if offloaded and grad and checkpointed:
@@ -130,7 +135,7 @@ class Step:
         return layer
 
     def end_forward_layer(self) -> None:
-        if self.complete:
+        if self.fwd_count >= self.model_layers:  # complete
             self.shared = {}  # deduplication is per forward; entries must not stay reachable
             for layer in self.layers:
                 if layer is not None:
@@ -146,7 +151,7 @@ class Step:
             return  # unpacking its tensors raises a clear error instead
         if not torch.is_grad_enabled():
             self.backward_ran = True
-        task = graph_task_id()
+        task = current_graph_task_id()
         if task != self.backward_task:
             # A new backward pass. One before it may have ended in an exception: its callback
             # never ran, so reset its positions (reloads it queued stay valid and are reused).
@@ -178,8 +183,12 @@ class Step:
                 "the number of `with ctx:` blocks in one forward pass (a backward through part "
                 "of a forward pass is supported with create_graph=True)"
             )
-        self.bwd_layers.add(index)
-        self._apply(self.model_layers + len(self.bwd_layers))
+        bwd_layers = self.bwd_layers
+        bwd_layers.add(index)
+        pos = self.model_layers + len(bwd_layers)
+        actions = self.actions
+        if actions is not None and pos < len(actions) and actions[pos] is not None:
+            self._apply(pos)
         self.rt.device.trace("bwd", index)
 
     def end_backward(self) -> None:
@@ -241,10 +250,9 @@ class Step:
         )
 
     def _apply(self, pos: int) -> None:
-        schedule = self.schedule
-        if schedule is None:
+        if self.actions is None:
             return
-        releases, reloads = schedule.at(pos)
+        releases, reloads = self.schedule.at(pos)
         layers = self.layers
         for i in releases:
             if i < len(layers) and layers[i] is not None:
@@ -286,7 +294,7 @@ class OffloadSynchronizer:
         self.policy = policy
         self.rt = Runtime(
             device, stream, PinnedPool(device), retain_pinned_cpu_buffers, verify, max_host_bytes,
-            policy.min_tensor_size_to_offload,
+            policy.min_tensor_size_to_offload, policy,
         )
         self.step: Optional[Step] = None
         self.current: Optional[LayerState] = None
@@ -320,14 +328,15 @@ class OffloadSynchronizer:
         """A layer's forward begins: apply the schedule. False when this forward is a
         recomputation inside backward (activation checkpointing): then nothing is scheduled,
         counted or hooked, and the recomputed tensors stay on the device (they are used at once)."""
-        if in_backward():
+        if current_graph_task_id() != -1:  # in backward
             return False
         if self.inside:
             raise OffloadUsageError(
                 "the offload context was entered while already inside it; use one `with ctx:` "
                 "block per layer, not nested ones"
             )
-        if self.awaiting_sync and torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if self.awaiting_sync and grad:
             if self.refused:
                 # Refused once already and the sync function was not called since: the caller
                 # started the forward pass over. It starts clean.
@@ -340,7 +349,7 @@ class OffloadSynchronizer:
                     "(`x = sync_function(x)`) after each `with ctx:` block"
                 )
         step = self.step
-        if step is not None and not torch.is_grad_enabled() and step.awaits_backward() and (
+        if step is not None and not grad and step.awaits_backward() and (
                 step.complete or step.schedule is None):
             # A layer run with grad disabled (an evaluation forward, `torch.no_grad()`) while the
             # training forward's backward is pending: it saves nothing and must not end, extend
@@ -358,19 +367,23 @@ class OffloadSynchronizer:
             self.inside = True
             return True
         self.last_side = False
-        if self.side_layers and step is not None and torch.is_grad_enabled() and not step.over():
-            # The forward went on after layers run without grad: they were part of it.
-            step.count_layers_without_grad(self.side_layers)
-        self.side_layers = 0
-        if step is None or step.over():
+        if self.side_layers:
+            if step is not None and grad and not step.over():
+                # The forward went on after layers run without grad: they were part of it.
+                step.count_layers_without_grad(self.side_layers)
+            self.side_layers = 0
+        if step is None or step.fwd_count >= step.model_layers or step.invalid or (
+                step.backward_ran or step.fwd_count and (
+                    step.last_trigger() is None if step.last_trigger is not None
+                    else step.abandoned())):  # ``step.over()``, spelled out
             step = self._new_step(step)
         # Inside a non-reentrant checkpoint region (checkpoint around the stack of layers) the
         # layer gets no hooks: ours would shadow checkpoint's in forward but not in its
         # recomputation (entered in backward, where the context does nothing), so checkpoint
         # would pair recomputed tensors with the wrong saved slots.
-        self.current = step.begin_forward(checkpointed=in_checkpoint_region())
-        self.current_index = step.fwd_count - 1
-        self.current_selective = step.selective.get(self.current_index)
+        self.current = step.begin_forward(in_checkpoint_region(), grad)
+        self.current_index = index = step.fwd_count - 1
+        self.current_selective = step.selective[index] if index in step.selective else None
         self.inside = True
         return True
 
@@ -402,18 +415,23 @@ class OffloadSynchronizer:
             self.side = False
             return
         # First: outputs a selective layer stores after all are pushed as the layer's own.
-        self._end_selective(store=True)
-        if self.current is not None:
-            self.current.finish_forward()
-        self.current = None
-        if self.step is not None:
-            self.step.end_forward_layer()
+        if self.current_selective is not None:
+            self._end_selective(store=True)
+        current = self.current
+        if current is not None:
+            self.current = None
+            if current.eager and current.entries:
+                current.finish_forward()
+        step = self.step
+        if step is not None and step.fwd_count >= step.model_layers:
+            step.end_forward_layer()
 
     @compiler_disable
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
-        check_sync_argument(tensor)
-        if in_backward():
+        if not isinstance(tensor, torch.Tensor):
+            check_sync_argument(tensor)
+        if current_graph_task_id() != -1:
             return tensor  # recomputation (activation checkpointing): nothing to schedule
         if self.inside:
             raise OffloadUsageError(
@@ -518,30 +536,14 @@ class OffloadSynchronizer:
         return ref
 
     def push(self, t: torch.Tensor) -> Any:
+        """Store a saved tensor of the layer running now (the pack hook of selective layers,
+        and of checkpoint offload policies; an offloaded layer's hook is ``LayerState.pack``)."""
         layer = self.current
         if layer is None:
             return KeptRef(t)
-        if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
-            return self._push_subclass(t, layer)
-        reason = self.policy.skip_reason(t)
-        if reason is not None:
-            if reason == "weight mark" and is_parameter(t._base):
-                reason = "parameter"  # F.linear saves weight.t()
-            lstats = layer.lstats if layer.lstats is not None else layer.layer_stats()
-            lstats.skipped_bytes[reason] += t.numel() * t.element_size()
-            return KeptRef(t)
-        return layer.push(t)
+        return layer.pack(t)
 
     pop = staticmethod(unpack)
-
-    def _push_subclass(self, t: torch.Tensor, layer: LayerState) -> Any:
-        if self.policy.wrapper_skip_reason(t) is not None:
-            return KeptRef(t)
-        names, ctx = tensor_flatten(t)
-        inner = {name: self.push(getattr(t, name)) for name in names}
-        if all(type(v) is KeptRef for v in inner.values()):
-            return KeptRef(t)  # nothing inside was offloaded
-        return SavedSubclassRef(t, ctx, inner)
 
     # -- introspection (tests, audit, demo) --------------------------------------------------------
     def layer_summary(self) -> list[dict]:

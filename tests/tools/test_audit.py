@@ -185,7 +185,7 @@ def test_module_opt_out_shows_in_both_columns():
     assert {r.v2_reason for r in rows} == {"module opted out"}
     tagged = [r for r in rows if r.v1_reason != "not tagged"]
     assert [(r.module, r.v1_reason) for r in tagged] == [("1.0", "module opted out")]
-    assert markers._module_policy == []
+    assert markers.MODULE_POLICY == []
 
 
 def test_layers_are_chained_and_indexed():

@@ -86,14 +86,9 @@ def test_missing_reload_wait_would_corrupt_gradients(sim, x0, monkeypatch):
     layers = make_layers(4)
 
     def no_wait(entry):
-        if entry.gpu is not None:
-            return entry.gpu
-        if entry.reloaded is None:
-            layer_state.copy_in(entry.rt, [entry])
-        entry.waited = True  # as if waited: freeing the reload then makes no wait either
-        return entry.reloaded
+        entry.reload_wait[0] = None  # as if waited: freeing the reload then makes no wait either
 
-    monkeypatch.setattr(layer_state.Entry, "device_bytes_for_unpack", no_wait)
+    monkeypatch.setattr(layer_state.Entry, "wait_reload", no_wait)
     with pytest.raises(SimulatedHazard, match="dropped before the copy was waited for"):
         run_step(layers, x0, *offload_ctx(sim, 2, 4))
 
@@ -107,7 +102,7 @@ def test_missing_offload_wait_is_a_hazard(x0, monkeypatch):
         if layer.released:
             return
         for entry in layer.entries:
-            if entry.gpu is not None:
+            if entry.storage is not None:
                 entry.release(recheck)
         layer.released = True
 
