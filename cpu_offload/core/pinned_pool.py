@@ -70,16 +70,24 @@ class PinnedPool:
             self.peak_in_use_bytes = in_use
         return buf
 
-    def acquire_many(self, sizes: list, keys: list) -> list:
-        """``acquire`` for each size (and key), in one call: a layer's buffers at its end."""
-        if keys[0] is not None:
+    def acquire_many(self, sizes: list, keys: Optional[list] = None) -> list:
+        """``acquire`` for each size (and key, if given), in one call: a layer's buffers at its
+        end. A failed allocation gives back those acquired before it."""
+        if keys is not None:
             return [self.acquire(n, k) for n, k in zip(sizes, keys)]
-        used, free_lists, out = self._used, self._free, []
-        allocate = self._allocate
-        for nbytes in sizes:
-            used[nbytes] += 1
+        used, free_lists, out = self._used, self._free, [None] * len(sizes)
+        for i, nbytes in enumerate(sizes):
             free = free_lists[nbytes] if nbytes in free_lists else None
-            out.append(free.pop() if free else allocate(nbytes))
+            if free:
+                out[i] = free.pop()
+            else:
+                try:
+                    out[i] = self._allocate(nbytes)
+                except BaseException:
+                    for buf in out[:i]:
+                        self.release(buf)
+                    raise
+            used[nbytes] += 1
             in_use = self.in_use_bytes = self.in_use_bytes + nbytes
             if in_use > self.peak_in_use_bytes:
                 self.peak_in_use_bytes = in_use

@@ -17,14 +17,12 @@ from ..compat import (
     copy_view_bits,
     set_versions,
     storage_use_count,
-    storage_use_counter,
     tensor_on_storage,
     untyped_storage,
 )
 
 
 _tuple_new = tuple.__new__
-_storage_use_count = storage_use_counter()
 
 
 class ViewMeta(NamedTuple):
@@ -77,12 +75,6 @@ def checksum(flat: torch.Tensor) -> torch.Tensor:
     if flat.numel() % 8 == 0:
         return flat.view(torch.int64).sum()
     return flat.sum(dtype=torch.int64)
-
-
-def storage_use_count_of(storage: torch.UntypedStorage) -> int:
-    """How many references hold ``storage`` (tensors on it, and its Python object), or a
-    number larger than any count where torch cannot say (then nothing is deemed freed)."""
-    return _storage_use_count(storage._cdata) if _storage_use_count is not None else 1 << 62
 
 
 def held_elsewhere(flat: torch.Tensor) -> bool:

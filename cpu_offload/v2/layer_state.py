@@ -33,7 +33,7 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..compat import is_parameter, is_traceable_wrapper_subclass
+from ..compat import is_parameter, is_traceable_wrapper_subclass, storage_use_counter
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
 from ..core.markers import MODULE_POLICY, READY_EVENT_ATTR, SKIP_ATTR
@@ -46,7 +46,6 @@ from ..core.storage import (
     checksum,
     forget_aliases,
     restore_view,
-    storage_use_count_of,
 )
 from .stats import LayerStats, StepStats
 
@@ -55,6 +54,7 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
 _uint8 = torch.uint8
+_storage_use_count = storage_use_counter()  # by a storage's _cdata; None where torch lacks it
 
 # Copies of storages smaller than this are batched: the device-to-host copies of a layer's small
 # saved tensors are queued together (at the layer's end, or when this many bytes are waiting, or
@@ -69,7 +69,7 @@ class Runtime:
 
     __slots__ = (
         "device", "stream", "pool", "retain", "verify", "max_host_bytes", "threshold", "warned",
-        "byte_limits", "events", "checks_frees", "policy", "device_type",
+        "byte_limits", "events", "checks_frees", "policy", "device_type", "traces",
     )
 
     def __init__(
@@ -98,6 +98,8 @@ class Runtime:
         self.events: dict[tuple, Event] = {}
         # whether the device checks frees (the simulation): a real device is not even called
         self.checks_frees = type(device).will_free is not OffloadDevice.will_free
+        # whether the device records schedule milestones (the simulation): if not, no call
+        self.traces = type(device).trace is not OffloadDevice.trace
         # The selection policy (``SelectionPolicy``) of the pack hook's general path. When it
         # tells device tensors by the device's own test and the device names the type of its
         # tensors (``OffloadDevice.tensor_device_type``), the fast path compares that instead.
@@ -109,7 +111,9 @@ class Runtime:
 
     def record(self, key: tuple) -> Event:
         """Record the point reached on the copy stream, in the event kept for ``key``."""
-        event = self.events[key] = self.device.rerecord_event(self.stream, self.events.get(key))
+        events = self.events
+        event = events[key] = self.device.rerecord_event(
+            self.stream, events[key] if key in events else None)
         return event
 
     def warn_once(self, message: str, key: Optional[str] = None) -> None:
@@ -180,9 +184,11 @@ class Entry:
                 self.checksum = checksum(gpu)
         return gpu
 
-    def still_on_device(self) -> Optional[torch.Tensor]:
+    def still_on_device(self, recount: bool = False) -> Optional[torch.Tensor]:
         """After a release that freed nothing: the original storage, if something else kept it
-        alive unchanged (then backward uses it, no reload)."""
+        alive unchanged (then backward uses it, no reload). ``recount``: see ``recount``."""
+        if recount and self.recheck:
+            self.recount()
         owner = self.owner
         storage = owner() if owner is not None else None
         if storage is None or storage.nbytes() != self.nbytes:
@@ -256,7 +262,8 @@ class Entry:
         caller still holds its input): ``recount`` looks again when backward starts."""
         storage, aliases = self.storage, self.aliases
         # Ours: the flat tensor, the storage object and one alias per saved tensor.
-        held = storage_use_count_of(storage) > self.nrefs + 2
+        count = _storage_use_count
+        held = count is None or count(storage._cdata) > self.nrefs + 2
         changed = False
         if not held:
             for alias in aliases:
@@ -373,7 +380,11 @@ class SavedRef:
         if self.popped == entry.generation:
             entry.pops -= 1  # autograd freed it after its node ran: it no longer waits
         if entry.live == 0:
-            entry.drop()
+            if entry.reloaded is None and entry.cpu is not None:  # ``drop``, spelled out
+                entry.rt.pool.release(entry.cpu, entry.pool_key)
+                entry.cpu = entry.gpu = entry.storage = entry.aliases = None
+            else:
+                entry.drop()
 
     def unpack(self) -> torch.Tensor:
         return unpack(self)
@@ -399,7 +410,13 @@ class SavedSubclassRef:
 def unpack(packed: Any) -> Any:
     """The unpack hook of every V2 layer: the inverse of the pack hook (``SavedRef`` spelled
     out, see Note [hot path calls])."""
-    if type(packed) is not SavedRef:
+    cls = type(packed)
+    if cls is not SavedRef:
+        if cls is KeptRef:  # ``KeptRef.unpack``, spelled out
+            alias = packed.alias
+            if alias._version != packed.version:
+                packed.check()
+            return alias
         return packed.unpack()
     entry = packed.entry
     aliases = entry.aliases
@@ -440,7 +457,7 @@ class LayerState:
 
     __slots__ = (
         "index", "rt", "stats", "lstats", "entries", "shared", "eager", "offload_event",
-        "released", "reload_started", "limit", "pending", "pending_bytes",
+        "released", "reload_started", "limit", "flushed", "pending_bytes",
     )
 
     def __init__(
@@ -456,8 +473,11 @@ class LayerState:
         self.offload_event: Optional[Event] = None
         self.released = False
         self.reload_started = False
-        self.limit = rt.byte_limits.get(index)  # bytes this layer may still offload, if limited
-        self.pending: list[Entry] = []  # new storages whose copies are queued at the layer's end
+        # bytes this layer may still offload, if limited
+        self.limit = rt.byte_limits.get(index) if rt.byte_limits else None
+        # entries[:flushed] were considered for copying; the new storages after them are copied
+        # at the layer's end (or once they reach BATCH_BYTES): pending_bytes of them
+        self.flushed = 0
         self.pending_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------------
@@ -561,23 +581,27 @@ class LayerState:
             entry.verified = -1
             entry.recheck = False
             shared[key] = entry
-            self.entries.append(entry)
             index = 0
-            if self.eager:
-                if ready is None and self.offload_event is None:
+            if self.eager and (ready is not None or self.offload_event is not None):
+                # Final since ``ready`` (start_offload), or manual with the offload started:
+                # copied at once, after the storages saved before it.
+                self.flush_copies()
+                self.entries.append(entry)
+                self.flushed += 1
+                entry.copy_out(ready)
+                if self.offload_event is not None:
+                    self.offload_event = rt.device.record_event(rt.stream)
+            else:
+                self.entries.append(entry)
+                if self.eager:
                     # The automatic schedule: copies queued together at the layer's end; a
                     # large one (and those before it) at once.
-                    self.pending.append(entry)
                     self.pending_bytes += nbytes
                     if nbytes >= BATCH_BYTES or self.pending_bytes >= BATCH_BYTES:
                         self.flush_copies()
-                else:
-                    self.flush_copies()
-                    entry.copy_out(ready)
-                    if self.offload_event is not None:  # manual: offload already started
-                        self.offload_event = rt.device.record_event(rt.stream)
-            else:
-                entry.ready_event = ready or rt.device.record_event(rt.device.current_stream())
+                else:  # manual, before start_offload: copied from when it is final
+                    entry.ready_event = ready or rt.device.record_event(
+                        rt.device.current_stream())
         else:
             if entry.listed_by != self.index:  # saved before, by an earlier layer
                 entry.listed_by = self.index
@@ -621,31 +645,37 @@ class LayerState:
         return KeptRef(t)
 
     def flush_copies(self) -> None:
-        """Queue the pending device-to-host copies (after the compute that produced them): one
-        stream wait and one batch for all of them."""
-        pending = self.pending
-        if not pending:
+        """Queue the device-to-host copies of the storages saved since the last flush (after the
+        compute that produced them): pinned buffers, one stream wait and one batch for all."""
+        entries = self.entries
+        if self.flushed == len(entries):
             return
-        self.pending = []
+        # Not those an earlier layer saved (copied by it), nor those whose saved tensors
+        # autograd already freed (dropped: nothing to copy).
+        pending = [e for e in entries[self.flushed:] if e.cpu is None and e.storage is not None]
+        self.flushed = len(entries)
         self.pending_bytes = 0
-        # An entry whose saved tensors autograd already freed was dropped: nothing to copy.
-        pending = [e for e in pending if e.storage is not None]
         if not pending:
             return
         rt = self.rt
-        bufs = rt.pool.acquire_many([e.nbytes for e in pending], [e.pool_key for e in pending])
-        pairs = []
+        bufs = rt.pool.acquire_many(
+            [e.nbytes for e in pending], [e.pool_key for e in pending] if rt.retain else None)
+        verify = rt.verify
         for entry, buf in zip(pending, bufs):
             entry.cpu = buf
-            pairs.append((buf, entry.flat()))
+            # ``Entry.flat``, spelled out: a flat uint8 tensor over the storage, to copy
+            entry.gpu = flat = entry.aliases[0].new_empty(0, dtype=_uint8).set_(entry.storage)
+            if verify:
+                entry.checksum = checksum(flat)
             entry.lstats.copied_out_bytes += entry.nbytes
-        rt.device.copy_after_compute(rt.stream, pairs)
+        rt.device.copy_after_compute(rt.stream, [(e.cpu, e.gpu) for e in pending])
 
     def finish_forward(self) -> None:
         """End of this layer's forward: mark where its offload copies end on the copy stream
         (one event per layer, re-recorded every step)."""
         if self.eager and self.entries:
-            self.flush_copies()
+            if self.flushed != len(self.entries):
+                self.flush_copies()
             self.offload_event = self.rt.record((self.index, "offload"))
 
     def start_offload(self) -> None:
@@ -656,7 +686,9 @@ class LayerState:
                 entry.copy_out(entry.ready_event)
         self.eager = True
         self.offload_event = self.rt.device.record_event(self.rt.stream)
-        self.rt.device.trace("offload", self.index)
+        self.flushed = len(self.entries)
+        if self.rt.traces:
+            self.rt.device.trace("offload", self.index)
 
     def release(self, recheck: bool = False) -> None:
         """Free the device storages once their copies are done (device-side wait, host free).
@@ -676,27 +708,45 @@ class LayerState:
             if dev.times_events:
                 self.stats.record_wait(dev.record_event(compute), self.offload_event)
             dev.wait_event(compute, self.offload_event)
+        count = _storage_use_count
+        checks_frees = self.rt.checks_frees
         for entry in on_device:
+            # ``Entry.release``, spelled out for a storage only we reference (ours: the flat
+            # tensor, the storage object and an alias per saved tensor) that is unchanged.
+            aliases, version = entry.aliases, entry.version
+            if count is None or count(entry.storage._cdata) > entry.nrefs + 2:
+                entry.release(recheck)
+                continue
+            for alias in aliases:
+                if alias._version != version:
+                    break
+            else:
+                entry.aliases = None  # nothing can change the memory once we let go: no watch
+                if checks_frees:
+                    dev.will_free(entry.gpu)
+                entry.lstats.freed_bytes += entry.nbytes
+                entry.gpu = entry.storage = None
+                continue
             entry.release(recheck)
         self.released = True
-        dev.trace("release", self.index)
+        if self.rt.traces:
+            dev.trace("release", self.index)
 
     # -- backward --------------------------------------------------------------------------------
     def start_reload(self) -> None:
         """Allocate device storages on the compute stream and queue the copies back."""
         if not self.released or self.reload_started:
             return
-        todo = []
-        for e in reversed(self.entries):
-            if e.recheck:
-                e.recount()
-            if (e.live and e.storage is None and e.reloaded is None and e.cpu is not None
-                    and (e.owner is None or e.still_on_device() is None)):
-                todo.append(e)
+        todo = [
+            e for e in reversed(self.entries)
+            if e.live and e.storage is None and e.reloaded is None and e.cpu is not None
+            and (e.owner is None or e.still_on_device(recount=True) is None)
+        ]
         if todo:
             copy_in(self.rt, todo, (self.index, "reload"))
         self.reload_started = True
-        self.rt.device.trace("reload", self.index)
+        if self.rt.traces:
+            self.rt.device.trace("reload", self.index)
 
     def end_backward(self) -> None:
         """After a backward pass: drop reloads nobody unpacked; allow another reload."""
@@ -711,7 +761,7 @@ class LayerState:
         ``reason``: what unpacking one of its saved tensors raises (default: an exception)."""
         dev = self.rt.device
         dev.wait_stream(dev.current_stream(), self.rt.stream)
-        self.pending = []  # never queued
+        self.flushed = len(self.entries)  # never queued
         self.pending_bytes = 0
         for entry in self.entries:
             entry.error = reason or (

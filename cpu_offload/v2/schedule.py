@@ -187,6 +187,10 @@ class Schedule:
         object.__setattr__(self, "_releases", dict(releases))
         object.__setattr__(self, "_reloads", dict(reloads))
         object.__setattr__(self, "_at_forward_end", at_end)
+        actions: list = [None] * (2 * self.model_layers + 2)
+        for pos in set(releases) | set(reloads):
+            actions[pos] = (releases.get(pos, []), reloads.get(pos, []))
+        object.__setattr__(self, "_actions", actions)
 
     @classmethod
     def default(cls, num_layers: int, model_layers: int) -> "Schedule":
@@ -200,12 +204,9 @@ class Schedule:
         return self._releases.get(pos, ()), self._reloads.get(pos, ())  # type: ignore[attr-defined]
 
     def actions(self) -> list:
-        """``at(pos)`` for every position, as a list (``None`` where nothing happens): looked up
-        per layer without a call."""
-        out: list = [None] * (2 * self.model_layers + 2)
-        for pos in set(self._releases) | set(self._reloads):  # type: ignore[attr-defined]
-            out[pos] = self.at(pos)
-        return out
+        """``at(pos)`` for every position ``0 .. 2 * model_layers + 1``, as a list (``None`` where
+        nothing happens): looked up per layer without a call."""
+        return self._actions  # type: ignore[attr-defined]
 
     def releases_at(self, pos: int) -> list[int]:
         return self._releases.get(pos, [])  # type: ignore[attr-defined]

@@ -183,8 +183,9 @@ class StepStats:
         """Why this step freed no GPU memory (None if it freed some, or offloaded no layer)."""
         if not self.layers and not self.layers_without_grad and not self.layers_in_checkpoint:
             return None
-        if self.total("freed_bytes") > 0 or self.total("recipe_bytes") > 0:
-            return None
+        for s in self.layers.values():
+            if s.freed_bytes > 0 or s.recipe_bytes > 0:
+                return None  # (asked after every step's backward: no sums for the common answer)
         if self.total("held_elsewhere_bytes"):
             return (
                 f"it copied {_mib(self.total('held_elsewhere_bytes'))} to the host, but every "

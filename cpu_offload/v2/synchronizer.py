@@ -37,7 +37,7 @@ class Step:
         "rt", "schedule", "model_layers", "layers", "shared", "fwd_count", "grad_layers",
         "bwd_layers", "backward_task", "aborted", "invalid", "last_trigger", "stats",
         "selective_indices", "selective", "selective_scope", "applied", "backward_ran",
-        "actions",
+        "actions", "bwd_count",
     )
 
     def __init__(
@@ -54,6 +54,7 @@ class Step:
         self.fwd_count = 0
         self.grad_layers = 0  # layers entered with grad enabled (the others save nothing)
         self.bwd_layers: set[int] = set()
+        self.bwd_count = 0  # len(bwd_layers)
         self.backward_task: Optional[int] = None  # the backward pass our callback is queued in
         self.aborted = False
         self.invalid = False  # misused (wrong layer count): the next forward starts a new step
@@ -113,9 +114,10 @@ class Step:
             grad = torch.is_grad_enabled()
         self.grad_layers += grad
         actions = self.actions
-        if actions is not None and pos < len(actions) and actions[pos] is not None:
+        if actions is not None and actions[pos] is not None:
             self._apply(pos)
-        self.rt.device.trace("fwd", index)
+        if self.rt.traces:
+            self.rt.device.trace("fwd", index)
         schedule = self.schedule
         manual = schedule is None
         offloaded = manual or index in schedule.sync
@@ -183,13 +185,13 @@ class Step:
                 "the number of `with ctx:` blocks in one forward pass (a backward through part "
                 "of a forward pass is supported with create_graph=True)"
             )
-        bwd_layers = self.bwd_layers
-        bwd_layers.add(index)
-        pos = self.model_layers + len(bwd_layers)
+        self.bwd_layers.add(index)
+        self.bwd_count = count = self.bwd_count + 1  # len(self.bwd_layers)
         actions = self.actions
-        if actions is not None and pos < len(actions) and actions[pos] is not None:
-            self._apply(pos)
-        self.rt.device.trace("bwd", index)
+        if actions is not None and actions[self.model_layers + count] is not None:
+            self._apply(self.model_layers + count)
+        if self.rt.traces:
+            self.rt.device.trace("bwd", index)
 
     def end_backward(self) -> None:
         """Runs when the autograd engine finishes a backward pass through this step."""
@@ -205,6 +207,7 @@ class Step:
         for selective in self.selective.values():
             selective.end_backward()
         self.bwd_layers.clear()
+        self.bwd_count = 0
         self.backward_task = None
         dev.trace("end_bwd", -1)
         self._warn_if_nothing_freed()
@@ -227,6 +230,7 @@ class Step:
 
     def _reset_backward_positions(self) -> None:
         self.bwd_layers.clear()
+        self.bwd_count = 0
         for layer in self.layers:
             if layer is not None:
                 layer.reload_started = False
@@ -252,13 +256,14 @@ class Step:
     def _apply(self, pos: int) -> None:
         if self.actions is None:
             return
-        releases, reloads = self.schedule.at(pos)
+        releases, reloads = self.actions[pos]
         layers = self.layers
+        n = len(layers)
         for i in releases:
-            if i < len(layers) and layers[i] is not None:
+            if i < n and layers[i] is not None:
                 layers[i].release()
         for i in reloads:
-            if i < len(layers) and layers[i] is not None:
+            if i < n and layers[i] is not None:
                 layers[i].start_reload()
 
 
@@ -429,7 +434,7 @@ class OffloadSynchronizer:
     @compiler_disable
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
-        if not isinstance(tensor, torch.Tensor):
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.Tensor):
             check_sync_argument(tensor)
         if current_graph_task_id() != -1:
             return tensor  # recomputation (activation checkpointing): nothing to schedule
