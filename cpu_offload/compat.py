@@ -192,7 +192,8 @@ def in_checkpoint_region() -> bool:
     >>> seen, in_checkpoint_region()
     ([True], False)
     """
-    top = top_saved_tensors_hooks()
+    top = _top_default_hooks(False) if _top_default_hooks is not None else (
+        top_saved_tensors_hooks())
     return top is not None and getattr(top[0], "__module__", None) == _CHECKPOINT_MODULE
 
 

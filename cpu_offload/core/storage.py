@@ -18,11 +18,12 @@ from ..compat import (
     set_versions,
     storage_use_count,
     tensor_on_storage,
-    untyped_storage,
 )
 
 
 _tuple_new = tuple.__new__
+_Tensor = torch.Tensor
+_uint8 = torch.uint8
 
 
 class ViewMeta(NamedTuple):
@@ -37,7 +38,8 @@ class ViewMeta(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "ViewMeta":
-        bits = _bits_carrier(t) if t.is_conj() or t.is_neg() else None
+        # (the conjugate bit exists only on complex dtypes: no call to ask a real tensor)
+        bits = _bits_carrier(t) if t.is_neg() or (t.dtype.is_complex and t.is_conj()) else None
         # tuple.__new__ directly: NamedTuple's generated __new__ is one more Python call, and
         # this runs for every offloaded saved tensor.
         return _tuple_new(cls, (t.dtype, t.size(), t.stride(), t.storage_offset(), bits))
@@ -50,22 +52,30 @@ def _bits_carrier(t: torch.Tensor) -> torch.Tensor:
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory behind ``t``: views of one base share it."""
-    return untyped_storage(t).data_ptr()
+    return t.untyped_storage().data_ptr()
 
 
 def storage_bytes(t: torch.Tensor, storage: Optional[torch.UntypedStorage] = None) -> torch.Tensor:
     """A flat ``uint8`` tensor over the whole storage of ``t`` (no grad history, no copy).
 
     Pass ``storage`` when the caller already fetched ``t.untyped_storage()`` (hot path)."""
-    return bytes_on_storage(untyped_storage(t) if storage is None else storage, t)
+    if storage is None:
+        storage = t.untyped_storage()
+    if type(t) is _Tensor:  # ``bytes_on_storage``, spelled out for a plain tensor
+        return t.new_empty(0, dtype=_uint8).set_(storage)
+    return bytes_on_storage(storage, t)
 
 
 def restore_view(flat: torch.Tensor, meta: ViewMeta) -> torch.Tensor:
     """The tensor described by ``meta``, viewing the storage of ``flat`` (a ``storage_bytes``)."""
-    t = tensor_on_storage(
-        flat.untyped_storage(), meta.dtype, flat.device, meta.size, meta.stride,
-        meta.storage_offset, like=flat,
-    )
+    if type(flat) is _Tensor:  # ``tensor_on_storage``, spelled out for a plain tensor
+        t = flat.new_empty(0, dtype=meta.dtype).set_(
+            flat.untyped_storage(), meta.storage_offset, meta.size, meta.stride)
+    else:
+        t = tensor_on_storage(
+            flat.untyped_storage(), meta.dtype, flat.device, meta.size, meta.stride,
+            meta.storage_offset, like=flat,
+        )
     return t if meta.bits_of is None else copy_view_bits(meta.bits_of, t)
 
 

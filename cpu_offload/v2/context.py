@@ -47,7 +47,6 @@ _state = _ThreadState()
 
 VERIFY_ENV = "CPU_OFFLOAD_VERIFY"  # 1: verify mode for every context (checksums, host syncs)
 
-_RECOMPUTE = object()  # a frame entered during backward: activation-checkpoint recomputation
 _DIRECT = object()  # a frame whose layer's hooks were pushed with torch's own call
 
 
@@ -59,7 +58,11 @@ class OffloadContext:
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
         self.synchronizer = synchronizer
-        self._frames: list = []  # per entry: the hooks installed, None, or _RECOMPUTE
+        # The open entry's hooks (None: none installed), and entries made during backward
+        # (activation-checkpoint recomputation; they install nothing) still open: those are
+        # always the innermost, so a count says which kind an exit closes.
+        self._frame: Any = None
+        self._recomputing = 0
         # One hooks object for every entry (it holds only the two functions), not one per layer.
         self._hooks = saved_tensors_hooks(synchronizer.push, synchronizer.pop)
         self._selective_hooks = saved_tensors_hooks(synchronizer.push_selective, synchronizer.pop)
@@ -77,7 +80,7 @@ class OffloadContext:
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
         if not sync.fwd_step():
-            self._frames.append(_RECOMPUTE)
+            self._recomputing += 1
             return self
         hooks: Any = None
         layer, selective = sync.current, sync.current_selective
@@ -103,16 +106,17 @@ class OffloadContext:
                     hooks.__exit__(None, None, None)
                     sync.abort()
                     raise
-        self._frames.append(hooks)
+        self._frame = hooks
         _state.active.append(sync)
         return self
 
     @compiler_disable
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         sync = self.synchronizer
-        hooks = self._frames.pop() if self._frames else None
-        if hooks is _RECOMPUTE:
+        if self._recomputing:
+            self._recomputing -= 1
             return False
+        hooks, self._frame = self._frame, None
         active = _state.active
         if active and active[-1] is sync:
             active.pop()

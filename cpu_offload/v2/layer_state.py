@@ -184,11 +184,9 @@ class Entry:
                 self.checksum = checksum(gpu)
         return gpu
 
-    def still_on_device(self, recount: bool = False) -> Optional[torch.Tensor]:
+    def still_on_device(self) -> Optional[torch.Tensor]:
         """After a release that freed nothing: the original storage, if something else kept it
-        alive unchanged (then backward uses it, no reload). ``recount``: see ``recount``."""
-        if recount and self.recheck:
-            self.recount()
+        alive unchanged (then backward uses it, no reload)."""
         owner = self.owner
         storage = owner() if owner is not None else None
         if storage is None or storage.nbytes() != self.nbytes:
@@ -226,7 +224,7 @@ class Entry:
         dev = self.rt.device
         compute = dev.current_stream()
         if dev.times_events:
-            self.stats.record_wait(dev.record_event(compute), event)
+            self.stats.waits.append((dev.record_event(compute), event))  # ``record_wait``
         dev.wait_event(compute, event)
 
     def verify_reload(self) -> None:
@@ -648,12 +646,17 @@ class LayerState:
         """Queue the device-to-host copies of the storages saved since the last flush (after the
         compute that produced them): pinned buffers, one stream wait and one batch for all."""
         entries = self.entries
-        if self.flushed == len(entries):
+        n = len(entries)
+        if self.flushed == n:
             return
-        # Not those an earlier layer saved (copied by it), nor those whose saved tensors
-        # autograd already freed (dropped: nothing to copy).
-        pending = [e for e in entries[self.flushed:] if e.cpu is None and e.storage is not None]
-        self.flushed = len(entries)
+        pending = entries[self.flushed:]
+        for e in pending:
+            if e.cpu is not None or e.storage is None:
+                # Not those an earlier layer saved (copied by it), nor those whose saved
+                # tensors autograd already freed (dropped: nothing to copy).
+                pending = [e for e in pending if e.cpu is None and e.storage is not None]
+                break
+        self.flushed = n
         self.pending_bytes = 0
         if not pending:
             return
@@ -674,8 +677,7 @@ class LayerState:
         """End of this layer's forward: mark where its offload copies end on the copy stream
         (one event per layer, re-recorded every step)."""
         if self.eager and self.entries:
-            if self.flushed != len(self.entries):
-                self.flush_copies()
+            self.flush_copies()
             self.offload_event = self.rt.record((self.index, "offload"))
 
     def start_offload(self) -> None:
@@ -695,7 +697,11 @@ class LayerState:
         ``recheck``: see ``Entry.release``."""
         if self.released:
             return
-        on_device = [e for e in self.entries if e.storage is not None]
+        on_device = self.entries
+        for e in on_device:
+            if e.storage is None:  # released by an earlier layer, or dropped
+                on_device = [e for e in self.entries if e.storage is not None]
+                break
         for e in on_device:
             if e.cpu is None:
                 raise OffloadUsageError(
@@ -706,7 +712,7 @@ class LayerState:
         if on_device:
             compute = dev.current_stream()
             if dev.times_events:
-                self.stats.record_wait(dev.record_event(compute), self.offload_event)
+                self.stats.waits.append((dev.record_event(compute), self.offload_event))
             dev.wait_event(compute, self.offload_event)
         count = _storage_use_count
         checks_frees = self.rt.checks_frees
@@ -737,11 +743,19 @@ class LayerState:
         """Allocate device storages on the compute stream and queue the copies back."""
         if not self.released or self.reload_started:
             return
-        todo = [
-            e for e in reversed(self.entries)
-            if e.live and e.storage is None and e.reloaded is None and e.cpu is not None
-            and (e.owner is None or e.still_on_device(recount=True) is None)
-        ]
+        todo = self.entries[::-1]
+        for e in todo:
+            if not e.live or e.storage is not None or e.reloaded is not None or e.cpu is None or (
+                    e.owner is not None):
+                for entry in todo:
+                    if entry.recheck:
+                        entry.recount()
+                todo = [
+                    e for e in todo
+                    if e.live and e.storage is None and e.reloaded is None and e.cpu is not None
+                    and (e.owner is None or e.still_on_device() is None)
+                ]
+                break
         if todo:
             copy_in(self.rt, todo, (self.index, "reload"))
         self.reload_started = True

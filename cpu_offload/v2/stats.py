@@ -77,7 +77,7 @@ class StepStats:
         # Offloaded positions run inside a non-reentrant checkpoint region: it keeps none of
         # their activations (recomputed in backward), so there is nothing to offload.
         self.layers_in_checkpoint = 0
-        self._waits: list = []  # (compute reached the wait, awaited copy done) event pairs
+        self.waits: list = []  # (compute reached the wait, awaited copy done) event pairs
         self.checked = False  # the "did nothing" warning was considered for this step
 
     @classmethod
@@ -95,9 +95,6 @@ class StepStats:
     def timed(self) -> bool:
         return self._device.times_events
 
-    def record_wait(self, arrived: Any, done: Any) -> None:
-        self._waits.append((arrived, done))
-
     # -- reading ---------------------------------------------------------------------------------
     def total(self, name: str) -> int:
         return sum(getattr(s, name) for s in self.layers.values())
@@ -112,7 +109,7 @@ class StepStats:
     def wait_ms(self) -> tuple[float, int]:
         """(milliseconds compute waited for copies, waits not finished yet). Never blocks."""
         total, pending = 0.0, 0
-        for arrived, done in self._waits:
+        for arrived, done in self.waits:
             ms = self._device.elapsed_ms(arrived, done)
             if ms is None:
                 pending += 1

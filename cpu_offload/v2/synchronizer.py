@@ -162,7 +162,7 @@ class Step:
             queue_backward_callback(self.end_backward)
         if index in self.bwd_layers:
             return
-        if self.schedule is not None and not self.complete:
+        if self.schedule is not None and self.fwd_count < self.model_layers:  # not complete
             # Only a schedule counts layers: positions in it are layer counts. With manual
             # synchronization the caller drives every transfer, and ``model_layers`` only bounds
             # the layers of one step (a forward may run fewer, e.g. one pipeline chunk).
