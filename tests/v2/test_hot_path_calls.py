@@ -5,8 +5,8 @@ machine: a change that adds calls to the per-tensor or per-layer path fails here
 figure to compare against the bound.
 
 The figure includes torch's ``torch.compiler.disable`` wrapper around the context's enter and
-exit and the sync function (8 calls each, once per layer), which keeps them out of compiled
-graphs.
+exit and the sync function (10 calls each, once per layer: 10 calls per saved tensor here),
+which keeps them out of compiled graphs.
 """
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ from packaging.version import Version
 from cpu_offload.compat import TORCH_VERSION
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "call_count.py"
-# Measured 91.9 (torch 2.13) and 137.4 (2.6) when pinned; the bound leaves room for torch's own
-# calls to vary between releases, not for a new call per tensor on our side.
-V2_BOUND = 110 if TORCH_VERSION >= Version("2.7") else 150
+# Measured 53.2 on torch 2.13 when pinned (about 15% margin). Below 2.7 the figure was measured
+# before this pin only (137.4 against 91.9 on 2.13: the hooks there go through compat's
+# recording hook object and its FakeTensor pass-through, per tensor, which the hot-path rework
+# did not touch), so that bound is the same 15% over 53.2 plus that difference, not a ratio; the
+# bound leaves room for torch's own calls to vary, not for a new call per tensor on our side.
+V2_BOUND = 61 if TORCH_VERSION >= Version("2.7") else 115
 
 
 @pytest.fixture(scope="module")
