@@ -412,6 +412,26 @@ def compiler_disable(fn: Callable) -> Callable:
     return torch.compiler.disable(fn)  # pragma: no cover - torch without _disable_dynamo
 
 
+def never_compiled(*fns: Callable) -> bool:
+    """Mark the code of ``fns`` (saved-tensor hooks: autograd calls them, also from eager code
+    that torch.compile runs between its graphs) so that TorchDynamo never compiles their frames
+    or the frames they call: its frame strategy "skip this frame and the frames it calls"
+    (``set_code_exec_strategy``, torch >= 2.7). Marking costs nothing when they run. False where
+    torch cannot mark code: then Dynamo may trace them, and they must stay traceable."""
+    try:
+        from torch._C._dynamo import eval_frame
+    except ImportError:  # pragma: no cover - torch built without dynamo
+        return False
+    cls = getattr(eval_frame, "_FrameExecStrategy", None)
+    action = getattr(eval_frame, "_FrameAction", None)
+    if cls is None or action is None or not hasattr(eval_frame, "set_code_exec_strategy"):
+        return False  # pragma: no cover - torch < 2.7
+    strategy = cls(action.SKIP, action.SKIP)
+    for fn in fns:
+        eval_frame.set_code_exec_strategy(fn.__code__, strategy)
+    return True
+
+
 def compiled_by_dynamo(fn: Callable) -> bool:
     """Whether torch.compile holds compiled code for ``fn``'s frames (tests: nothing of the
     package is compiled when a model that uses it is)."""

@@ -33,7 +33,12 @@ from typing import Any, Hashable, Optional
 
 import torch
 
-from ..compat import is_parameter, is_traceable_wrapper_subclass, storage_use_counter
+from ..compat import (
+    is_parameter,
+    is_traceable_wrapper_subclass,
+    never_compiled,
+    storage_use_counter,
+)
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError, OffloadVerifyError, stacklevel_outside_package
 from ..core.markers import MODULE_POLICY, READY_EVENT_ATTR, SKIP_ATTR
@@ -484,8 +489,8 @@ class LayerState:
         marks (nothing in its or its base's ``__dict__``) outside an opted-out module is judged
         here with attribute reads only; anything else goes through ``pack_checked``."""
         base = t._base
-        if (type(t) is not _Tensor or t.__dict__ or (MODULE_POLICY and not MODULE_POLICY[-1])
-                or t.layout is not _strided):
+        if (not _FAST_PATH or type(t) is not _Tensor or t.__dict__
+                or (MODULE_POLICY and not MODULE_POLICY[-1]) or t.layout is not _strided):
             return self.pack_checked(t)
         rt = self.rt
         if base is not None:
@@ -790,3 +795,10 @@ class LayerState:
 
     def held_host_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries if e.cpu is not None)
+
+
+# The hooks read tensors' ``__dict__``, which TorchDynamo cannot trace: they run only where
+# torch can keep Dynamo from compiling them (autograd calls them also from eager code that a
+# compiled module runs between graphs). Elsewhere (torch < 2.7) every saved tensor takes the
+# general path, which Dynamo traces.
+_FAST_PATH = never_compiled(LayerState.pack, unpack)

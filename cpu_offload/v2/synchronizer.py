@@ -17,6 +17,7 @@ from ..compat import (
     compiler_disable,
     current_graph_task_id,
     in_checkpoint_region,
+    never_compiled,
     queue_backward_callback,
 )
 from ..core.device import OffloadDevice
@@ -640,3 +641,7 @@ class ManualOffloadSynchronizer:
                 f"({count} layers entered so far; ids are 0..{count - 1})"
             )
         return layers[layer_id] if layer_id < len(layers) else None
+
+
+# The other pack hooks (selective layers, checkpoint offload policies) lead to LayerState.pack.
+never_compiled(OffloadSynchronizer.push, OffloadSynchronizer.push_selective)

@@ -19,12 +19,13 @@ from packaging.version import Version
 from cpu_offload.compat import TORCH_VERSION
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "call_count.py"
-# Measured 53.2 on torch 2.13 when pinned (about 15% margin). Below 2.7 the figure was measured
-# before this pin only (137.4 against 91.9 on 2.13: the hooks there go through compat's
-# recording hook object and its FakeTensor pass-through, per tensor, which the hot-path rework
-# did not touch), so that bound is the same 15% over 53.2 plus that difference, not a ratio; the
-# bound leaves room for torch's own calls to vary, not for a new call per tensor on our side.
-V2_BOUND = 61 if TORCH_VERSION >= Version("2.7") else 115
+# Measured 53.2 on torch 2.13 when pinned (about 15% margin). Below torch 2.7 the pack hook
+# cannot be kept out of TorchDynamo, so it takes the general path (the selection policy) for
+# every tensor, and the hooks go through compat's recording hook object: that bound stays at
+# the 150 pinned before the rework (137.4 measured then on 2.6), not scaled, as it was not
+# measured here. The bounds leave room for torch's own calls to vary, not for a new call per
+# tensor on our side.
+V2_BOUND = 61 if TORCH_VERSION >= Version("2.7") else 150
 
 
 @pytest.fixture(scope="module")
