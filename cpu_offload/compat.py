@@ -432,6 +432,23 @@ def never_compiled(*fns: Callable) -> bool:
     return True
 
 
+def eager_between_graphs(fn: Callable) -> Callable:
+    """``compiler_disable`` without its wrapper where torch can mark code (torch >= 2.7): a
+    function called once per layer pays the wrapper's ten calls on every call, eager or not.
+
+    The same two effects, from two marks on ``fn`` itself: ``_torchdynamo_disable`` (what the
+    wrapper carries) makes Dynamo end its graph at a call to ``fn`` instead of tracing into it,
+    and ``never_compiled`` makes it run ``fn``'s frame, and the frames it calls, as they are.
+    Below torch 2.7 it is ``compiler_disable(fn)``.
+    """
+    if not never_compiled(fn):
+        return compiler_disable(fn)  # pragma: no cover - torch < 2.7
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    fn._torchdynamo_disable_msg = (  # type: ignore[attr-defined]
+        "cpu_offload's context and sync function run eagerly, between graphs")
+    return fn
+
+
 def compiled_by_dynamo(fn: Callable) -> bool:
     """Whether torch.compile holds compiled code for ``fn``'s frames (tests: nothing of the
     package is compiled when a model that uses it is)."""

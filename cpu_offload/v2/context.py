@@ -19,7 +19,7 @@ from ..core import markers
 from ..core.checks import check_context_types, check_int
 from ..compat import (
     DIRECT_HOOKS,
-    compiler_disable,
+    eager_between_graphs,
     pop_pushed_saved_tensors_hooks,
     push_saved_tensors_hooks,
     saved_tensors_hooks,
@@ -76,7 +76,7 @@ class OffloadContext:
         """The reference implementation's name for ``synchronizer``."""
         return self.synchronizer
 
-    @compiler_disable
+    @eager_between_graphs
     def __enter__(self) -> "OffloadContext":
         sync = self.synchronizer
         if not sync.fwd_step():
@@ -110,7 +110,7 @@ class OffloadContext:
         _state.active.append(sync)
         return self
 
-    @compiler_disable
+    @eager_between_graphs
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         sync = self.synchronizer
         if self._recomputing:

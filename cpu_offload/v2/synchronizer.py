@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from ..compat import (
-    compiler_disable,
+    eager_between_graphs,
     current_graph_task_id,
     in_checkpoint_region,
     never_compiled,
@@ -432,7 +432,7 @@ class OffloadSynchronizer:
         if step is not None and step.fwd_count >= step.model_layers:
             step.end_forward_layer()
 
-    @compiler_disable
+    @eager_between_graphs
     def sync(self, tensor: Any) -> Any:
         """The sync function: marks the end of a layer; its backward start triggers the schedule."""
         if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.Tensor):
