@@ -7,6 +7,9 @@ checkpoint the next ones, or offload the first layers and checkpoint *and* offlo
 little link time: what takes a plan below checkpointing every layer); each with selective
 recomputation on the following layers, and on the offloaded ones or not. With a host model in
 the profile, each layout is also tried with its offloaded layers spread (``spread_layers``).
+The simple families ``benchmarks/frontier.py`` measures (``ckpt k``, ``off k``, ``sel k``:
+``family_params``) are always candidates, whatever the search's stride, so that in the model a
+plan is never worse than any of them.
 ``plan_offloading`` profiles the user's real step (``profile.profile_step``) and searches.
 
 Note [partial layers]: whole layers are coarse. When the link can move 3.4 layers' bytes during
@@ -174,6 +177,8 @@ def plan(
     layers is also tried with its offloaded layers spread (``spread_layers``), its checkpointed
     and selective layers after them or in between (``_spread_layouts``).
 
+    The simple families (``family_params``: checkpoint the first k layers, offload the first
+    k, offload the first k with every layer selective) are always compared.
     Up to ``COARSE_LAYERS`` (24) layers every layout is compared. Above that the search first
     steps through layer counts in strides of ``ceil(n / 24)``, then compares every layout
     within one stride of the best: about a tenth of the candidates (seconds for 80 layers
@@ -244,6 +249,8 @@ def plan(
 
     stride = -(-n // COARSE_LAYERS)  # 1 up to COARSE_LAYERS layers: every layout
     for params in _layout_params(n, partial, selective, stride):
+        evaluate(params)
+    for params in family_params(n, selective):  # never worse than a simple family, in the model
         evaluate(params)
     if stride > 1:  # then every layout within one stride of the best coarse one
         centre = _pick(candidates, limit, lowest_if_none=True)[:6]
@@ -366,6 +373,52 @@ def _layout_params(n: int, partial: bool, selective: bool, stride: int = 1):
                 for r in counts(0, n - a - c):
                     for s in sel_counts(a + c + r):
                         yield ("checkpoint-offload", a, c, sel_off, r, s)
+
+
+FAMILIES = ("ckpt", "off", "sel")
+
+
+def family_params(n: int, selective: bool) -> list:
+    """The simple families every plan is compared with, as ``_layout`` parameters, whatever
+    the search's stride: ``ckpt k`` (checkpoint the first ``k`` layers, offload nothing,
+    k = 1..n), ``off k`` (offload the first ``k``, k = 1..n-1) and, when the profiles say
+    what selective recomputation removes, ``sel k`` (every layer selective, the first ``k``
+    offloaded, k = 0..n-1): the configurations ``benchmarks/frontier.py`` measures.
+
+    Example::
+
+        >>> [_layout(p) for p in family_params(2, selective=True)]   # doctest: +NORMALIZE_WHITESPACE
+        [(0, 1.0, (0,), ()), (0, 1.0, (0, 1), ()), (1, 1.0, (), ()), (0, 1.0, (), (0, 1)),
+         (1, 1.0, (), (0, 1))]
+    """
+    params = [("offload", 0, 1.0, False, k, 0) for k in range(1, n + 1)]  # ckpt k
+    params += [("offload", k, 1.0, False, 0, 0) for k in range(1, n)]  # off k
+    if selective:  # sel k: sel 0 is s = n; sel k offloads k selective layers, n - k follow
+        params += [("offload", 0, 1.0, False, 0, n)]
+        params += [("offload", k, 1.0, True, 0, n - k) for k in range(1, n)]
+    return params
+
+
+def family_of(plan: "Plan") -> Optional[str]:
+    """``"ckpt k"``, ``"off k"`` or ``"sel k"`` when ``plan`` is one of the simple families
+    (``family_params``), else None.
+
+    Example::
+
+        >>> family_of(Plan(2, selective=(0, 1, 2, 3), model_layers=4))
+        'sel 2'
+    """
+    n, k = plan.model_layers, plan.num_layers
+    if plan.partial_bytes is not None or plan.offloaded_layers != tuple(range(k)):
+        return None
+    if plan.selective:
+        ok = not plan.recompute and tuple(plan.selective) == tuple(range(n))
+        return f"sel {k}" if ok and k < n else None
+    if k == 0 and plan.recompute and tuple(plan.recompute) == tuple(range(len(plan.recompute))):
+        return f"ckpt {len(plan.recompute)}"
+    if not plan.recompute and 0 < k < n:
+        return f"off {k}"
+    return None
 
 
 def _neighbours(params: tuple, n: int, partial: bool, selective: bool, stride: int):
