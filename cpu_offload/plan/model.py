@@ -59,25 +59,41 @@ class HostCost:
     # Added to every other layer's forward call once copies are under way (the copies and the
     # schedule's bookkeeping slow the host down; measured on the layers the probe kept).
     slowdown_ms: float = 0.0
+    # Added to an offloaded layer's forward call per saved tensor it offloads (the pack hook,
+    # the copy's launch): the host's cost follows the tensors, not the bytes, so a checkpointed
+    # layer that offloads only its input pays for one tensor.
+    ms_per_tensor: float = 0.0
 
     @property
     def is_free(self) -> bool:
-        return self.ms_per_gb <= 0 and self.slowdown_ms <= 0
+        return self.ms_per_gb <= 0 and self.slowdown_ms <= 0 and self.ms_per_tensor <= 0
+
+    def layer_ms(self, nbytes: int, tensors: float) -> float:
+        """The host time offloading ``tensors`` saved tensors of ``nbytes`` adds to a layer's
+        forward call."""
+        return self.ms_per_gb * nbytes / 1e9 + self.ms_per_tensor * tensors
 
     @classmethod
-    def from_probe(cls, added_host_ms: Sequence[float], k: int, moved_bytes: int) -> "HostCost":
+    def from_probe(cls, added_host_ms: Sequence[float], k: int, moved_bytes: int,
+                   moved_tensors: int = 0) -> "HostCost":
         """Calibrate the rule from a probe step that offloaded the first ``k`` layers, moving
-        ``moved_bytes``: ``added_host_ms`` is, per layer, the host time the probe added to its
-        forward call (against plain steps). The offloaded layers' sum, per GB they moved, is
-        ``ms_per_gb``; the median over the other layers is ``slowdown_ms``.
+        ``moved_bytes`` in ``moved_tensors`` saved tensors: ``added_host_ms`` is, per layer,
+        the host time the probe added to its forward call (against plain steps). The
+        offloaded layers' sum, per tensor they moved, is ``ms_per_tensor`` (per GB,
+        ``ms_per_gb``, when the tensors were not counted); the median over the other layers
+        is ``slowdown_ms``.
 
         Example::
 
             >>> HostCost.from_probe([1.0, 2.0, 0.25, 0.5, 0.75], k=2, moved_bytes=2 * 10**9)
-            HostCost(ms_per_gb=1.5, slowdown_ms=0.5)
+            HostCost(ms_per_gb=1.5, slowdown_ms=0.5, ms_per_tensor=0.0)
+            >>> HostCost.from_probe([1.0, 2.0, 0.25, 0.5, 0.75], 2, 2 * 10**9, moved_tensors=12)
+            HostCost(ms_per_gb=0.0, slowdown_ms=0.5, ms_per_tensor=0.25)
         """
-        return cls(sum(added_host_ms[:k]) / (moved_bytes / 1e9),
-                   statistics.median(added_host_ms[k:]))
+        slowdown = statistics.median(added_host_ms[k:])
+        if moved_tensors:
+            return cls(0.0, slowdown, sum(added_host_ms[:k]) / moved_tensors)
+        return cls(sum(added_host_ms[:k]) / (moved_bytes / 1e9), slowdown)
 
 
 FREE_HOST = HostCost()
@@ -105,6 +121,18 @@ class LayerProfile:
     # offloading; None: not measured. Where it is close to ``fwd_ms`` the GPU waits for the host
     # as soon as offloading adds host work (see ``host_stall_ms``).
     host_fwd_ms: Optional[float] = None
+    # The saved tensors (storages) V2 offloads for the layer; 0: not counted.
+    saved_tensors: int = 0
+
+    def moved_tensors(self, nbytes: int, checkpointed: bool = False) -> float:
+        """About how many saved tensors offloading ``nbytes`` of the layer moves: its input
+        when checkpointed, else its share of ``saved_tensors`` (at least one)."""
+        if not nbytes:
+            return 0.0
+        if checkpointed:
+            return 1.0
+        share = nbytes / self.activation_bytes if self.activation_bytes else 1.0
+        return max(1.0, self.saved_tensors * min(1.0, share))
 
     @property
     def checkpoint_ms(self) -> float:
@@ -175,7 +203,7 @@ def simulate(
     # it releases (the j-th is released as layer n-kd+j starts). With every layer offloaded the
     # last one is released at the forward's end. The GPU cannot run ahead of the host.
     kd = min(k, n - 1)  # layers on the default schedule's timing
-    host_ms = _host_ms(profiles, offl, moved, host_cost)
+    host_ms = _host_ms(profiles, offl, moved, host_cost, rec)
     offl_set = set(offl)
     fwd_start, fwd_end, copy_end = [0.0] * n, [0.0] * n, [0.0] * n
     t = queue = issued = 0.0
@@ -235,7 +263,7 @@ def _offloaded(k: int, n: int, offloaded: Optional[Sequence[int]]) -> tuple:
 
 def _host_ms(
     profiles: Sequence[LayerProfile], offloaded: Sequence[int], moved: Sequence[int],
-    host_cost: HostCost,
+    host_cost: HostCost, recompute: Sequence[int] = (),
 ) -> Optional[list]:
     """Per layer, the host's time to issue its forward with the plan's offloading, or None
     when the profiles do not say (the host model is then off: the GPU sets the pace)."""
@@ -244,8 +272,8 @@ def _host_ms(
     first = min(offloaded) if offloaded else len(profiles)
     offl = set(offloaded)
     return [
-        p.host_fwd_ms + (host_cost.ms_per_gb * b / 1e9 if j in offl else
-                         host_cost.slowdown_ms if j > first else 0.0)
+        p.host_fwd_ms + (host_cost.layer_ms(b, p.moved_tensors(b, j in recompute)) if j in offl
+                         else host_cost.slowdown_ms if j > first else 0.0)
         for j, (p, b) in enumerate(zip(profiles, moved))
     ]
 
@@ -260,8 +288,9 @@ def host_stall_ms(
 
     The host issues layer after layer while the GPU runs them; the host's lead over the GPU
     grows by ``fwd_ms - host_fwd_ms`` per layer and cannot go below zero (then the GPU waits).
-    Offloading a layer adds ``host_cost.ms_per_gb`` per GB it moves to that layer's host time,
-    and ``host_cost.slowdown_ms`` to each later layer's. Hugging Face decoder layers issue in
+    Offloading a layer adds ``host_cost.ms_per_gb`` per GB it moves and ``ms_per_tensor`` per
+    saved tensor to that layer's host time, and ``host_cost.slowdown_ms`` to each later
+    layer's. Hugging Face decoder layers issue in
     about half their GPU time, but offloading one adds about as much again: offloading the
     first layers, before the host got ahead, stalls the GPU; offloading every other layer
     does not.
@@ -301,8 +330,8 @@ def spread_layers(
     profiles: Sequence[LayerProfile], k: int, nbytes: Sequence[int], host_cost: HostCost,
 ) -> tuple:
     """Where to put ``k`` offloaded layers so that the GPU does not wait for the host: the
-    earliest layers whose extra host time (``host_cost.ms_per_gb`` per GB of ``nbytes[layer]``,
-    what it would move) the host's lead covers, skipping layers in between to let the lead grow
+    earliest layers whose extra host time (``host_cost.layer_ms`` of ``nbytes[layer]``, what it
+    would move) the host's lead covers, skipping layers in between to let the lead grow
     back (by their ``fwd_ms - host_fwd_ms``, less ``host_cost.slowdown_ms`` once copies run).
     A layer is taken anyway when later ones would no longer fit the schedule (the ``j``-th at
     most ``n-k+j-1``), or when skipping it would not let the host gain. Without host times in
@@ -329,7 +358,7 @@ def spread_layers(
         if len(placed) == k:
             break
         slack = p.fwd_ms - p.host_fwd_ms - (host_cost.slowdown_ms if placed else 0.0)
-        extra = host_cost.ms_per_gb * nbytes[m] / 1e9
+        extra = host_cost.layer_ms(nbytes[m], p.moved_tensors(nbytes[m]))
         last_chance = m == n - k + len(placed) - 1
         # Skipping a layer pays only where the host gains on the GPU during it.
         if last_chance or slack <= 0 or lead + slack - extra >= 0:

@@ -174,6 +174,7 @@ class _StepRecorder:
         self.bwd_end: Any = None
         self.bwd_queued = False
         self.saved = [0] * n
+        self.tensors = [0] * n  # storages counted in ``saved``
         self.inputs = [0] * n
         self.transient = [0] * n
         self.seen: set = set()
@@ -235,6 +236,7 @@ class _StepRecorder:
                 if key not in self.seen:
                     self.seen.add(key)
                     self.saved[self.current] += nbytes
+                    self.tensors[self.current] += 1
         return t
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
@@ -500,6 +502,7 @@ def profile_step(
             # Only where the host and the device are two machines: on the simulated device the
             # host runs the "device" work itself, so there is no lead to keep.
             host_fwd_ms=host_ms[i] if cuda else None,
+            saved_tensors=counted.tensors[i],
         )
         for i in range(n)
     ]
@@ -566,11 +569,12 @@ def _offload_overhead(
     host_cost = FREE_HOST
     if profiles[0].host_fwd_ms is not None:
         added = timing.added("offload", "host")
-        host_cost = HostCost.from_probe(added, k, moved)
+        tensors = sum(p.saved_tensors for p in profiles[:k])
+        host_cost = HostCost.from_probe(added, k, moved, tensors)
         predicted[k] = simulate(profiles, k, (), d2h, h2d, host_cost=host_cost)[0] - base
         notes.append(
             f"offloading {k} layers added {sum(added[:k]):.2f} ms of host time to their "
-            f"forward calls ({host_cost.ms_per_gb:.2f} ms per GB moved) and "
+            f"forward calls ({_per_moved(host_cost)}) and "
             f"{host_cost.slowdown_ms:.2f} ms to each other layer's: the GPU waits for the host "
             f"where that exceeds the host's lead (the model predicts {predicted[k]:.2f} ms for "
             f"these {k} layers)"
@@ -591,6 +595,13 @@ def _offload_overhead(
         "every plan"
     )
     return extra / moved_gb, host_cost
+
+
+def _per_moved(host_cost: HostCost) -> str:
+    """What offloading costs the host per tensor (or per GB) it moves, in words."""
+    if host_cost.ms_per_tensor:
+        return f"{1e3 * host_cost.ms_per_tensor:.0f} us per saved tensor offloaded"
+    return f"{host_cost.ms_per_gb:.2f} ms per GB moved"
 
 
 def _selective_scope(selective: Union[bool, str]) -> Optional[str]:

@@ -239,3 +239,39 @@ def test_the_simulated_device_has_no_host_model(x0, sim):
     assert all(p.host_fwd_ms is None for p in prof.layers)
     assert prof.offload_host_cost.is_free
     assert planner.plan(prof, 0.6).offloaded == ()
+
+
+def test_host_time_is_charged_per_offloaded_tensor():
+    """The probe's host time per tensor it moved: a whole offloaded layer of 20 tensors pays
+    20 of them, one offloaded in part its share, a checkpointed one (its input) one."""
+    p = [LayerProfile(GB, GB // 64, fwd_ms=2.0, bwd_ms=4.0, host_fwd_ms=2.0, saved_tensors=20)
+         for _ in range(4)]
+    cost = HostCost.from_probe([2.0, 2.0, 0.0, 0.0], k=2, moved_bytes=2 * GB, moved_tensors=40)
+    assert (cost.ms_per_tensor, cost.ms_per_gb, cost.slowdown_ms) == (0.1, 0.0, 0.0)
+    fast = 1e6  # GB/s: no link time, only the host's
+
+    def added(k, rec=(), frac=1.0):
+        return (simulate(p, k, rec, fast, fast, frac, host_cost=cost)[0]
+                - simulate(p, 0, rec, fast, fast)[0])
+
+    assert added(1) == pytest.approx(2.0)  # no host lead: the GPU waits for every tensor
+    assert added(1, frac=0.5) == pytest.approx(1.0)
+    assert added(1, rec=(0,)) == pytest.approx(0.1)
+    assert host_stall_ms(p, [0], [GB, 0, 0, 0], cost) == pytest.approx(2.0)
+
+
+def test_the_profile_counts_the_saved_tensors_v2_offloads(x0, sim):
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(3))
+
+    def run():
+        h = x0.clone().requires_grad_()
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+
+    prof = sp.profile_step(run, layers, device=sim, min_tensor_size_to_offload=1,
+                           link_gbps=1e4, repeats=1, selective=False)
+    # Layer 0: the step's input and its Tanh output; then each Tanh output (the Linear saves
+    # its input, the previous layer's output, counted there; weights are not offloaded).
+    assert [q.saved_tensors for q in prof.layers] == [2, 1, 1]
