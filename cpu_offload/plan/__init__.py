@@ -11,12 +11,14 @@ measured step for several budgets, profile once and search as often as needed::
 from .model import HostCost, LayerProfile, simulate
 from .profile import StepProfile, profile_layers, profile_step
 from .search import Plan, plan, plan_offloading
+from .verify import Trial
 
 __all__ = [
     "HostCost",
     "LayerProfile",
     "Plan",
     "StepProfile",
+    "Trial",
     "plan",
     "plan_offloading",
     "profile_layers",

@@ -122,7 +122,7 @@ class StepProfile:
     device: Optional[OffloadDevice] = field(default=None, compare=False, repr=False)
 
 
-class _Clock:
+class StepClock:
     """CUDA events on the compute stream, or the host clock."""
 
     def __init__(self, cuda: bool) -> None:
@@ -161,7 +161,7 @@ class _StepRecorder:
     owner = None
 
     def __init__(
-        self, n: int, clock: _Clock, policy: Optional[SelectionPolicy], memory: bool
+        self, n: int, clock: StepClock, policy: Optional[SelectionPolicy], memory: bool
     ) -> None:
         self.n = n
         self.clock = clock
@@ -455,7 +455,7 @@ def profile_step(
         min_tensor_size_to_offload=min_tensor_size_to_offload,
         is_device_tensor=device.is_device_tensor,
     )
-    clock = _Clock(cuda)
+    clock = StepClock(cuda)
     for _ in range(warmup):
         step_fn()
     # Bytes and memory (the counting hook returns each tensor itself: memory is unchanged).
@@ -529,7 +529,7 @@ PROBE_COST = 0.01  # the probe offloads the most layers whose predicted cost is 
 
 
 def _offload_overhead(
-    step_fn: Callable[[], Any], layers: list, device: Any, clock: "_Clock", profiles: list,
+    step_fn: Callable[[], Any], layers: list, device: Any, clock: "StepClock", profiles: list,
     d2h: float, h2d: float, min_size: int, repeats: int, notes: list,
 ) -> tuple:
     """``(offload_ms_per_gb, host_cost)``: steps offloading the most layers the model
@@ -623,7 +623,7 @@ class _Timing:
     """Timed steps of several kinds, in the order they ran: per kind, the per-layer forward and
     backward times of each step, and the step's own time."""
 
-    def __init__(self, step_fn: Callable[[], Any], layers: list, clock: _Clock, n: int) -> None:
+    def __init__(self, step_fn: Callable[[], Any], layers: list, clock: StepClock, n: int) -> None:
         self.step_fn, self.layers, self.clock, self.n = step_fn, layers, clock, n
         self.runs: dict[str, list] = {}  # kind -> [(fwd list, bwd list, step ms)]
         self.recipe_bytes = [0] * n

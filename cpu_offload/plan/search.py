@@ -34,6 +34,7 @@ from ..core.units import format_bytes
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerProfile, simulate, spread_layers
 from .profile import StepProfile, profile_step
+from .verify import MeasureHook, check_verify_candidates, verify_plans
 
 __all__ = ["Plan", "plan", "plan_offloading"]
 
@@ -58,7 +59,9 @@ class Plan:
 
     ``plan_offloading`` returns one, with the predicted ``step_ms`` and ``peak_bytes`` (and their
     ratios to the step without offloading, ``time_ratio`` and ``peak_ratio``), the runners-up in
-    ``alternatives``, and what it was measured with; ``describe()`` says it in words;
+    ``alternatives`` (the five fastest predicted plans that fit, and the fastest of the simple
+    families, ``family_params``, if not among them), the candidates measured in the real step
+    in ``verified`` (``verify.Trial``s), and what it was measured with; ``describe()`` says it in words;
     ``apply_offloading(layers, plan=plan)`` applies it. A plan built by hand applies the same way
     (e.g. ``Plan(0, recompute=(0, 1))``: checkpoint two layers, offload nothing).
 
@@ -97,6 +100,9 @@ class Plan:
     # The offload device the plan was measured on (``plan_offloading(device=...)``; None: CUDA):
     # ``apply_offloading(layers, plan=plan)`` offloads from it unless given ``device=``.
     device: Any = field(default=None, compare=False, repr=False)
+    # The candidates ``plan_offloading(..., verify_candidates=N)`` measured in the real step
+    # (``verify.Trial``s, in the model's order), this plan the fastest that fit; empty: none.
+    verified: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def offloaded_layers(self) -> tuple:
@@ -110,6 +116,31 @@ class Plan:
     @property
     def peak_ratio(self) -> float:
         return ratio(self.peak_bytes, self.baseline_peak_bytes)
+
+    @property
+    def layout(self) -> str:
+        """The layout in a few words, e.g. ``"offload 0-2 (2: 50%), recompute 3, selective
+        0-7"`` (``Plan.verified`` names candidates this way).
+
+        Example::
+
+            >>> Plan(2, recompute=(2, 3), selective=(0, 1, 2, 3, 5), model_layers=6).layout
+            'offload 0-1, recompute 2-3, selective 0-3, 5'
+        """
+        offl = self.offloaded_layers
+        parts = [f"offload {_ranges(offl)}" if offl else "offload none"]
+        if self.partial_bytes is not None:
+            parts[0] += f" ({offl[-1]}: {self.partial_fraction:.0%})"
+        if self.recompute:
+            parts.append(f"recompute {_ranges(self.recompute)}")
+        if self.selective:
+            parts.append(f"selective {_ranges(self.selective)}")
+        return ", ".join(parts)
+
+    @property
+    def measured_ms(self) -> Optional[float]:
+        """This plan's step time measured by ``plan_offloading``'s verification, else None."""
+        return next((t.measured_ms for t in self.verified if t.layout == self.layout), None)
 
     def describe(self) -> str:
         rec = ", ".join(map(str, self.recompute)) or "none"
@@ -138,8 +169,37 @@ class Plan:
             f"{what}{part}, recompute layers: {rec}, selective layers: {sel}; "
             f"predicted step {self.step_ms:.1f} ms "
             f"({self.time_ratio:.3f}x), peak activations {format_bytes(self.peak_bytes)} "
-            f"({self.peak_ratio:.3f}x); apply with cpu_offload.apply_offloading(layers, plan=plan)"
+            f"({self.peak_ratio:.3f}x){self._verification()}; apply with "
+            "cpu_offload.apply_offloading(layers, plan=plan)"
         )
+
+    def _verification(self) -> str:
+        """What the verification measured, in words ("" without one)."""
+        if not self.verified:
+            return ""
+        others = []
+        for t in self.verified:
+            if t.layout == self.layout:
+                continue
+            what = f"{t.measured_ms:.1f} ms" if t.measured_ms is not None else "-"
+            others.append(f"{t.layout}: {what}" + (f" ({t.rejected})" if t.rejected else ""))
+        mine = self.measured_ms
+        return (f"; measured {mine:.1f} ms in the real step, the fastest of "
+                f"{len(self.verified)} verified candidates"
+                + (f" (the others: {'; '.join(others)})" if others else ""))
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """``"0-3, 5"`` for ``(0, 1, 2, 3, 5)``."""
+    out, run = [], []
+    for j in layers:
+        if run and j != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+            run = []
+        run.append(j)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+    return ", ".join(out)
 
 
 def plan(
@@ -269,9 +329,11 @@ def plan(
         raise err
     fits = [c for _, c in _fitting(candidates, limit)]
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
-    return replace(
-        candidates[best_params],
-        alternatives=others,
+    families = [c for c in fits if family_of(c) is not None]
+    if families:  # the fastest simple family, which verification measures too
+        fastest = min(families, key=lambda c: (c.step_ms, c.peak_bytes))
+        others += [fastest] if fastest not in others else []
+    complete = dict(  # what apply_offloading and describe() read
         memory_budget_bytes=memory_budget_bytes,
         min_tensor_size_to_offload=profile.min_tensor_size_to_offload,
         selective_scope=profile.selective_scope,
@@ -280,6 +342,8 @@ def plan(
         profiles=tuple(profiles),
         device=profile.device,
     )
+    return replace(candidates[best_params], **complete,
+                   alternatives=[replace(c, **complete) for c in others])
 
 
 def _nothing_to_offload(profile: StepProfile, base_ms: float, base_peak: int,
@@ -524,6 +588,8 @@ def plan_offloading(
     selective: Union[bool, str] = True,
     peak_margin: float = PEAK_MARGIN,
     spread: bool = True,
+    verify_candidates: Optional[int] = None,
+    _measure: Optional[MeasureHook] = None,
 ) -> Plan:
     """Choose what to offload and what to recompute from one real training step.
 
@@ -532,14 +598,17 @@ def plan_offloading(
     transient memory, plus the step's peak memory, the host link and (on CUDA) the host's
     time per layer, and searches the fastest "offload these layers (the first k, or spread
     where the host has time for them) + recompute these layers" whose predicted peak fits
-    ``memory_budget`` (``cpu_offload.plan``). Plan before ``apply_offloading`` and
-    before enabling gradient checkpointing (a checkpointed layer hides what it saves).
+    ``memory_budget`` (``cpu_offload.plan``). Then it measures the model's best candidates in
+    the real step and returns the fastest measured one (``verify_candidates``). Plan before
+    ``apply_offloading`` and before enabling gradient checkpointing (a checkpointed layer hides
+    what it saves).
 
     Args:
         step_fn: runs one training step (forward and backward; no optimizer step needed). It
             is called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
-            with ``selective`` (see ``profile_step``); the gradients it accumulates are left as
-            they are (zero them afterwards).
+            with ``selective`` (see ``profile_step``), plus ``2 * repeats`` per verified
+            candidate; the gradients it accumulates are left as they are (zero them
+            afterwards).
         layers: the model's layers, as for ``apply_offloading``.
         memory_budget: peak memory of the step, above what it starts with: bytes (``int``), or
             a ``float`` in (0, 1], the fraction of the peak of the step without offloading
@@ -566,6 +635,16 @@ def plan_offloading(
             2``) where the measured host times say that offloading the first layers would make
             the GPU wait for the host (``cpu_offload.plan.model.spread_layers``). Only the V2 backend applies
             such a plan; pass ``False`` for V1.
+        verify_candidates: how many of the model's best plans to measure in the real step
+            (the prediction ranks, the measurement decides): the fastest predicted plans that
+            fit the budget, the last place going to the fastest simple family (``ckpt k``,
+            ``off k``, ``sel k``) when none of the others is one. Each is applied with
+            ``apply_offloading``, run ``repeats`` times (one untimed step, one timed, taking
+            turns with the others) and removed; the fastest (lower quartile) whose measured
+            peak fits the budget (CUDA) is returned, and ``Plan.verified`` holds every
+            candidate's times. ``None`` (default): 3 on CUDA (with ``repeats=3``, 18 more
+            steps), 0 on other devices, whose times are the host's own and vary by more than
+            the candidates differ. 0: return the model's best without measuring it.
 
     Returns:
         A ``Plan``: ``num_layers`` (and ``offloaded``, if spread), ``recompute``,
@@ -578,10 +657,13 @@ def plan_offloading(
             message names it, and the exception's ``lowest_peak_bytes`` holds it), a flag that
             is not a ``bool`` or a count that is not an ``int``, or a ``step_fn`` that runs
             only some of ``layers`` or no backward through them.
+        Exception: what ``step_fn`` raised in every verified candidate (one that raises only
+            with some candidates rejects those; no plan stays applied either way).
 
     Warns:
         UserWarning: nothing to offload (every saved tensor is below
         ``min_tensor_size_to_offload``): the plan then offloads and recomputes nothing.
+        Every verified candidate measured a peak over the budget: the lowest is returned.
 
     Example (the same plan every run: on the simulated device the layers' times are the
     host's own and vary from run to run, even by tens of milliseconds on a busy machine, so
@@ -625,8 +707,43 @@ def plan_offloading(
         raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
     check_bool("partial", partial)
     check_bool("spread", spread)
+    check_verify_candidates(verify_candidates)
     prof = profile_step(
         step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
         link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
     )
-    return plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
+    best = plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
+    cuda = device is None or device.name == "cuda"
+    count = (3 if cuda else 0) if verify_candidates is None else verify_candidates
+    candidates = shortlist(best, count)
+    if not candidates:
+        return best
+    chosen, trials = verify_plans(step_fn, layers, candidates, repeats, cuda, _measure)
+    return replace(chosen, alternatives=best.alternatives, verified=trials)
+
+
+def shortlist(best: Plan, count: int) -> list:
+    """The ``count`` plans verification measures: ``best`` and its ``alternatives`` in the
+    model's order (each layout once), the last place going to the fastest simple family
+    (``family_of``) when none of the others is one. None for a plan with no alternatives
+    (nothing to offload).
+
+    Example::
+
+        >>> a = Plan(3, recompute=(3,), model_layers=8, step_ms=10.0)
+        >>> b = Plan(4, recompute=(4,), model_layers=8, step_ms=10.5)
+        >>> c = Plan(0, recompute=(0, 1), model_layers=8, step_ms=12.0)   # "ckpt 2"
+        >>> [p.layout for p in shortlist(replace(a, alternatives=[a, b, c]), 2)]
+        ['offload 0-2, recompute 3', 'offload none, recompute 0-1']
+    """
+    if count == 0 or not best.alternatives:
+        return []
+    ranked: list = []
+    for p in [best] + sorted(best.alternatives, key=lambda c: (c.step_ms, c.peak_bytes)):
+        if all(p.layout != q.layout for q in ranked):
+            ranked.append(p)
+    top = ranked[:count]
+    family = next((p for p in ranked if family_of(p) is not None), None)
+    if family is not None and family not in top and len(top) == count > 1:
+        top[-1] = family
+    return top

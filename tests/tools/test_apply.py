@@ -492,7 +492,7 @@ def test_the_step_profile_records_one_memory_segment_per_phase(x0, monkeypatch):
     monkeypatch.setattr(step_profile, "_allocated", lambda: 0)
     monkeypatch.setattr(step_profile, "_max_allocated", lambda: len(closed) + 100)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: closed.append(1))
-    recorder = step_profile._StepRecorder(3, step_profile._Clock(False), None, memory=True)
+    recorder = step_profile._StepRecorder(3, step_profile.StepClock(False), None, memory=True)
     step_profile._run(lambda: step(layers, x0), list(layers), recorder)
     timeline = recorder.memory_timeline(before=100)
     names = memory_segments(3)
