@@ -149,3 +149,38 @@ def test_without_cuda_the_default_measures_nothing():
     assert plan.verified == () and plan.measured_ms is None
     assert step.calls == PROFILE_CALLS
     assert "verified" not in plan.describe()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_default_verifies_three_candidates_and_measures_their_peaks():
+    """On a GPU: 3 candidates measured (CUDA events, max_memory_allocated), the returned one
+    the fastest of those within the budget, nothing left applied, and the plan exact."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                            torch.nn.Linear(4096, 1024)) for _ in range(6)).cuda()
+    x0 = torch.randn(4096, 1024, device="cuda")
+    calls = []
+
+    def step():
+        calls.append(1)
+        h = x0
+        for layer in layers:
+            h = layer(h)
+        h.square().mean().backward()
+
+    types = [type(m) for m in layers]
+    plan = plan_offloading(step, layers, 0.5)
+    assert len(plan.verified) == 3 and types == [type(m) for m in layers]
+    fits = [t for t in plan.verified if t.rejected is None]
+    assert all(t.measured_ms > 0 and t.peak_bytes > 0 for t in plan.verified)
+    assert all(t.peak_bytes <= plan.memory_budget_bytes for t in fits)
+    assert plan.measured_ms == min(t.measured_ms for t in fits)
+    assert len(calls) == 1 + 2 + 6 * 3 + 1 + 3 + 3 * 2 * 3  # the docstring's count
+    layers.zero_grad()
+    step()
+    want = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    with cpu_offload.apply_offloading(layers, plan=plan):
+        step()
+    assert all(torch.equal(a, p.grad) for a, p in zip(want, layers.parameters()))
