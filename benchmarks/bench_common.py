@@ -217,6 +217,26 @@ def quantile(values: Sequence[float], q: float) -> Optional[float]:
     return ordered[int(q * (len(ordered) - 1))]
 
 
+def ratio_stats(ratios: Sequence[float]) -> tuple:
+    """``(median, spread, range)`` of a configuration's per-round time ratios (to ``none``
+    measured in the same round): ``range`` is max - min, ``spread`` that relative to the
+    median (None with fewer than two rounds)."""
+    if not ratios:
+        return None, None, None
+    mid = statistics.median(ratios)
+    if len(ratios) < 2:
+        return mid, None, None
+    width = max(ratios) - min(ratios)
+    return mid, width / mid if mid else None, width
+
+
+def within_noise(diff: float, *ranges: Optional[float]) -> bool:
+    """Whether a difference of time ratios is at most the widest of the ``ranges`` (per-round
+    max - min) of the configurations it compares: then it claims nothing."""
+    widths = [r for r in ranges if r is not None]
+    return bool(widths) and abs(diff) <= max(widths)
+
+
 def environment_info(device: BenchDevice) -> dict:
     return {
         "device": device.describe(),

@@ -12,30 +12,38 @@ other in this process), every configuration of three methods is measured on one 
   layer recomputes its cheap saved tensors (norm, activation, elementwise outputs), the first
   k layers offload the rest;
 - ``plan @b`` one ``profile_step`` of the real step, then ``cpu_offload.plan.plan(prof, b)`` for each
-  budget b of ``--budgets`` (fractions of the peak without offloading), applied with
-  ``apply_offloading(layers, plan=plan)``; the plan's predicted time and peak ratios (the
+  budget b of ``--budgets`` (fractions of the peak without offloading); with ``--verify N``
+  (default 3 on CUDA) the model's N best candidates are measured in the real step and the
+  fastest that fits is taken, as ``plan_offloading`` does; applied with
+  ``apply_offloading(layers, plan=plan)``. The plan's predicted time and peak ratios (the
   planner's model) are kept next to the measured ones.
 
-``none`` (nothing installed) is the reference of every ratio and of exactness; it is measured
-first, again after every ``--none-every`` configurations (default 4) and last. A configuration's
-time ratio is to the ``none`` time interpolated between the two ``none`` measurements around it,
-so that the machine's drift over the run (the H100 host: up to +7% in a minute) does not show
-as a cost of the configurations measured late; the drift between first and last is printed. A
-configuration is measured once: a plan equal to an ``off k`` / ``ckpt k`` configuration (or to
-another budget's plan) reuses that measurement. Each measurement is ``--warmup`` untimed steps, then ``--iters`` timed steps
-(CUDA events, median); peak = ``max_memory_allocated`` above what the step starts with (max over
-the timed steps; gradient buffers persist and are zeroed in place), exactly as the two workloads'
-own scripts measure. Unless ``--no-exact``, one more step runs with deterministic algorithms
-and its loss/output and every gradient are compared with ``none``'s by ``torch.equal``.
+``none`` (nothing installed) is the reference of every ratio and of exactness. Every
+configuration is measured in ``--rounds`` rounds (default 3; every other round in reverse
+order), ``none`` timed at the start and end of each round and after every ``--none-every``
+configurations (default 4). In each round a configuration's time ratio is to the ``none`` time
+interpolated between the two ``none`` measurements around it, so that the machine's drift (the
+H100 host: up to +7% in a minute) does not show as a cost of the configurations measured late;
+its time ratio is the median over the rounds, and ``spread`` the (max - min) / median of its
+per-round ratios. A plan equal to an ``off k`` / ``ckpt k`` configuration (or to another
+budget's plan) reuses that configuration's measurements. Each measurement is ``--warmup``
+untimed steps, then ``--iters`` timed steps (CUDA events, median); in the first round, peak =
+``max_memory_allocated`` above what the step starts with (max over the timed steps; gradient
+buffers persist and are zeroed in place), exactly as the two workloads' own scripts measure.
+Unless ``--no-exact``, one more step runs (first round) with deterministic algorithms and its
+loss/output and every gradient are compared with ``none``'s by ``torch.equal``.
 
 Then, per budget b and method, the method's best point: the fastest measured configuration
-whose measured peak is at most b x ``none``'s peak ("-" if none fits), the overall winner, and
-what the planner chose for b (flagged when its measured peak is over b). The plot
+whose measured peak is at most b x ``none``'s peak ("-" if none fits), the overall winner,
+how much slower the planner's pick measured than the winner (``pick - winner``, marked
+"~ within spread" where the difference is within the two configurations' per-round range: the
+claim then says nothing), and what the planner chose for b (flagged when its measured peak is
+over b). The plot
 (``frontier_<workload>_<device>.png``) draws each method's Pareto-optimal measured points, the
 planner's predicted points (dashed) and the budgets; ``frontier_<workload>_<device>.json``
 holds every measurement.
 
-GPU (H100: gpt about 40 s of measurements, 70 s in all; hf about 100 s)::
+GPU (H100, 3 rounds and 3 verified candidates per plan: gpt about 2.5 minutes, hf about 5)::
 
     python benchmarks/frontier.py --out bench_out
     python benchmarks/frontier.py --workload gpt --out bench_out   # one workload
@@ -51,6 +59,7 @@ import argparse
 import contextlib
 import gc
 import math
+import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -58,8 +67,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from bench_common import (
-    BenchDevice, environment_info, format_table, plottable, prepare_determinism, save_plot,
-    write_json,
+    BenchDevice, environment_info, format_table, plottable, prepare_determinism, ratio_stats,
+    save_plot, within_noise, write_json,
 )
 
 import hf_llama_benchmark as hf_bench  # noqa: E402  (after bench_common: repo on sys.path)
@@ -98,6 +107,10 @@ class Point(hf_bench.Row):
     predicted_peak_ratio: Optional[float] = None
     sim_copies: Optional[int] = None  # simulated device: copies made (proof something moved)
     baseline_ms: Optional[float] = None  # the none time this point's time ratio is to
+    # Per round, the time ratio to none measured around it in that round; ``time_ratio`` is
+    # their median, ``spread`` their (max - min) / median and ``ratio_range`` max - min.
+    round_ratios: list = field(default_factory=list)
+    ratio_range: Optional[float] = None
 
     @property
     def label(self) -> str:
@@ -137,10 +150,13 @@ def plan_label(plan: Plan) -> str:
 
 
 def add_plans(
-    points: list[Point], prof: StepProfile, budgets: list[float], notes: list[str]
+    points: list[Point], prof: StepProfile, budgets: list[float], notes: list[str],
+    verify: Optional[Callable[[Plan, str], Plan]] = None,
 ) -> dict[float, Optional[Point]]:
-    """The planner's choice per budget, merged into ``points``: a plan equal to a configuration
-    already there is that point (measured once), else a new point. Returns budget -> point."""
+    """The planner's choice per budget (``verify``: the model's best measured in the real step
+    first, as ``plan_offloading`` does), merged into ``points``: a plan equal to a
+    configuration already there is that point (measured once), else a new point. Returns
+    budget -> point."""
     by_key = {p.key: p for p in points}
     chosen: dict[float, Optional[Point]] = {}
     for b in budgets:
@@ -150,6 +166,8 @@ def add_plans(
             notes.append(f"plan @{b:g}: no plan fits ({exc})")
             chosen[b] = None
             continue
+        if verify is not None:
+            plan = verify(plan, f"plan @{b:g}")
         new = Point(plan_label(plan), num_layers=plan.num_layers, recompute=tuple(plan.recompute),
                     partial_fraction=plan.partial_fraction, partial_bytes=plan.partial_bytes,
                     selective=tuple(plan.selective), offloaded=tuple(plan.offloaded))
@@ -298,6 +316,9 @@ def frontier(
         found = [(p.step_ms, m, p) for m, p in best.items() if p is not None]
         win = min(found, key=lambda t: t[0], default=None)
         pick = chosen.get(b)
+        gap = None  # how much slower the planner's pick measured than the winner (ratio)
+        if win is not None and pick is not None and pick.time_ratio is not None:
+            gap = pick.time_ratio - win[2].time_ratio
         rows.append({
             "budget": b,
             "best": {m: None if p is None else p.label for m, p in best.items()},
@@ -306,6 +327,11 @@ def frontier(
             "planner_pick": None if pick is None else pick.names["plan"],
             "planner_pick_over_budget": None if pick is None or pick.peak_ratio is None
             else pick.peak_ratio > b + 1e-9,
+            "pick_minus_winner": gap,
+            # The claim "the winner is faster than the plan" (or the reverse) is within the
+            # per-round range of the two: it says nothing.
+            "within_spread": None if gap is None else within_noise(
+                gap, pick.ratio_range, win[2].ratio_range),
             "_points": best,
         })
     return rows
@@ -330,12 +356,22 @@ def _ratio_cell(p: Optional[Point], name: str) -> str:
     return f"{p.time_ratio:.3f} / {p.peak_ratio:.3f} {p.names[name]}{exact}"
 
 
+def _gap_cell(row: dict) -> Optional[str]:
+    """``+0.021`` (the pick measured that much slower than the winner), marked ``~`` when the
+    difference is within the two configurations' per-round range (it claims nothing)."""
+    gap = row["pick_minus_winner"]
+    if gap is None:
+        return None
+    return f"{gap:+.3f}" + (" ~ within spread" if row["within_spread"] else "")
+
+
 def frontier_table(rows: list[dict], methods: list[str]) -> str:
     """Rows = budgets; per method ``time x / peak x`` of its best point (and the plan's
     predicted time x), the winner, and the planner's own pick for the budget."""
     planned = "plan" in methods
     headers = ["budget"] + [f"{m}: time x / peak x" for m in methods]
-    headers += ["plan pred time x", "winner", "planner's pick @budget"] if planned else ["winner"]
+    headers += (["plan pred time x", "winner", "pick - winner", "planner's pick @budget"]
+                if planned else ["winner"])
     table = []
     for r in rows:
         cells: list[Any] = [r["budget"]] + [_ratio_cell(r["_points"][m], m) for m in methods]
@@ -344,6 +380,7 @@ def frontier_table(rows: list[dict], methods: list[str]) -> str:
             cells.append(None if best_plan is None else best_plan.predicted_time_ratio)
         cells.append(r["winner"])
         if planned:
+            cells.append(_gap_cell(r))
             over = " (measured over budget)" if r["planner_pick_over_budget"] else ""
             cells.append((r["planner_pick"] or "no plan fits") + over)
         table.append(cells)
@@ -353,11 +390,12 @@ def frontier_table(rows: list[dict], methods: list[str]) -> str:
 def points_table(points: list[Point]) -> str:
     """Every measurement: its methods, measured and predicted ratios, exactness, the budgets
     whose plan it is. Errors are printed below the table."""
-    headers = ("configuration", "methods", "step ms", "time x", "peak GiB", "peak x",
-               "pred time x", "pred peak x", "exact", "plan for")
+    headers = ("configuration", "methods", "step ms", "time x", "spread %", "peak GiB",
+               "peak x", "pred time x", "pred peak x", "exact", "plan for")
     return format_table(headers, [
         [p.label, ",".join(p.names) or "ref", "ERROR (below)" if p.error else p.step_ms,
-         p.time_ratio, None if p.peak_bytes is None else p.peak_bytes / GIB, p.peak_ratio,
+         p.time_ratio, None if p.spread is None else 100 * p.spread,
+         None if p.peak_bytes is None else p.peak_bytes / GIB, p.peak_ratio,
          p.predicted_time_ratio, p.predicted_peak_ratio, p.exact,
          ",".join(f"{b:g}" for b in p.budgets) or None]
         for p in points
@@ -429,6 +467,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--none-every", type=int, default=4,
                    help="measure none again after this many configurations (0: only first and "
                         "last); time ratios are to the none time interpolated around each one")
+    p.add_argument("--verify", type=int,
+                   help="plans: measure this many of the model's best plans per budget in the "
+                        "real step and take the fastest, as plan_offloading does by default on "
+                        "CUDA (cuda 3, sim 0; 0: the model's best)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="times each configuration is measured, interleaved with none (every "
+                        "other round in reverse order); the time ratio is the median over the "
+                        "rounds, the spread (max - min) / median of the per-round ratios")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
     p.add_argument("--no-plot", action="store_true")
@@ -481,8 +527,12 @@ def measure_all(
     wl: Any, device: BenchDevice, args: argparse.Namespace, min_size: int,
     budgets: list[float], methods: list[str], notes: list[str],
 ) -> tuple[list[Point], dict[float, Optional[Point]]]:
-    """``none``, then every configuration once, then ``none`` again (the last point, its
-    exactness is ``none`` against itself); ratios to the first. Also returns budget -> plan."""
+    """``none``, then ``args.rounds`` rounds of every configuration (the first one measures
+    peak and exactness too; every other round runs them in reverse order), ``none`` timed
+    again at the start and end of each round and after every ``--none-every`` configurations;
+    then ``none (end)`` (the last point, its exactness is ``none`` against itself). A
+    configuration's time ratio is the median over the rounds of its ratio to the ``none`` time
+    interpolated around it in that round. Also returns budget -> plan."""
     none = Point("none")
     reference = measure(none, wl, device, args, min_size, None)
     if none.error:
@@ -497,22 +547,80 @@ def measure_all(
             notes.append(f"plan: profile_step failed, no plans: {type(exc).__name__}: {exc}")
             device.free_memory()
         else:
-            chosen = add_plans(points, prof, budgets, notes)
-    nones = [(0.0, none.step_ms)]
-    for i, p in enumerate(points[1:], start=1):
-        measure(p, wl, device, args, min_size, reference)
-        if args.none_every and i % args.none_every == 0 and i < len(points) - 1:
-            check = Point("none (check)")
-            measure(check, wl, device, args, min_size, reference)
-            nones.append((i + 0.5, check.step_ms))
-    end = Point("none (end)")
-    measure(end, wl, device, args, min_size, reference)
-    nones.append((len(points) - 0.5, end.step_ms))
-    derive(points, none, nones)
+            verify = None
+            if args.verify:
+                def verify(plan: Plan, name: str) -> Plan:
+                    return hf_bench.verified(plan, wl, device, args, notes, name)
+            chosen = add_plans(points, prof, budgets, notes, verify)
+    configs = points[1:]
+    count = 0
+    for r in range(args.rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        start = none.step_ms if r == 0 else retime(none, wl, device, args, min_size)
+        nones = [(0.0, start)]
+        timed = []
+        for i, p in enumerate(order, start=1):
+            if p.error:
+                continue
+            if r == 0:
+                measure(p, wl, device, args, min_size, reference)
+                ms = p.step_ms
+            else:
+                ms = retime(p, wl, device, args, min_size)
+            if ms is not None and not p.error:
+                timed.append((float(i), p, ms))
+            if args.none_every and i % args.none_every == 0 and i < len(order):
+                nones.append((i + 0.5, retime(none, wl, device, args, min_size)))
+        if r == args.rounds - 1:
+            end = Point("none (end)")
+            measure(end, wl, device, args, min_size, reference)
+            nones.append((len(order) + 0.5, end.step_ms))
+        else:
+            nones.append((len(order) + 0.5, retime(none, wl, device, args, min_size)))
+        count += len(nones)
+        nones = sorted(n for n in nones if n[1])
+        for pos, p, ms in timed:
+            p.round_ratios.append(ms / interpolate(nones, pos))
+    combine_rounds(points, none)
     derive([end], none)  # the end against the start: the drift
-    notes.insert(0, drift_note(none, end) + f"; {len(nones)} none measurements, time ratios "
-                 "to none interpolated around each configuration")
+    notes.insert(0, drift_note(none, end) + f"; {args.rounds} rounds, {count} none "
+                 "measurements, time ratios to none interpolated around each configuration in "
+                 "its round, median over the rounds")
     return points + [end], chosen
+
+
+def retime(point: Point, wl: Any, device: BenchDevice, args: argparse.Namespace,
+           min_size: int) -> Optional[float]:
+    """One more timing of ``point`` (installed, warmed up, timed, removed): its median step
+    time, also appended to ``round_ms``; None (and ``error`` set) if it fails."""
+    try:
+        handle = install(point, wl.layers, device, min_size)
+        try:
+            ms = hf_bench.time_steps(wl, device, args)
+        finally:
+            if handle is not None:
+                handle.remove()
+            device.take_copy_count()
+            device.free_memory()
+    except Exception as exc:  # one failing configuration must not lose the others
+        point.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return None
+    point.round_ms.append(ms)
+    return ms
+
+
+def combine_rounds(points: list[Point], base: Point) -> None:
+    """Each point's time ratio, spread and range from its per-round ratios (``none``: 1);
+    its step time the median of its rounds'; peak ratios to ``base``."""
+    for p in points:
+        if p is base:
+            p.time_ratio, p.baseline_ms = 1.0, p.step_ms
+        elif p.measured and p.round_ratios:
+            p.time_ratio, p.spread, p.ratio_range = ratio_stats(p.round_ratios)
+            p.step_ms = statistics.median(p.round_ms)
+            p.baseline_ms = p.step_ms / p.time_ratio
+        if p.peak_bytes is not None and base.peak_bytes:
+            p.peak_ratio = p.peak_bytes / base.peak_bytes
 
 
 def report(
@@ -543,6 +651,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     prepare_determinism(device)
     args.warmup = args.warmup if args.warmup is not None else (2 if device.is_cuda else 0)
     args.iters = max(1, args.iters if args.iters is not None else (5 if device.is_cuda else 1))
+    args.rounds = max(1, args.rounds)
+    args.verify = max(0, args.verify if args.verify is not None else (3 if device.is_cuda else 0))
     if not device.is_cuda:
         torch.set_num_threads(1)  # tiny tensors: more threads only oversubscribe small machines
     print(f"device: {device.describe()} | torch {torch.__version__}")

@@ -14,6 +14,8 @@ one model:
 - ``apply k=K``     ``cpu_offload.apply_offloading(model.model.layers, num_layers=K)``;
 - ``plan @B``       ``plan_offloading`` measured once on the real step, then the plan for each memory
   budget ``B`` (fraction of ``none``'s peak), applied with ``apply_offloading(layers, plan=plan)``;
+  with ``--verify N`` (default 3 on CUDA) the model's N best candidates for the budget are
+  measured in the real step first and the fastest taken, as ``plan_offloading`` does;
 - ``plan @=hf_*``   the plan whose budget is the peak an HF row measured (bytes), planned with
   ``peak_margin=0`` (the plan may use all of that peak; its own measured peak decides): at the
   same memory, is the plan faster?
@@ -23,12 +25,16 @@ Per row, first: ``--warmup`` untimed steps and ``--iters`` measured steps, whose
 in place), the max over those steps; "exact" runs one more step with deterministic algorithms
 and compares the loss and every gradient with ``none``'s by ``torch.equal``. Then the step time:
 ``--rounds`` rounds in which every row in turn is set up again, warmed up and timed for
-``--iters`` steps (CUDA events); a row's time is the median over all its rounds, and ``spread``
-the range of its per-round medians relative to that time. Interleaving rows this way makes
-clock and neighbour drift hit every row alike (a step of this workload varies by several percent
-from minute to minute on a shared host).
+``--iters`` steps (CUDA events; their median, or with ``--stat lq`` their lower quartile). A
+row's time ratio is the median over the rounds of its time over ``none``'s in the same round,
+and ``spread`` the range of those per-round ratios relative to it (every other round runs the
+rows in reverse order, ``none`` first and last). Interleaving rows this way makes clock and
+neighbour drift hit every row alike (a step of this workload varies by several percent from
+minute to minute on a shared host). A comparison (the targets; "plan @B slower than X at a
+lower peak") whose difference is within the wider per-round range of the two rows is marked
+"within spread: not significant".
 
-GPU (about a minute on an H100)::
+GPU (about 2 minutes on an H100: 3 interleaved rounds, 3 verified candidates per plan)::
 
     python benchmarks/hf_llama_benchmark.py --out bench_out
 
@@ -41,7 +47,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -53,6 +59,9 @@ from bench_common import (
     gc_paused,
     median,
     prepare_determinism,
+    quantile,
+    ratio_stats,
+    within_noise,
     write_json,
 )
 
@@ -60,6 +69,7 @@ import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path
 
 import cpu_offload  # noqa: E402
 from cpu_offload.plan import profile_step, search  # noqa: E402
+from cpu_offload.plan.verify import verify_plans  # noqa: E402
 from cpu_offload.plan.search import PEAK_MARGIN  # noqa: E402
 
 GIB = 1024**3
@@ -157,8 +167,9 @@ class Row:
     peak_ratio: Optional[float] = None
     exact: Optional[bool] = None
     error: Optional[str] = None
-    spread: Optional[float] = None  # (max - min) / median of the per-round median step times
-    round_ms: list = field(default_factory=list)  # median step time of each round
+    spread: Optional[float] = None  # (max - min) / median of the per-round time ratios
+    round_ms: list = field(default_factory=list)  # step time of each round (``--stat``)
+    round_ratios: list = field(default_factory=list)  # per round: step time / none's
 
 
 def measure(
@@ -195,8 +206,9 @@ def offload_kwargs(device: BenchDevice, args: argparse.Namespace) -> dict:
 def time_steps(
     wl: Workload, device: BenchDevice, args: argparse.Namespace, peaks: Optional[list] = None
 ) -> float:
-    """Median time of ``args.iters`` steps after ``args.warmup`` untimed ones; with ``peaks``,
-    append each step's peak memory above what it starts with (CUDA only)."""
+    """Time of ``args.iters`` steps after ``args.warmup`` untimed ones, their median or (with
+    ``--stat lq``) lower quartile; with ``peaks``, append each step's peak memory above what it
+    starts with (CUDA only)."""
     for _ in range(args.warmup):
         wl.step()
     times = []
@@ -212,26 +224,41 @@ def time_steps(
             times.append(device.elapsed_ms(start, end))
             if peaks is not None and device.is_cuda:
                 peaks.append(device.max_memory_allocated() - before)
+    if getattr(args, "stat", "median") == "lq":
+        return quantile(times, 0.25)
     return median(times)
 
 
 def interleaved_rounds(
     setups: dict, rows: list, wl: Workload, device: BenchDevice, args: argparse.Namespace
 ) -> None:
-    """Time every row again in ``args.rounds`` rounds, rows in turn; set ``step_ms``/``spread``."""
+    """Time every row again in ``args.rounds`` rounds, rows in turn (``none`` first; every
+    other round in reverse order, ``none`` then last as well); set ``round_ratios`` (per
+    round, the time over ``none``'s in the same round), ``time_ratio`` (their median),
+    ``spread`` and ``step_ms`` (median of the rounds). The first pass (exactness and peaks,
+    the profile in between) counts only without rounds: it is not interleaved with ``none``."""
     live = [r for r in rows if r.error is None and r.method in setups]
-    for _ in range(args.rounds):
-        for row in live:
+    base = live[0]
+    for r in range(args.rounds):
+        order = live if r % 2 == 0 else live[:1] + live[:0:-1]
+        base_times = []
+        for row in order + ([base] if r % 2 else []):
             note, teardown = setups[row.method]()
             try:
-                row.round_ms.append(time_steps(wl, device, args))
+                ms = time_steps(wl, device, args)
             finally:
                 teardown()
                 device.free_memory()
+            if row is base:
+                base_times.append(ms)
+            else:
+                row.round_ms.append(ms)
+        base.round_ms.append(median(base_times))  # reverse rounds: none at both ends
+    first = 1 if args.rounds else 0
     for row in live:
-        row.step_ms = median(row.round_ms)
-        if len(row.round_ms) > 1 and row.step_ms:
-            row.spread = (max(row.round_ms) - min(row.round_ms)) / row.step_ms
+        row.step_ms = median(row.round_ms[first:])
+        row.round_ratios = [ms / b for ms, b in zip(row.round_ms[first:], base.round_ms[first:])]
+        row.time_ratio, row.spread, _ = ratio_stats(row.round_ratios)
 
 
 def run_row(
@@ -263,6 +290,24 @@ def run_row(
     return snapshot
 
 
+def verified(plan: Any, wl: Any, device: BenchDevice, args: argparse.Namespace,
+             notes: list, name: str) -> Any:
+    """``plan`` as ``plan_offloading(..., verify_candidates=args.verify)`` returns it: its
+    shortlist measured in the real step (``repeats=3``), the fastest that fits; a note says
+    what was measured."""
+    candidates = search.shortlist(plan, args.verify)
+    if not candidates:
+        return plan
+    chosen, trials = verify_plans(wl.step, wl.layers, candidates, 3, device.is_cuda)
+    device.take_copy_count()
+    device.free_memory()
+    notes.append(f"{name}: verified " + "; ".join(
+        f"{t.layout}: predicted {t.predicted_ms:.1f} ms, measured "
+        + ("-" if t.measured_ms is None else f"{t.measured_ms:.1f} ms")
+        + (f" ({t.rejected})" if t.rejected else "") for t in trials))
+    return replace(chosen, verified=trials)
+
+
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,7 +323,14 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="untimed steps per row (cuda 3, sim 1)")
     p.add_argument("--iters", type=int, help="timed steps per row and round (cuda 5, sim 2)")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds after the first pass "
-                   "(cuda 3, sim 1)")
+                   "(cuda 3, sim 1); a row's time ratio is the median over the first pass and "
+                   "the rounds of its ratio to none in the same round")
+    p.add_argument("--verify", type=int, help="plan rows: measure this many of the model's "
+                   "best plans in the real step and take the fastest, as plan_offloading does "
+                   "by default on CUDA (cuda 3, sim 0; 0: the model's best)")
+    p.add_argument("--stat", choices=("median", "lq"), default="median",
+                   help="per row and round, the median or the lower quartile of the timed "
+                        "steps (lq: for host-bound steps, whose noise only adds time)")
     p.add_argument("--min-tensor-size", type=int,
                    help=f"min_tensor_size_to_offload (library default on cuda, {SIM_MIN_TENSOR_SIZE} on sim)")
     p.add_argument("--no-exact", action="store_true", help="skip the deterministic exactness step")
@@ -298,6 +350,7 @@ def main(argv: Optional[list] = None) -> list:
     args.warmup = args.warmup if args.warmup is not None else (3 if device.is_cuda else 1)
     args.iters = max(1, args.iters if args.iters is not None else (5 if device.is_cuda else 2))
     args.rounds = max(0, args.rounds if args.rounds is not None else (3 if device.is_cuda else 1))
+    args.verify = max(0, args.verify if args.verify is not None else (3 if device.is_cuda else 0))
     if not device.is_cuda:
         torch.set_num_threads(1)  # tiny tensors: more threads only oversubscribe small CI machines
         if args.min_tensor_size is None:
@@ -382,19 +435,19 @@ def main(argv: Optional[list] = None) -> list:
                 plan = search.plan(prof, lowest, peak_margin=0.0)
                 notes.append(f"{name}: planned at the lowest predicted peak instead, "
                              f"{(lowest - budget) / 2**20:+.1f} MiB over the budget")
+            plan = verified(plan, wl, device, args, notes, name)
             notes.append(f"{name}: {plan.describe()}")
             run_row(Row(name), applied(plan=plan), wl, device, args, reference, rows, setups)
 
     interleaved_rounds(setups, rows, wl, device, args)
     base = rows[0]
     for r in rows:
-        if r.step_ms and base.step_ms:
-            r.time_ratio = r.step_ms / base.step_ms
         if r.peak_bytes is not None and base.peak_bytes:
             r.peak_ratio = r.peak_bytes / base.peak_bytes
     if not args.no_exact:
         with deterministic_algorithms():
             base.exact = wl.matches(reference, wl.step())  # none against itself
+    notes.extend(beaten(rows))
     if device.is_cuda:
         notes.extend(verdicts(rows))
     notes.append(f"total benchmark time {time.perf_counter() - t_start:.1f} s")
@@ -426,12 +479,42 @@ def verdicts(rows: list) -> list:
             p = by.get(plan_row)
             if p is None or o is None or p.peak_bytes is None or o.peak_bytes is None:
                 continue
-            ok = p.step_ms < o.step_ms and p.peak_bytes <= o.peak_bytes and p.exact is not False
+            ok = (p.time_ratio < o.time_ratio and p.peak_bytes <= o.peak_bytes
+                  and p.exact is not False)
             out.append(
                 f"target {plan_row} faster than {other} at <= peak: {p.time_ratio:.3f}x / "
                 f"{p.peak_ratio:.3f} peak vs {o.time_ratio:.3f}x / {o.peak_ratio:.3f} -> "
-                f"{'PASS' if ok else 'FAIL'}"
+                f"{'PASS' if ok else 'FAIL'}{_noise(p, o)}"
             )
+    return out
+
+
+def _noise(a: Row, b: Row) -> str:
+    """`` (within spread: ...)`` when the two rows' time ratios differ by no more than the
+    wider per-round range of the two: the comparison then claims nothing."""
+    ranges = [max(r.round_ratios) - min(r.round_ratios) if len(r.round_ratios) > 1 else None
+              for r in (a, b)]
+    if not within_noise(a.time_ratio - b.time_ratio, *ranges):
+        return ""
+    widest = max(x for x in ranges if x is not None)
+    return (f" (within spread: {abs(a.time_ratio - b.time_ratio):.3f} apart, per-round range "
+            f"up to {widest:.3f}; not significant)")
+
+
+def beaten(rows: list) -> list:
+    """Per ``plan`` row, the fastest other row whose measured peak is at most the plan's, when
+    it was faster: "plan @0.5 slower than plan @0.4 (at <= peak) by 0.018x", marked when
+    within the spread. Needs measured peaks (CUDA)."""
+    out = []
+    for p in rows:
+        if not p.method.startswith("plan") or p.time_ratio is None or p.peak_bytes is None:
+            continue
+        rivals = [o for o in rows if o is not p and o.time_ratio is not None
+                  and o.peak_bytes is not None and o.peak_bytes <= p.peak_bytes]
+        best = min(rivals, key=lambda o: o.time_ratio, default=None)
+        if best is not None and best.time_ratio < p.time_ratio:
+            out.append(f"{p.method} slower than {best.method} (at <= peak) by "
+                       f"{p.time_ratio - best.time_ratio:.3f}x{_noise(p, best)}")
     return out
 
 

@@ -86,7 +86,7 @@ def test_frontier_smoke_sim(tmp_path, capsys):
     results = bench.main([
         "--device", "sim", "--workload", "both" if have_hf else "gpt", "--layers", "4",
         "--budgets", ",".join(map(str, budgets)), "--link-gbps", "0.03",
-        "--warmup", "0", "--iters", "1", "--no-plot", "--out", str(tmp_path),
+        "--warmup", "0", "--iters", "1", "--no-plot", "--out", str(tmp_path), "--verify", "2",
     ])
     assert sorted(results) == (["gpt", "hf"] if have_hf else ["gpt"])
     for name, res in results.items():
@@ -104,14 +104,78 @@ def test_frontier_smoke_sim(tmp_path, capsys):
         assert all(r["winner"] is None for r in res["frontier"])  # no peak measured on sim
         assert (tmp_path / f"frontier_{name}_sim.json").exists()
         assert all(p.baseline_ms for p in points)  # every ratio has its local none time
-        assert any("none measurements" in n for n in res["notes"])
+        assert any("3 rounds" in n and "none measurements" in n for n in res["notes"])
+        for p in points[1:-1]:  # each configuration 3 times (default), interleaved with none
+            assert len(p.round_ratios) == 3 and len(p.round_ms) == 3, p
+            assert p.time_ratio == sorted(p.round_ratios)[1] and p.spread is not None
+        verified = {n.split(":")[0] for n in res["notes"] if ": verified " in n}
+        assert verified == {f"plan @{b:g}" for p in points for b in p.budgets} != set()
+        assert all(set(r) >= {"pick_minus_winner", "within_spread"} for r in res["frontier"])
     assert not torch.are_deterministic_algorithms_enabled()
     lines = capsys.readouterr().out.splitlines()
     tables = [i for i, line in enumerate(lines) if line.startswith("budget ")]
     assert len(tables) == len(results)
+    assert all("pick - winner" in lines[i] for i in tables)
+    assert sum(line.lstrip().startswith("configuration ") and "spread %" in line
+               for line in lines) == len(results)
     for i in tables:  # header, rule, one row per budget, then the notes
         assert [float(line.split()[0]) for line in lines[i + 2:i + 2 + len(budgets)]] == budgets
         assert lines[i + 2 + len(budgets)].startswith("none drift: ")
+
+
+def test_frontier_marks_a_claim_within_the_spread():
+    """"The winner beats the plan" claims nothing when the two differ by less than the wider
+    per-round range of their time ratios."""
+    bench = _benchmark_module("frontier")
+    P = bench.Point
+
+    def pt(label, method, ratios, m):
+        p = P(label, names={method: label}, step_ms=100.0, peak_ratio=m, round_ratios=ratios)
+        p.time_ratio, p.spread, p.ratio_range = bench.ratio_stats(ratios)
+        return p
+
+    sel = pt("sel 4", "sel", [1.03, 1.04, 1.035], 0.4)
+    noisy = pt("plan k=3", "plan", [1.02, 1.08, 1.05], 0.45)  # 0.015 slower, range 0.06
+    steady = pt("plan k=2", "plan", [1.06, 1.061, 1.062], 0.45)  # 0.026 slower, range 0.002
+    rows = bench.frontier([sel, noisy, steady], [0.5, 0.49], {0.5: noisy, 0.49: steady},
+                          list(bench.METHODS))
+    assert rows[0]["pick_minus_winner"] == pytest.approx(0.015) and rows[0]["within_spread"]
+    assert rows[1]["pick_minus_winner"] == pytest.approx(0.026)
+    assert rows[1]["within_spread"] is False
+    table = bench.frontier_table(rows, list(bench.METHODS)).splitlines()
+    assert "+0.015 ~ within spread" in table[2] and "+0.026 " in table[3]
+    assert "within spread" not in table[3]
+
+
+def test_hf_llama_benchmark_smoke_sim(tmp_path, capsys):
+    """Every row 3 times interleaved with none, its spread, the plan rows verified."""
+    pytest.importorskip("transformers")
+    bench = _benchmark_module("hf_llama_benchmark")
+    rows = bench.main([
+        "--device", "sim", "--layers", "4", "--ks", "2", "--budgets", "0.6", "--warmup", "0",
+        "--iters", "1", "--rounds", "3", "--verify", "2", "--out", str(tmp_path),
+    ])
+    assert [r.method for r in rows] == ["none", "hf_ckpt", "apply k=2", "plan @0.6"]
+    assert all(r.error is None and r.exact is True for r in rows), rows
+    assert all(len(r.round_ratios) == 3 and r.spread is not None for r in rows), rows
+    assert rows[0].round_ratios == [1.0] * 3 and rows[0].time_ratio == 1.0
+    assert all(r.time_ratio == sorted(r.round_ratios)[1] for r in rows)
+    out = capsys.readouterr().out
+    assert "plan @0.6: verified " in out and "spread %" in out
+    assert (tmp_path / "hf_llama_benchmark_sim.json").exists()
+
+
+def test_hf_llama_benchmark_marks_a_comparison_within_the_spread():
+    bench = _benchmark_module("hf_llama_benchmark")
+    R = bench.Row
+    p5 = R("plan @0.5", time_ratio=1.211, peak_bytes=483, round_ratios=[1.19, 1.211, 1.24])
+    p4 = R("plan @0.4", time_ratio=1.200, peak_bytes=388, round_ratios=[1.199, 1.200, 1.201])
+    p6 = R("plan @0.6", time_ratio=1.300, peak_bytes=600, round_ratios=[1.299, 1.300, 1.301])
+    notes = bench.beaten([p5, p4, p6])
+    assert notes[0].startswith("plan @0.5 slower than plan @0.4 (at <= peak) by 0.011x")
+    assert "within spread" in notes[0] and "not significant" in notes[0]
+    assert notes[1].startswith("plan @0.6 slower than plan @0.4") and "spread" not in notes[1]
+    assert len(notes) == 2  # plan @0.4 is the fastest at its peak
 
 
 def test_frontier_selection_and_plot(tmp_path):
