@@ -89,3 +89,23 @@ def test_in_the_model_no_family_configuration_beats_the_plan(seed):
             ms, peak = simulate(profiles, k, rec, prof.d2h_gbps, prof.h2d_gbps, frac, None, sel)
             if peak <= limit:
                 assert chosen.step_ms <= ms + 1e-9, (budget, params, chosen.describe())
+
+
+def test_a_family_just_over_the_budget_is_measured_where_peaks_are():
+    """The model overestimates some layouts' peaks by a few percent of the peak: a simple
+    family predicted over the budget by less than ``NEAR_BUDGET`` (and not much slower) is
+    shortlisted where verification measures peaks (CUDA), which then decides; never applied
+    unmeasured, never shortlisted where peaks are not measured."""
+    from cpu_offload.plan.search import NEAR_BUDGET, shortlist
+
+    layers = [LayerProfile(activation_bytes=2**30, input_bytes=2**24, fwd_ms=5.0, bwd_ms=10.0)] * 8
+    best = plan(StepProfile(layers, d2h_gbps=25.0, h2d_gbps=25.0), 0.25)
+    assert best.layout == "offload 0-5, recompute 0-6" and best.peak_ratio <= 0.25
+    assert [p.layout for p in best.near_budget] == ["offload none, recompute 0-5"]  # ckpt 6
+    near = best.near_budget[0]
+    assert 0.25 < near.peak_ratio <= 0.25 + NEAR_BUDGET and family_of(near) == "ckpt 6"
+    assert near.memory_budget_bytes == best.memory_budget_bytes  # verification checks it
+    measured = [p.layout for p in shortlist(best, 3, peaks_measured=True)]
+    assert measured[0] == best.layout and measured[-1] == near.layout and len(measured) == 3
+    assert near.layout not in [p.layout for p in shortlist(best, 3, peaks_measured=False)]
+    assert [p.layout for p in shortlist(best, 1)] == [best.layout]  # the best plan stays
