@@ -748,8 +748,9 @@ def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:
     """The ``count`` plans verification measures: ``best`` and its ``alternatives`` in the
     model's order (each layout once), the last place going to the fastest simple family
     (``family_of``) when none of the others is one. Where verification measures peaks
-    (``peaks_measured``: CUDA), ``best.near_budget`` take the last places (the best plan
-    stays first). None for a plan with no alternatives (nothing to offload).
+    (``peaks_measured``: CUDA), ``best.near_budget`` take the last places but two (the best
+    plan and another that fits in the model stay, so that a measured peak over the budget
+    leaves a choice). None for a plan with no alternatives (nothing to offload).
 
     Example::
 
@@ -770,7 +771,10 @@ def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:
     if family is not None and family not in top and len(top) == count > 1:
         top[-1] = family
     near = [p for p in best.near_budget if all(p.layout != q.layout for q in top)]
-    if peaks_measured and near and count > 1:  # they take the last places, best stays first
-        keep = max(1, min(len(top), count - len(near)))
-        top = top[:keep] + near[:count - keep]
+    places = min(len(near), count - 2)  # two plans that fit stay: the model's best and another
+    if peaks_measured and places > 0:
+        keep = top[:count - places]
+        if family is not None and family in top and family not in keep:
+            keep[-1] = family  # the fitting family keeps its place
+        top = keep + near[:places]
     return top

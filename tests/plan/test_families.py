@@ -105,7 +105,8 @@ def test_a_family_just_over_the_budget_is_measured_where_peaks_are():
     near = best.near_budget[0]
     assert 0.25 < near.peak_ratio <= 0.25 + NEAR_BUDGET and family_of(near) == "ckpt 6"
     assert near.memory_budget_bytes == best.memory_budget_bytes  # verification checks it
-    measured = [p.layout for p in shortlist(best, 3, peaks_measured=True)]
-    assert measured[0] == best.layout and measured[-1] == near.layout and len(measured) == 3
+    measured = shortlist(best, 3, peaks_measured=True)
+    assert [p.layout for p in measured[::2]] == [best.layout, near.layout] and len(measured) == 3
+    assert measured[1].peak_bytes <= best.memory_budget_bytes  # a second plan that fits stays
     assert near.layout not in [p.layout for p in shortlist(best, 3, peaks_measured=False)]
-    assert [p.layout for p in shortlist(best, 1)] == [best.layout]  # the best plan stays
+    assert near.layout not in [p.layout for p in shortlist(best, 2)]  # two that fit come first
