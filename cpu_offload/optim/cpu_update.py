@@ -160,7 +160,7 @@ class CpuBucket:
         self._views_cache: list[list[tuple]] = []
         self._kept: Optional[list[tuple]] = None  # what the last update(keep_previous=True) changed
         self._kept_bufs: dict[tuple, torch.Tensor] = {}  # reused copies for it
-        self.state = _BucketState(self)
+        self.state = KeyedState(lambda: self.masters, self.param_state)
 
     def _build(self, pieces: Sequence[tuple[int, int, int]], hypers: Sequence[dict]) -> _Chunk:
         made = []
@@ -394,24 +394,24 @@ class CpuBucket:
                 if torch.is_tensor(v) else v for k, v in entry.items()}
 
 
-class _BucketState(Mapping):
-    """``bucket.state[master]``: per-parameter optimizer state (only masters with state)."""
+class KeyedState(Mapping):
+    """``optimizer.state`` of a part that keeps its state itself (a ``CpuBucket``, a streamed
+    part): ``state[key]`` is the per-parameter state of ``keys()[i]``, built on demand by
+    ``state_of(i)``; only keys with state are listed."""
 
-    def __init__(self, bucket: CpuBucket) -> None:
-        self._bucket = bucket
+    def __init__(self, keys: Callable[[], Sequence[torch.Tensor]],
+                 state_of: Callable[[int], Optional[dict]]) -> None:
+        self._keys, self._state_of = keys, state_of
 
-    def _index(self, master: torch.Tensor) -> Optional[int]:
-        return next((i for i, m in enumerate(self._bucket.masters) if m is master), None)
-
-    def __getitem__(self, master: torch.Tensor) -> dict[str, Any]:
-        i = self._index(master)
-        st = self._bucket.param_state(i) if i is not None else None
+    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
+        i = next((i for i, k in enumerate(self._keys()) if k is key), None)
+        st = self._state_of(i) if i is not None else None
         if not st:
-            raise KeyError(master)
+            raise KeyError(key)
         return st
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return (m for i, m in enumerate(self._bucket.masters) if self._bucket.param_state(i))
+        return (k for i, k in enumerate(self._keys()) if self._state_of(i))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -33,13 +33,13 @@ the next chunk's update, so that step holds at most one chunk's new state beyond
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
-from .cpu_update import ALIGN_ELEMS, ELEMENTWISE, master_dtype, plan_chunks, sync_hyperparameters
+from .cpu_update import ALIGN_ELEMS, ELEMENTWISE, KeyedState, master_dtype, plan_chunks, sync_hyperparameters
 from .transfer import flat_bytes
 
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
@@ -150,7 +150,7 @@ class StreamedPart:
         self.bytes_in = 0
         self.bytes_out = 0
         self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, name) -> pinned host state
-        self.state = _PartState(self)
+        self.state = KeyedState(lambda: self.keys, self.param_state)
 
     def _bytes_per_elem(self, i: int) -> int:
         p = self.params[i]
@@ -518,25 +518,3 @@ def _pack(device: OffloadDevice, sizes: Sequence[int], block: int = HOST_BLOCK_B
     blocks = [device.alloc_host(block if i != cur and u <= block else u) for i, u in enumerate(used)]
     return [blocks[b][off: off + n] for (b, off), n in zip(plan, sizes)]
 
-
-class _PartState(Mapping):
-    """``part.state[key]``: per-parameter optimizer state (only parameters with state)."""
-
-    def __init__(self, part: StreamedPart) -> None:
-        self._part = part
-
-    def _index(self, key: torch.Tensor) -> Optional[int]:
-        return next((i for i, k in enumerate(self._part.keys) if k is key), None)
-
-    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
-        i = self._index(key)
-        st = self._part.param_state(i) if i is not None else None
-        if not st:
-            raise KeyError(key)
-        return st
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (k for i, k in enumerate(self._part.keys) if self._part.param_state(i))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
