@@ -346,13 +346,7 @@ class CpuBucket:
 
     @property
     def param_groups(self) -> list[dict]:
-        out = []
-        for gi in self.group_ids:
-            g = next(g for c in self.chunks for g, cg in zip(c.optimizer.param_groups, c.group_ids)
-                     if cg == gi)
-            out.append({**{k: v for k, v in g.items() if k != "params"},
-                        "params": [m for m, og in zip(self.masters, self.group_of) if og == gi]})
-        return out
+        return part_param_groups(self.chunks, self.group_ids, self.group_of, self.masters)
 
     def _pieces_of(self, index: int) -> list[tuple[_Chunk, _Piece]]:
         return [(c, pc) for c in self.chunks for pc in c.pieces if pc.index == index]
@@ -369,29 +363,59 @@ class CpuBucket:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format over ``masters`` (grouped as ``param_groups``)."""
         self._synced = []  # the chunks' groups take the saved hyperparameters: sync them again
-        local = {i: pos for pos, i in enumerate(
-            i for gi in self.group_ids for i, og in enumerate(self.group_of) if og == gi)}
-        saved_groups = dict(zip(self.group_ids, state_dict["param_groups"]))
-        for c in self.chunks:
-            state, groups, n = {}, [], 0
-            for group, gi in zip(c.optimizer.param_groups, c.group_ids):
-                ids = []
-                for key in group["params"]:
-                    pc = next(pc for pc in c.pieces if pc.key is key)
-                    entry = state_dict["state"].get(local[pc.index])
-                    if entry is not None:
-                        state[n] = self._slice(entry, pc) if pc.split else entry
-                    ids.append(n)
-                    n += 1
-                groups.append({**{k: v for k, v in saved_groups[gi].items() if k != "params"},
-                               "params": ids})
-            c.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        shapes = [m.shape for m in self.masters]
+        for c, chunk_state in chunk_state_dicts(self.chunks, self.group_ids, self.group_of,
+                                                state_dict, shapes):
+            c.optimizer.load_state_dict(chunk_state)
             self._bind(c)
 
-    def _slice(self, entry: dict, pc: _Piece) -> dict:
-        shape = self.masters[pc.index].shape
-        return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
-                if torch.is_tensor(v) else v for k, v in entry.items()}
+
+def part_param_groups(chunks: Sequence[Any], group_ids: Sequence[int], group_of: Sequence[int],
+                      keys: Sequence[torch.Tensor]) -> list[dict]:
+    """torch's ``param_groups`` of a part whose parameters ``keys`` (``keys[i]`` in group
+    ``group_of[i]``) are updated by one optimizer per chunk (a ``CpuBucket``, a streamed part):
+    each group's hyperparameters from a chunk optimizer that has it (they all hold the same
+    ones), its ``params`` the part's keys in that group."""
+    out = []
+    for gi in group_ids:
+        g = next(g for c in chunks for g, cg in zip(c.optimizer.param_groups, c.group_ids)
+                 if cg == gi)
+        out.append({**{k: v for k, v in g.items() if k != "params"},
+                    "params": [k for k, og in zip(keys, group_of) if og == gi]})
+    return out
+
+
+def chunk_state_dicts(
+    chunks: Sequence[Any], group_ids: Sequence[int], group_of: Sequence[int],
+    state_dict: dict[str, Any], shapes: Sequence[torch.Size],
+) -> Iterator[tuple[Any, dict]]:
+    """``(chunk, its state dict)`` for loading torch's format (as ``part_param_groups`` groups
+    the part) into each chunk's optimizer: the saved hyperparameters of the chunk's groups, and
+    the entries of its pieces; a piece of a split parameter (``shapes[i]``: the whole
+    parameter's shape) gets the elements it updates of every per-element state tensor, and a
+    copy of the other tensors."""
+    local = {i: pos for pos, i in enumerate(
+        i for gi in group_ids for i, og in enumerate(group_of) if og == gi)}
+    saved_groups = dict(zip(group_ids, state_dict["param_groups"]))
+    for c in chunks:
+        state, groups, n = {}, [], 0
+        for group, gi in zip(c.optimizer.param_groups, c.group_ids):
+            ids = []
+            for key in group["params"]:
+                pc = next(pc for pc in c.pieces if pc.key is key)
+                entry = state_dict["state"].get(local[pc.index])
+                if entry is not None:
+                    state[n] = _slice(entry, pc, shapes[pc.index]) if pc.split else entry
+                ids.append(n)
+                n += 1
+            groups.append({**{k: v for k, v in saved_groups[gi].items() if k != "params"},
+                           "params": ids})
+        yield c, {"state": state, "param_groups": groups}
+
+
+def _slice(entry: dict, pc: Any, shape: torch.Size) -> dict:
+    return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
+            if torch.is_tensor(v) else v for k, v in entry.items()}
 
 
 class KeyedState(Mapping):

@@ -39,7 +39,10 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
-from .cpu_update import ALIGN_ELEMS, ELEMENTWISE, KeyedState, master_dtype, plan_chunks, sync_hyperparameters
+from .cpu_update import (
+    ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_state_dicts, master_dtype, part_param_groups,
+    plan_chunks, sync_hyperparameters,
+)
 from .transfer import flat_bytes
 
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
@@ -433,13 +436,7 @@ class StreamedPart:
 
     @property
     def param_groups(self) -> list[dict]:
-        out = []
-        for gi in self.group_ids:
-            g = next(g for c in self.chunks for g, cg in zip(c.optimizer.param_groups, c.group_ids)
-                     if cg == gi)
-            out.append({**{k: v for k, v in g.items() if k != "params"},
-                        "params": [k for k, og in zip(self.keys, self.group_of) if og == gi]})
-        return out
+        return part_param_groups(self.chunks, self.group_ids, self.group_of, self.keys)
 
     def param_state(self, index: int) -> dict[str, Any]:
         """Optimizer state of parameter ``index`` as the wrapped class keeps it (host tensors;
@@ -459,28 +456,15 @@ class StreamedPart:
         moves into pinned host memory."""
         self.sync()
         dev = self._device
-        local = {i: pos for pos, i in enumerate(
-            i for gi in self.group_ids for i, og in enumerate(self.group_of) if og == gi)}
-        saved_groups = dict(zip(self.group_ids, state_dict["param_groups"]))
-        for c in self.chunks:
-            state, groups, n = {}, [], 0
-            for group, gi in zip(c.optimizer.param_groups, c.group_ids):
-                ids = []
-                for key in group["params"]:
-                    pc = next(pc for pc in c.pieces if pc.key is key)
-                    entry = state_dict["state"].get(local[pc.index])
-                    if entry is not None:
-                        state[n] = self._slice(entry, pc) if pc.split else entry
-                    ids.append(n)
-                    n += 1
-                groups.append({**{k: v for k, v in saved_groups[gi].items() if k != "params"},
-                               "params": ids})
+        shapes = [p.shape for p in self.params]
+        for c, chunk_state in chunk_state_dicts(self.chunks, self.group_ids, self.group_of,
+                                                state_dict, shapes):
             for pc in c.pieces:
                 pc.previous, pc.streamed, pc.kept = pc.streamed, {}, {}
                 if self.masters[pc.index] is not None:  # shape and device for load's casts
                     pc.key.set_(torch.empty((pc.numel,) if pc.split else self.params[pc.index].shape,
                                             dtype=pc.key.dtype, device=pc.key.device))
-            c.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            c.optimizer.load_state_dict(chunk_state)
             keep = []
             dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
             for pc in c.pieces:
@@ -488,11 +472,6 @@ class StreamedPart:
             dev.wait_host(dev.record_event(self.d2h))
             for t in keep:
                 dev.will_free(t)
-
-    def _slice(self, entry: dict, pc: _Piece) -> dict:
-        shape = self.params[pc.index].shape
-        return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
-                if torch.is_tensor(v) else v for k, v in entry.items()}
 
 
 HOST_BLOCK_BYTES = 2**30
