@@ -16,7 +16,6 @@ from ..compat import (
     bytes_on_storage,
     copy_view_bits,
     set_versions,
-    storage_use_count,
     tensor_on_storage,
 )
 
@@ -85,13 +84,6 @@ def checksum(flat: torch.Tensor) -> torch.Tensor:
     if flat.numel() % 8 == 0:
         return flat.view(torch.int64).sum()
     return flat.sum(dtype=torch.int64)
-
-
-def held_elsewhere(flat: torch.Tensor) -> bool:
-    """Whether anything besides ``flat`` (our flat alias of a storage) holds that storage: then
-    dropping ``flat`` frees no memory (a tensor the caller keeps, or one saved by a layer that is
-    not offloaded)."""
-    return storage_use_count(flat) > 1
 
 
 def check_version(alias: torch.Tensor, saved_version: int, size: torch.Size) -> None:

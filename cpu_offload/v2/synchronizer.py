@@ -523,12 +523,6 @@ class OffloadSynchronizer:
             selective.end(self.push if store else None)
 
     # -- saved-tensor hooks ------------------------------------------------------------------------
-    @property
-    def hooks_needed(self) -> bool:
-        """Only offloaded and selective layers get saved-tensor hooks; the others run exactly as
-        without us."""
-        return self.current is not None or self.current_selective is not None
-
     def push_selective(self, t: torch.Tensor) -> Any:
         """The pack hook of a selective layer: a recipe instead of the bytes where one applies
         (and the tensor would be offloaded), else ``push``."""
