@@ -272,6 +272,7 @@ class Entry:
             for alias in aliases:
                 if alias._version != self.version:
                     changed = True  # unpacking it must raise: keep its version counter
+                    break
         if held or changed:
             forget_aliases(aliases)  # version counters kept, memory let go
             self.owner = weakref.ref(storage)
@@ -719,25 +720,7 @@ class LayerState:
             if dev.times_events:
                 self.stats.waits.append((dev.record_event(compute), self.offload_event))
             dev.wait_event(compute, self.offload_event)
-        count = _storage_use_count
-        checks_frees = self.rt.checks_frees
         for entry in on_device:
-            # ``Entry.release``, spelled out for a storage only we reference (ours: the flat
-            # tensor, the storage object and an alias per saved tensor) that is unchanged.
-            aliases, version = entry.aliases, entry.version
-            if count is None or count(entry.storage._cdata) > entry.nrefs + 2:
-                entry.release(recheck)
-                continue
-            for alias in aliases:
-                if alias._version != version:
-                    break
-            else:
-                entry.aliases = None  # nothing can change the memory once we let go: no watch
-                if checks_frees:
-                    dev.will_free(entry.gpu)
-                entry.lstats.freed_bytes += entry.nbytes
-                entry.gpu = entry.storage = None
-                continue
             entry.release(recheck)
         self.released = True
         if self.rt.traces:
