@@ -94,6 +94,12 @@ class LinkProbe:
         dev.wait_host(dev.record_event(self.s2))
         return time.perf_counter() - t0
 
+    def rate(self, repeats: int = 3) -> float:
+        """Bytes per second each way, both directions copying at once: the best of ``repeats``
+        rounds after a warm-up one."""
+        self.round()
+        return self.nbytes / max(min(self.round() for _ in range(repeats)), 1e-9)
+
     def close(self) -> None:
         """The compute stream waits for the copies (the device buffers may be freed)."""
         compute = self.device.current_stream()
@@ -106,10 +112,10 @@ def measure_link(device: OffloadDevice, where: torch.device, nbytes: int = PROBE
     """Bytes per second host -> device and device -> host with both directions copying at once
     (pinned memory, through ``device``); the best of ``repeats`` after a warm-up."""
     probe = LinkProbe(device, where, nbytes)
-    probe.round()
-    best = min(probe.round() for _ in range(repeats))
-    probe.close()
-    rate = nbytes / max(best, 1e-9)
+    try:
+        rate = probe.rate(repeats)
+    finally:
+        probe.close()
     return rate, rate
 
 
@@ -165,8 +171,7 @@ def rates(device: OffloadDevice, where: torch.device, cpu_probe: Callable[[], No
         return dict(fixed)
     link = LinkProbe(device, where)
     try:
-        link.round()  # warm-up
-        rate = link.nbytes / max(min(link.round() for _ in range(3)), 1e-9)
+        rate = link.rate()
         cpu = measure_cpu_rate(cpu_probe, threads, elems, busy=link.round)  # under link traffic
     finally:
         link.close()
