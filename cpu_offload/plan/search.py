@@ -345,15 +345,15 @@ def plan(
     if families:  # the fastest simple family, which verification measures too
         fastest = min(families, key=lambda c: (c.step_ms, c.peak_bytes))
         others += [fastest] if fastest not in others else []
-    near = None
+    fastest_near: dict = {}  # family kind -> its fastest layout just over the budget
     if limit is not None:  # see Plan.near_budget
-        best = candidates[best_params]
+        slowest = candidates[best_params].step_ms * (1 + NEAR_TIME)
         slack = memory_budget_bytes + int(NEAR_BUDGET * base_peak)
-        over = sorted((c for c in candidates.values() if limit < c.peak_bytes <= slack
-                       and c.step_ms < best.step_ms * (1 + NEAR_TIME)
-                       and family_of(c) is not None), key=lambda c: (c.step_ms, c.peak_bytes))
-        kinds = {family_of(c).split()[0]: c for c in reversed(over)}  # the fastest of each
-        near = sorted(kinds.values(), key=lambda c: (c.step_ms, c.peak_bytes))[:2]
+        for c in sorted(candidates.values(), key=lambda c: (c.step_ms, c.peak_bytes)):
+            family = family_of(c) if limit < c.peak_bytes <= slack and c.step_ms < slowest else None
+            if family is not None:
+                fastest_near.setdefault(family.split()[0], c)
+    near = list(fastest_near.values())[:2]  # in order of time, as inserted
     complete = dict(  # what apply_offloading and describe() read
         memory_budget_bytes=memory_budget_bytes,
         min_tensor_size_to_offload=profile.min_tensor_size_to_offload,
@@ -365,7 +365,7 @@ def plan(
     )
     return replace(candidates[best_params], **complete,
                    alternatives=[replace(c, **complete) for c in others],
-                   near_budget=tuple(replace(c, **complete) for c in near or ()))
+                   near_budget=tuple(replace(c, **complete) for c in near))
 
 
 def _nothing_to_offload(profile: StepProfile, base_ms: float, base_peak: int,
