@@ -32,7 +32,7 @@ from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from ..core.units import format_bytes
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
-from .model import LayerProfile, simulate, spread_layers
+from .model import HostCost, LayerProfile, simulate, spread_layers
 from .profile import StepProfile, profile_step
 from .verify import MeasureHook, check_verify_candidates, verify_plans
 
