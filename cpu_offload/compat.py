@@ -268,16 +268,19 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def storage_use_counter() -> Optional[Callable[[int], int]]:
     """torch's use count of a storage by its ``_cdata`` (references to it: tensors and its Python
     object), or None where torch lacks it."""
-    return getattr(torch._C, "_storage_Use_Count", None)
+    return _storage_use_count
 
 
 def storage_use_count(t: torch.Tensor) -> int:
     """How many references hold the storage behind ``t`` (tensors, storage objects), or 0 where
     torch cannot say. Used to tell whether dropping our reference would free any memory."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
+    count = _storage_use_count
     if count is None:  # pragma: no cover
         return 0
     storage = t.untyped_storage()
