@@ -71,26 +71,17 @@ class PinnedPool:
         return buf
 
     def acquire_many(self, sizes: list, keys: Optional[list] = None) -> list:
-        """``acquire`` for each size (and key, if given), in one call: a layer's buffers at its
-        end. A failed allocation gives back those acquired before it."""
-        if keys is not None:
-            return [self.acquire(n, k) for n, k in zip(sizes, keys)]
-        used, free_lists, out = self._used, self._free, [None] * len(sizes)
-        for i, nbytes in enumerate(sizes):
-            free = free_lists[nbytes] if nbytes in free_lists else None
-            if free:
-                out[i] = free.pop()
-            else:
-                try:
-                    out[i] = self._allocate(nbytes)
-                except BaseException:
-                    for buf in out[:i]:
-                        self.release(buf)
-                    raise
-            used[nbytes] += 1
-            in_use = self.in_use_bytes = self.in_use_bytes + nbytes
-            if in_use > self.peak_in_use_bytes:
-                self.peak_in_use_bytes = in_use
+        """``acquire`` for each size (and key, if given): a layer's buffers at its end. A failed
+        allocation gives back those acquired before it, retained ones included."""
+        keys = keys if keys is not None else [None] * len(sizes)
+        out: list = []
+        try:
+            for nbytes, key in zip(sizes, keys):
+                out.append(self.acquire(nbytes, key))
+        except BaseException:
+            for buf, key in zip(out, keys):
+                self.release(buf, key)
+            raise
         return out
 
     def _count_in_use(self, nbytes: int) -> None:
