@@ -168,12 +168,7 @@ class CpuBucket:
             m = self.masters[i]
             split = (start, stop) != (0, m.numel())
             made.append(_Piece(i, start, stop, m.view(-1)[start:stop] if split else m, split))
-        gids = list(dict.fromkeys(self.group_of[pc.index] for pc in made))
-        groups = []
-        for gi in gids:
-            group = {k: v for k, v in hypers[gi].items() if k != "params"}
-            group["params"] = [pc.key for pc in made if self.group_of[pc.index] == gi]
-            groups.append(group)
+        gids, groups = chunk_param_groups(made, self.group_of, hypers)
         return _Chunk(made, self._make_optimizer(groups), gids)
 
     @property
@@ -368,6 +363,20 @@ class CpuBucket:
                                                 state_dict, shapes):
             c.optimizer.load_state_dict(chunk_state)
             self._bind(c)
+
+
+def chunk_param_groups(pieces: Sequence[Any], group_of: Sequence[int],
+                       hypers: Sequence[dict]) -> tuple[list[int], list[dict]]:
+    """The groups a chunk's optimizer is built with: the ids of the part's groups its
+    ``pieces`` belong to (in order of first appearance), and per group its hyperparameters
+    (``hypers[id]``) with the pieces' keys as ``params``."""
+    gids = list(dict.fromkeys(group_of[pc.index] for pc in pieces))
+    groups = []
+    for gi in gids:
+        group = {k: v for k, v in hypers[gi].items() if k != "params"}
+        group["params"] = [pc.key for pc in pieces if group_of[pc.index] == gi]
+        groups.append(group)
+    return gids, groups
 
 
 def part_param_groups(chunks: Sequence[Any], group_ids: Sequence[int], group_of: Sequence[int],

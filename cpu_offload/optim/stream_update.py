@@ -40,8 +40,8 @@ import torch
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
 from .cpu_update import (
-    ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_state_dicts, master_dtype, part_param_groups,
-    plan_chunks, sync_hyperparameters,
+    ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_param_groups, chunk_state_dicts, master_dtype,
+    part_param_groups, plan_chunks, sync_hyperparameters,
 )
 from .transfer import flat_bytes
 
@@ -188,12 +188,7 @@ class StreamedPart:
             else:
                 key = p.detach().view(-1)[start:stop] if split else p.detach()
             made.append(_Piece(i, start, stop, key, split))
-        gids = list(dict.fromkeys(self.group_of[pc.index] for pc in made))
-        groups = []
-        for gi in gids:
-            group = {k: v for k, v in hypers[gi].items() if k != "params"}
-            group["params"] = [pc.key for pc in made if self.group_of[pc.index] == gi]
-            groups.append(group)
+        gids, groups = chunk_param_groups(made, self.group_of, hypers)
         return _Chunk(made, make_optimizer(groups), gids)
 
     # ------------------------------------------------------------------------------------------
