@@ -544,8 +544,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def wait_params(self) -> None:
         """In ``next_forward`` mode: wait for every parameter of the last step (before reading
         parameters outside a forward, e.g. to evaluate or save the model). The streamed part's
-        update is ordered before what the compute stream does next (device side)."""
+        update is ordered before what the compute stream does next (device side), and its
+        staging freed."""
         self._finish_inflight()
+        for part in self._parts:
+            part.finish()
         for p in self.streamed_params():
             self._device.will_read(p)
 

@@ -298,6 +298,7 @@ def test_wait_params_orders_the_whole_update(monkeypatch):
     opt.close()
     m, opt, *_ = _step_with_update_queued(SimulatedDevice())
     monkeypatch.setattr(StreamedPart, "order_params", lambda self: None)
+    monkeypatch.setattr(StreamedPart, "finish", lambda self: None)
     with pytest.raises(SimulatedHazard, match="still writes"):
         opt.wait_params()
 
@@ -342,8 +343,14 @@ def test_next_forward_frees_the_staging_of_one_update_before_the_next():
         opt.step()
         assert dev.live_device_buffers() == SLOTS  # this update's slots only
         opt.zero_grad()
-    opt.close()
+    opt.wait_params()
+    assert dev.live_device_buffers() == 0  # freed by wait_params (steady memory)
+    loss_of(m, 3).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(m, 4)  # the forward that waits for the last chunk frees the staging
     assert dev.live_device_buffers() == 0
+    opt.close()
 
 
 def test_next_forward_needs_forward_waits_for_streamed_parameters_too():
@@ -461,6 +468,34 @@ def test_streamed_peak_memory_within_the_budget_on_cuda():
         assert peak <= (budget if i else budget * 3 // 2), (i, peak, budget)
         opt.zero_grad()
     assert 0 < opt.last_step_stats["stream_staging_bytes"] <= budget
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_next_forward_holds_staging_only_until_the_update_is_waited_for_on_cuda():
+    """next_forward: step() returns with the update queued, holding the slots (and the gradients
+    it reads); wait_params (or the forward that reaches the last chunk) gives them back."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda().to(torch.bfloat16)
+    budget = 2**20 * 2
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, stream_fraction=1.0, stream_budget_bytes=budget,
+                                device=_cuda(), overlap="next_forward", lr=1e-3)
+    opt.register_forward_waits(m)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    base = None
+    for i in range(3):
+        m(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        held = torch.cuda.memory_allocated()
+        opt.wait_params()
+        torch.cuda.synchronize()
+        if base is not None:
+            grads = sum(p.numel() * p.element_size() for p in m.parameters())
+            assert 0 < held - base <= budget + grads, (i, held - base)
+            assert torch.cuda.memory_allocated() == base, i
+        base = torch.cuda.memory_allocated()
     opt.close()
 
 
