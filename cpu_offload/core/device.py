@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -179,6 +179,32 @@ class OffloadDevice(abc.ABC):
         checks that no copy still queued on a side stream writes into ``t``.
         """
 
+    def run_on(self, stream: Stream, fn: Callable[[], Any], reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = ()) -> Any:
+        """Call ``fn`` (host code that queues device compute) so that its work runs on ``stream``,
+        in that stream's order (after the waits queued on it), not on the compute stream;
+        returns what ``fn`` returns. Memory ``fn`` allocates belongs to ``stream``: free it only
+        after ``stream`` has waited for every other stream that uses it.
+
+        ``reads`` and ``writes``: device tensors that work reads and writes, for checks (a real
+        device needs nothing; the simulation keeps them pending on ``stream`` until something
+        waits for it, so ``will_read``/``will_write``/``will_free`` of them before then raise).
+        The default runs ``fn`` on the current stream, fenced both ways with ``stream``: the
+        same order, without concurrency.
+        """
+        current = self.current_stream()
+        self.wait_stream(current, stream)
+        out = fn()
+        self.wait_stream(stream, current)
+        return out
+
+    def will_write(self, t: torch.Tensor) -> None:
+        """Compute is about to write device tensor ``t`` in place (e.g. zero a gradient).
+
+        A real device needs nothing; the simulation checks that no work still queued on
+        another stream reads or writes ``t``.
+        """
+
     def trace(self, what: str, layer: int) -> None:
         """Schedule milestones ('fwd', 'bwd', 'release', 'reload', ...); recorded by simulations."""
 
@@ -329,6 +355,15 @@ class CudaDevice(OffloadDevice):
         try:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+        finally:
+            torch.cuda.set_stream(previous)
+
+    def run_on(self, stream: Stream, fn: Callable[[], Any], reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = ()) -> Any:
+        previous = self.current_stream()
+        torch.cuda.set_stream(stream)
+        try:
+            return fn()
         finally:
             torch.cuda.set_stream(previous)
 

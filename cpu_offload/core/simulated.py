@@ -21,7 +21,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -244,6 +244,38 @@ class SimulatedDevice(OffloadDevice):
                         raise SimulatedHazard(
                             f"compute reads a buffer that a copy queued on {s.name} still writes: "
                             "make the compute stream wait for that copy's event first"
+                        )
+
+    def run_on(self, stream: SimStream, fn: Callable[[], object], reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = ()) -> object:
+        """Run what ``stream`` has queued (its waits), then ``fn`` at once (the compute it
+        queues runs eagerly here, like the compute stream's); then leave markers pending on
+        ``stream`` that read ``reads`` and write ``writes`` until something waits for it (or
+        ``stream`` runs more work), so that compute touching them before waiting for
+        ``stream`` raises in ``will_read``, ``will_write`` or ``will_free``."""
+        with self._lock:
+            self.log.append(("run_on", stream.name))
+            self._run_until(stream, stream.queued)
+            out = fn()
+            ptrs = [t.data_ptr() for t in reads]
+            for t in list(writes) or [None]:
+                span = None
+                if t is not None:
+                    start = t.data_ptr()
+                    span = (start, start + t.numel() * t.element_size())
+                self._enqueue(stream, lambda: None, ptrs, span)
+            return out
+
+    def will_write(self, t: torch.Tensor) -> None:
+        ptr = t.data_ptr()
+        start, end = ptr, ptr + t.numel() * t.element_size()
+        with self._lock:
+            for s in self.streams:
+                for _, _, reads, writes in s.pending:
+                    if ptr in reads or (writes is not None and writes[0] < end and start < writes[1]):
+                        raise SimulatedHazard(
+                            f"compute writes a buffer that work queued on {s.name} still reads or "
+                            "writes: make the compute stream wait for that work's event first"
                         )
 
     def trace(self, what: str, layer: int) -> None:

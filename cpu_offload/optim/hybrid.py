@@ -149,7 +149,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ``cpu_optimizer_cls`` on a CPU worker thread; the rest are updated on the device by
     ``gpu_optimizer_cls`` as usual. Part of the offloaded parameters (``stream_fraction``,
     balanced against the CPU by default) keep their state in CPU memory but are updated on the
-    device, their state streamed in and out in chunks inside ``step()``. For the CPU parameters:
+    device, their state streamed in and out in chunks from ``step()`` on (overlapping the next
+    forward in ``next_forward`` mode). For the CPU parameters:
 
     1. during backward, each gradient is copied (model dtype, on a side stream) into pinned
        buffers allocated at construction, as soon as it is final (post-accumulate-grad hooks);
@@ -236,12 +237,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             construction (``device.nominal_rates()`` on a simulated device: reproducible);
             the choice is logged once (logger ``"cpu_offload"``) and kept in
             ``stream_fraction`` / ``split_estimate()``. ``0``: everything offloaded is updated
-            on the CPU (the behaviour before streaming existed). The streamed part runs inside
-            ``step()`` in every overlap mode, from ``.grad`` as it is then (after any clipping),
-            with ``gpu_optimizer_cls``: its result is that class run on the device, bit for bit.
+            on the CPU (the behaviour before streaming existed). The streamed part starts in
+            ``step()``, from ``.grad`` as it is then (after any clipping), with
+            ``gpu_optimizer_cls``: its result is that class run on the device, bit for bit. It
+            runs on the compute stream inside ``step()``, except in ``next_forward`` mode: there
+            it runs on a stream of its own, chunks in forward order, while the next forward
+            runs (each module waits for the chunks writing its own parameters; zero gradients
+            in place only with ``zero_grad(set_to_none=False)`` until then, which waits).
         stream_budget_bytes: device bytes for the streamed part's staging (two chunks, so that
             the copy of one overlaps the update of the other; default 256 MiB, at least 64 KiB),
-            allocated inside ``step()`` only (``last_step_stats["stream_staging_bytes"]``). The
+            allocated by ``step()`` (``last_step_stats["stream_staging_bytes"]``) and freed at its
+            end (``next_forward``: once the next forward has waited for the last chunk). The
             first step of a parameter also lets the class create its state on the device, one
             chunk at a time (at most half the budget more, that step).
         bind_cpu_cores: run the CPU worker and its intra-op threads on physical cores only (one
@@ -420,7 +426,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             part = StreamedPart(
                 self._device, [params[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
                 lambda groups: self._gpu_cls(groups, **self._kwargs), self.stream_budget_bytes,
-                *self._state_probe)
+                *self._state_probe, overlapped=self._mode.forward_waits)
             self._parts.append(part)
             self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
         for order in make_buckets(chosen, sizes, self._bucket_bytes):
@@ -515,21 +521,36 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         otherwise). Returns a handle whose ``remove()`` unregisters the hooks."""
         ref = weakref.ref(self)
         handles = []
+        parts = {id(part): k for k, part in enumerate(self._parts)}
         for module in model.modules():
-            mine = [p for p in module.parameters(recurse=False) if id(p) in self._cpu]
-            if not mine:
-                continue
-            buckets = sorted({self._cpu[id(p)].bucket for p in mine})
-            handles.append(module.register_forward_pre_hook(
-                lambda m, args, b=buckets: _call(ref, "_wait_buckets", b)))
-            self._covered.update(id(p) for p in mine)
+            own = list(module.parameters(recurse=False))
+            mine = [p for p in own if id(p) in self._cpu]
+            if mine:
+                buckets = sorted({self._cpu[id(p)].bucket for p in mine})
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, args, b=buckets: _call(ref, "_wait_buckets", b)))
+            streamed: dict[int, list[int]] = {}  # part position -> parameter indices in it
+            for p in own:
+                if id(p) in self._streamed:
+                    part, k = self._streamed[id(p)]
+                    streamed.setdefault(parts[id(part)], []).append(k)
+            if streamed:
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, args, s=sorted(streamed.items()): _call(ref, "_wait_streamed", s)))
+            self._covered.update(id(p) for p in own if id(p) in self._cpu or id(p) in self._streamed)
         self._module_hooks += handles
         return _Handles(handles)
 
     def wait_params(self) -> None:
         """In ``next_forward`` mode: wait for every parameter of the last step (before reading
-        parameters outside a forward, e.g. to evaluate or save the model)."""
+        parameters outside a forward, e.g. to evaluate or save the model). The streamed part's
+        update is ordered before what the compute stream does next (device side), and its
+        staging freed."""
         self._finish_inflight()
+        for part in self._parts:
+            part.finish()
+        for p in self.streamed_params():
+            self._device.will_read(p)
 
     def close(self) -> None:
         """Finish pending work, remove every hook and stop the worker thread."""
@@ -784,11 +805,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._mode.forward_waits and len(self._covered) < len(self._cpu):
+        uncovered = len(self._cpu) + len(self._streamed) - len(self._covered)
+        if self._mode.forward_waits and uncovered > 0:
             raise OffloadUsageError(
                 "overlap='next_forward' needs opt.register_forward_waits(model) for the modules "
-                f"owning the offloaded parameters ({len(self._cpu) - len(self._covered)} are not "
-                "covered), or another overlap mode"
+                f"owning the offloaded parameters ({uncovered} are not covered), or another "
+                "overlap mode"
             )
         with self._lock:
             st = self._begin()
@@ -920,7 +942,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if len(st.waited) == len(st.updates):
             self._inflight = None
 
+    def _wait_streamed(self, marks: Sequence[tuple[int, list[int]]]) -> None:
+        for k, indices in marks:
+            self._parts[k].wait_params(indices)
+
     def _finish_inflight(self) -> None:
+        for part in self._parts:  # device side: the streamed update before what follows
+            part.order_params()
         st, self._inflight = self._inflight, None
         if st is not None:
             try:
@@ -986,7 +1014,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for p in b.params:
                     if p.grad is not None:
                         self._device.will_free(p.grad)
+        else:  # zeroed in place: after the streamed update read them (set to None: it holds them)
+            self._order_streamed()
+            for part in self._parts:
+                for p in part.params:
+                    if p.grad is not None:
+                        self._device.will_write(p.grad)
         super().zero_grad(set_to_none)
+
+    def _order_streamed(self) -> None:
+        """(Tests remove it: a hazard.)"""
+        for part in self._parts:
+            part.order_params()
 
     # ------------------------------------------------------------------------------------------
     # clipping

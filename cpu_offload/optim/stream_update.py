@@ -18,7 +18,23 @@ chunk ``i - 1``; a slot is refilled only after the copy out of the chunk before 
 Device memory for it is allocated at the start of the update (compute stream) and dropped at
 its end, after the compute stream has waited for the last copy out, so the next step's copies
 in are ordered after this step's copies out, and outside ``step()`` the part holds no device
-memory. The update is the device class stepping over the same values as without offloading
+memory.
+
+Overlapped (``overlap="next_forward"``): step 2 runs on a stream of the part's own
+(``update_stream``, ``OffloadDevice.run_on``), which first waits for the compute stream (the
+gradients are final, clipped; backward has read the parameters), and the chunks go in forward
+order (the reverse of gradient arrival), so the first modules' chunks are done first.
+``step()`` returns with the update queued; each module's forward pre-hook makes the compute
+stream wait only for the chunks that write its parameters (``wait_params``), and the one that
+waits for the last chunk also waits for its copy out and frees the slots (``finish``). Until
+then the part holds the slots and the gradients the update reads (a gradient set to ``None`` by
+``zero_grad`` is not freed under it); everything else that touches them is ordered after the
+update on the device: the next ``step()`` (``finish``), ``wait_params``/the next backward
+(``order_params``), and whatever reads masters or state on the host (``sync``). State the
+class creates on a first step is allocated on the update stream and freed there, after that
+stream has waited for its copy out.
+
+The update is the device class stepping over the same values as without offloading
 (gradients read from ``.grad`` inside ``step()``, after any clipping), so its result is bit for
 bit the wrapped class run on the device over fp32 masters (or over the parameters themselves).
 
@@ -112,8 +128,17 @@ class StreamedPart:
         budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
         state_elems: int = 2,
         elementwise: bool = True,
+        overlapped: bool = False,
     ) -> None:
         self._device = device
+        # overlapped (``overlap="next_forward"``): the update runs on its own stream and step()
+        # returns before it is done; each module's next forward waits for its own chunks
+        self.overlapped = overlapped
+        self.update_stream = device.new_stream() if overlapped else None
+        self._ready: dict[int, tuple[int, Event]] = {}  # param -> (chunk position, its update done)
+        self._held_grads: dict[int, torch.Tensor] = {}  # gradients the queued update still reads
+        self._held: list[torch.Tensor] = []  # slots and device state queued work still uses
+        self._updated: Optional[Event] = None  # the end of the last overlapped update
         self.params = list(params)
         self.group_of = list(group_ids)
         self.group_ids = list(dict.fromkeys(group_ids))
@@ -230,9 +255,63 @@ class StreamedPart:
         dev.wait_event(dev.current_stream(), dev.record_event(self.h2d))
         dev.wait_host(dev.record_event(self.h2d))
 
+    def wait_params(self, indices: Sequence[int]) -> None:
+        """(Overlapped, a module's forward pre-hook.) The compute stream waits, device side, for
+        the chunks of the last update that write parameters ``indices``, no other; the
+        gradients those chunks read are released then. The forward that waits for the last
+        chunk also waits for its copy out, and frees the staging (``finish``), so that it is not
+        held through the rest of the forward and backward."""
+        marks = [self._ready.pop(i) for i in indices if i in self._ready]
+        if not marks:
+            return
+        self._wait_forward(max(marks, key=lambda m: m[0])[1])
+        dev = self._device
+        for i in indices:
+            dev.will_read(self.params[i])
+            grad = self._held_grads.pop(i, None)
+            if grad is not None:
+                dev.will_free(grad)
+        if not self._ready:  # the last chunk's forward: free the staging (after its copy out)
+            self.finish()
+
+    def _wait_forward(self, event: Event) -> None:
+        """The compute stream waits for a chunk's update before a forward reads its parameters
+        (tests remove it: a hazard)."""
+        self._device.wait_event(self._device.current_stream(), event)
+
+    def order_params(self) -> None:
+        """(Overlapped.) The compute stream waits, device side, for the whole last update:
+        parameters written, gradients read (``wait_params``, the next backward, in-place
+        ``zero_grad``). The host is not blocked."""
+        if self._updated is None:
+            return
+        dev = self._device
+        dev.wait_event(dev.current_stream(), self._updated)
+        self._ready.clear()
+        for grad in self._held_grads.values():
+            dev.will_free(grad)
+        self._held_grads.clear()
+
+    def finish(self) -> None:
+        """(Overlapped.) ``order_params``, and the compute stream waits for the last copy out,
+        so that the staging and device state the update used can be freed (dropped here). The
+        host is not blocked."""
+        if self._updated is None:
+            return
+        self.order_params()
+        dev = self._device
+        if self._last is not None:
+            dev.wait_event(dev.current_stream(), self._last)
+        for t in self._held:
+            dev.will_free(t)
+        self._held = []
+        self._updated = None
+
     def sync(self) -> None:
         """Block until the last update's copies into host memory have landed (before the host
-        reads masters or state: ``state_dict``, ``load_state_dict``)."""
+        reads masters or state: ``state_dict``, ``load_state_dict``); device work that reads
+        or writes the parameters after this is ordered after the update."""
+        self.finish()
         if self._last is not None:
             self._device.wait_host(self._last)
             self._last = None
@@ -261,12 +340,15 @@ class StreamedPart:
         self._device.wait_event(self.h2d, event)
 
     def _wait_chunk(self, event: Event) -> None:
-        """The compute stream waits for a chunk's copy in (tests remove it: a hazard)."""
-        self._device.wait_event(self._device.current_stream(), event)
+        """The stream that updates (compute, or the update stream when overlapped) waits for a
+        chunk's copy in (tests remove it: a hazard)."""
+        self._device.wait_event(self.update_stream or self._device.current_stream(), event)
 
     def step(self, hypers: Sequence[dict]) -> None:
-        """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``,
-        on the compute stream; the host is not blocked)."""
+        """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``;
+        the host is not blocked). On the compute stream, done when step() returns; overlapped:
+        on ``update_stream``, chunks in forward order (the reverse of gradient arrival), still
+        running when step() returns (see ``wait_params``, ``order_params``, ``finish``)."""
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(
@@ -278,17 +360,23 @@ class StreamedPart:
             pieces = [pc for pc in c.pieces if self.params[pc.index].grad is not None]
             if pieces:
                 live.append((c, pieces, *self._layout(pieces)))
+        self.finish()  # overlapped: the last update is ordered before this one
         if not live:
             return
         # no host wait: the previous step's copies out are ordered before ``start`` (the compute
         # stream waited for them), and the host reads no state here
         dev = self._device
         compute = dev.current_stream()
+        ustream = self.update_stream or compute
+        if self.overlapped:
+            live.reverse()  # forward order: the next forward's first modules wait least
         slot_bytes = max(total for *_, total in live)
         slots = [dev.alloc_device(max(slot_bytes, 1), self.params[0].device)
                  for _ in range(min(SLOTS, len(live)))]
         self.staging_bytes = sum(s.numel() for s in slots)
         start = dev.record_event(compute)
+        if self.overlapped:  # gradients final (clipped), parameters read by backward
+            dev.wait_event(ustream, start)
         outs: list[Event] = []
         keep: list[torch.Tensor] = []  # device state the optimizer created, read by copies out
         fresh = False  # this chunk's class created state on the device (a parameter's first step)
@@ -314,10 +402,18 @@ class StreamedPart:
                         st[name] = raw.view(host.dtype).view(host.shape)
                     views.append((m, g, st))
                 self._wait_chunk(dev.record_event(self.h2d))
-                dev.will_read(slot[:total])
-                sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
-                self._update(chunk, pieces, views)
-                dev.wait_event(self.d2h, dev.record_event(compute))
+                if self.overlapped:
+                    grads = [self.params[pc.index].grad for pc in pieces]
+                    dev.run_on(ustream, lambda: self._chunk_update(chunk, pieces, views, slot[:total], hypers),
+                               reads=grads + [slot], writes=[self._written(pc) for pc in pieces])
+                    done = dev.record_event(ustream)
+                    for pc, grad in zip(pieces, grads):
+                        self._ready[pc.index] = (i, done)
+                        self._held_grads[pc.index] = grad
+                else:
+                    self._chunk_update(chunk, pieces, views, slot[:total], hypers)
+                    done = dev.record_event(compute)
+                dev.wait_event(self.d2h, done)
                 for pc, (m, _, _) in zip(pieces, views):
                     if m is not None:
                         dev.copy(self.d2h, flat_bytes(self.masters[pc.index].view(-1)[pc.start:pc.stop]), m)
@@ -325,7 +421,7 @@ class StreamedPart:
                     fresh |= self._copy_state_out(chunk, pc, keep)
                 outs.append(dev.record_event(self.d2h))
                 if fresh:  # state the class just created: freed chunk by chunk, not at the end
-                    self._free_after_copy_out(outs[-1], keep)
+                    self._free_after_copy_out(outs[-1], keep, ustream)
                     fresh = False
         except BaseException:
             # the chunks before keep their update (as on the CPU path); unbind this one's slot
@@ -335,14 +431,39 @@ class StreamedPart:
                     c.optimizer.state.pop(pc.key, None)
                     if self.masters[pc.index] is not None:
                         pc.key.set_()
+            if self.overlapped:
+                dev.wait_event(compute, dev.record_event(ustream))
+                self._ready.clear()
+                self._held_grads.clear()
             dev.wait_event(compute, dev.record_event(self.h2d))
             dev.wait_event(compute, dev.record_event(self.d2h))
             self._last = dev.record_event(self.d2h)
             raise
+        self._last = outs[-1]
+        if self.overlapped:  # freed once the compute stream waited for them (finish)
+            self._updated = dev.record_event(ustream)
+            self._held = slots + keep
+            return
         dev.wait_event(compute, outs[-1])  # slots and new state may be freed; next step ordered
         for t in slots + keep:
             dev.will_free(t)
-        self._last = outs[-1]
+
+    def _written(self, pc: _Piece) -> torch.Tensor:
+        """The part of its parameter that piece ``pc``'s update writes."""
+        p = self.params[pc.index].detach()
+        return p.view(-1)[pc.start:pc.stop] if pc.split else p
+
+    def _chunk_update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple],
+                      staged: torch.Tensor, hypers: Sequence[dict]) -> None:
+        """One chunk's update, on the stream current now (its copy in waited for)."""
+        self._device.will_read(staged)
+        sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
+        self._update(chunk, pieces, views)
+        for pc in pieces:  # copies out read flat storage: made contiguous on this stream
+            st = chunk.optimizer.state.get(pc.key, {})
+            for name, v in st.items():
+                if torch.is_tensor(v) and not v.is_contiguous():
+                    st[name] = v.contiguous()
 
     def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple]) -> None:
         opt = chunk.optimizer
@@ -371,15 +492,19 @@ class StreamedPart:
             for pc in pieces:
                 pc.key.grad = None
 
-    def _free_after_copy_out(self, copied: Event, keep: list[torch.Tensor]) -> None:
+    def _free_after_copy_out(self, copied: Event, keep: list[torch.Tensor], stream: Any) -> None:
         """Drop the device tensors in ``keep`` once the copy out recorded by ``copied`` has read
-        them: the compute stream (where they were allocated) waits for it first. Only after a
-        first step's chunk, so that its new state (8 B/param for AdamW) never adds up on the
-        device beyond one chunk; it costs that step's overlap of compute with the copies out."""
+        them: ``stream`` (the one that updates, where they were allocated) waits for it first.
+        Only after a first step's chunk, so that its new state (8 B/param for AdamW) never adds
+        up on the device beyond one chunk; it costs that step's overlap of the update with the
+        copies out."""
         dev = self._device
-        dev.wait_event(dev.current_stream(), copied)
-        for t in keep:
-            dev.will_free(t)
+        dev.wait_event(stream, copied)
+        if stream is dev.current_stream():
+            for t in keep:
+                dev.will_free(t)
+        else:
+            dev.run_on(stream, lambda: [dev.will_free(t) for t in keep])
         keep.clear()
 
     def _copy_state_out(self, chunk: _Chunk, pc: _Piece, created: list[torch.Tensor]) -> bool:

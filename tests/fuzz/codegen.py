@@ -64,7 +64,7 @@ if __name__ == "__main__":
 PRELUDE = (
     prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
     prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
-    prelude.zero_grad_of, prelude.boom_hook, prelude.identity,
+    prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight,
 )
 
 
@@ -325,13 +325,15 @@ def _steps(spec: ProgramSpec, out: _Lines) -> None:
         _optimizer_step(spec, out)
     else:
         out(3, "layers.zero_grad()")
+    # next_forward: the streamed update is still running after step(), in its staging
+    held = "in_flight(opt)" if opt is not None and opt.overlap == "next_forward" else ""
     alive = "watch.alive()"
     if _old_checkpoint_cycles(spec):
         alive = "None"  # torch < 2.11: its non-reentrant checkpoint leaves cycles (see below)
     out(3, 'rec.put(f"step{step}.hooks_left", top_saved_tensors_hooks() is not None)',
         'rec.put(f"step{step}.context_active", cpu_offload.is_cpu_offload_enabled())',
         f'rec.put(f"step{{step}}.live_activations", {alive})',
-        'rec.put(f"step{step}.live_device_buffers", dev.live_device_buffers())',
+        f'rec.put(f"step{{step}}.live_device_buffers", dev.live_device_buffers({held}))',
         "host0 = host0 or dev.live_host_buffers()",
         'rec.put(f"step{step}.host_buffer_growth", max(0, dev.live_host_buffers() - host0))')
 

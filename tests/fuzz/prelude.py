@@ -35,8 +35,16 @@ class TrackingDevice(cpu_offload.SimulatedDevice):
     def live_host_buffers(self):
         return sum(r() is not None for r in self.host_refs)
 
-    def live_device_buffers(self):
-        return sum(r() is not None for r in self.device_refs)
+    def live_device_buffers(self, held=()):
+        """Device buffers alive, but those in ``held`` (work still in flight uses them)."""
+        skip = {id(t) for t in held}
+        return sum(r() is not None and id(r()) not in skip for r in self.device_refs)
+
+
+def in_flight(opt):
+    """The device buffers an optimizer's streamed update still running after ``step()``
+    (``overlap="next_forward"``) holds: freed once the next forward has waited for it."""
+    return [t for part in getattr(opt, "_parts", ()) for t in part._held]
 
 
 class Watch:

@@ -148,6 +148,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f["max_grad_norm"] += 1
         if opt.stream_fraction != 0.0 and opt.fraction > 0:
             f["stream"] += 1
+            if opt.overlap == "next_forward":  # the streamed update overlaps the next forward
+                f["stream_overlapped"] += 1
     return f
 
 

@@ -95,7 +95,8 @@ def test_generation_covers_every_dimension():
         "fault=fwd", "fault=bwd", "fault=between", "eval=inside", "eval=before", "optimizer",
         "overlap=none", "overlap=backward_copies", "overlap=backward_update",
         "overlap=next_forward", "edit=clip", "edit=scale", "edit=zero", "edit=none",
-        "edit=zero_grad", "max_grad_norm", "stream", "min_size=default", "min_size>0", "steps>1",
+        "edit=zero_grad", "max_grad_norm", "stream", "stream_overlapped",
+        "min_size=default", "min_size>0", "steps>1",
     } | {f"layer={k}" for k in ("mlp", "attention", "conv1d", "conv2d", "rnn", "custom_function",
                                 "inplace", "inplace_after_recipe", "views")}
     assert expected <= seen, sorted(expected - seen)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
-from cpu_offload import OffloadConfigError, SimulatedDevice
+from cpu_offload import OffloadConfigError, OffloadUsageError, SimulatedDevice
 from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
 from cpu_offload.optim.balance import balanced_cpu_share, balanced_seconds
@@ -210,15 +211,174 @@ def test_budget_bounds_the_device_staging(budget):
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["none", "next_forward"])  # compute stream, update stream
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_missing_wait_for_the_copy_in_is_a_hazard(monkeypatch, dtype):
+def test_missing_wait_for_the_copy_in_is_a_hazard(monkeypatch, dtype, mode):
     m = model(dtype)
-    opt = hybrid(m, 1.0, 1.0)
+    opt = hybrid(m, 1.0, 1.0, mode)
     train(m, opt, 1)  # fp32: the state to copy in exists from the second step on
     monkeypatch.setattr(StreamedPart, "_wait_chunk", lambda self, event: None)
     loss_of(m, 1).backward()
     with pytest.raises(SimulatedHazard, match="still writes"):
         opt.step()
+
+
+# ---------------------------------------------------------------------------------------------
+# next_forward: the streamed update on its own stream, overlapping the next forward
+
+def _step_with_update_queued(dev, dtype=torch.float32, stream=1.0):
+    m = model(dtype)
+    opt = hybrid(m, 1.0, stream, "next_forward", device=dev)
+    train(m, opt, 1)  # the first step creates the state (and waits for each chunk's copy out)
+    loss_of(m, 1).backward()
+    begin, before = len(dev.log), opt._parts[0].update_stream.queued
+    opt.step()
+    # what the compute stream waited for on the update stream, of this step's update
+    waited = [e for e in dev.log[begin:]
+              if e[:3] == ("wait", "compute", opt._parts[0].update_stream.name) and e[3] > before]
+    return m, opt, dev.log[begin:], waited
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_next_forward_returns_before_the_update_and_forwards_wait_for_their_own_chunks(dtype):
+    dev = SimulatedDevice()
+    m, opt, during_step, waited = _step_with_update_queued(dev, dtype)
+    part = opt._parts[0]
+    assert ("run_on", part.update_stream.name) in during_step and not waited
+    queued = len(part.update_stream.pending)
+    assert queued > 0  # still queued when step() returns
+    layers = [c for c in m.children() if list(c.parameters())]
+    left = []
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: left.append(len(part.update_stream.pending)))
+    opt.zero_grad()
+    loss = loss_of(m, 2)
+    # chunks in forward order: the first layer's forward waited for its own chunks only (the
+    # last layers' are still queued after it), each later one for a few more, the last for all
+    assert 0 < left[0] <= queued and left == sorted(left, reverse=True) and left[-1] == 0
+    loss.backward()
+    opt.step()
+    opt.close()
+    assert dev.pending_ops() == 0
+
+
+def test_a_forward_that_does_not_wait_for_its_chunks_is_a_hazard(monkeypatch):
+    m, opt, *_ = _step_with_update_queued(SimulatedDevice())
+    monkeypatch.setattr(StreamedPart, "_wait_forward", lambda self, event: None)
+    opt.zero_grad()
+    with pytest.raises(SimulatedHazard, match="still writes"):
+        loss_of(m, 2)
+
+
+def test_an_update_stream_that_does_not_wait_for_the_copy_in_is_a_hazard(monkeypatch):
+    m = model()
+    opt = hybrid(m, 1.0, 1.0, "next_forward")
+    train(m, opt, 1)
+    waits = []
+    monkeypatch.setattr(StreamedPart, "_wait_chunk", lambda self, event: waits.append(event))
+    loss_of(m, 1).backward()
+    with pytest.raises(SimulatedHazard, match="still writes"):
+        opt.step()
+    assert waits
+
+
+def test_zeroing_gradients_in_place_waits_for_the_update_that_reads_them(monkeypatch):
+    m, opt, *_ = _step_with_update_queued(SimulatedDevice())
+    opt.zero_grad(set_to_none=False)  # ordered: fine
+    opt.close()
+    m, opt, *_ = _step_with_update_queued(SimulatedDevice())
+    monkeypatch.setattr(HybridDeviceOptimizer, "_order_streamed", lambda self: None)
+    with pytest.raises(SimulatedHazard, match="still reads or writes"):
+        opt.zero_grad(set_to_none=False)
+
+
+def test_wait_params_orders_the_whole_update(monkeypatch):
+    m, opt, *_ = _step_with_update_queued(SimulatedDevice())
+    opt.wait_params()  # ordered: fine
+    opt.close()
+    m, opt, *_ = _step_with_update_queued(SimulatedDevice())
+    monkeypatch.setattr(StreamedPart, "order_params", lambda self: None)
+    monkeypatch.setattr(StreamedPart, "finish", lambda self: None)
+    with pytest.raises(SimulatedHazard, match="still writes"):
+        opt.wait_params()
+
+
+@pytest.mark.parametrize("edit", ["wait_params", "state_dict", "reload", "zero_in_place", "none"])
+def test_next_forward_stays_exact_with_reads_between_steps(edit):
+    """Between step() and the next forward: wait_params, state_dict (and loading it back),
+    reload_master_weights, in-place zero_grad or nothing: the numbers stay the wrapped class's,
+    and nothing is left queued or held on the device at close()."""
+    ref, ref_opt = reference(torch.bfloat16)
+    m = model(torch.bfloat16)
+    dev = _Tracking()
+    opt = hybrid(m, 1.0, 0.6, "next_forward", device=dev)
+    for i in range(4):
+        for mm, o in ((ref, ref_opt), (m, opt)):
+            loss_of(mm, i).backward()
+            o.step()
+            if mm is m and edit == "wait_params":
+                opt.wait_params()
+                assert all(torch.isfinite(p).all() for p in m.parameters())
+            elif mm is m and edit == "state_dict":
+                opt.load_state_dict(opt.state_dict())
+            elif edit == "reload":  # masters from the (bf16) parameters, on both sides
+                if mm is m:
+                    opt.reload_master_weights()
+                else:
+                    for w, q in zip(ref_opt.masters, ref.parameters()):
+                        w.copy_(q)
+            o.zero_grad(set_to_none=edit != "zero_in_place" or mm is ref)
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+    assert dev.pending_ops() == 0 and dev.live_device_buffers() == 0
+
+
+def test_next_forward_frees_the_staging_of_one_update_before_the_next():
+    dev = _Tracking()
+    m = model()
+    opt = hybrid(m, 1.0, 1.0, "next_forward", device=dev)
+    for i in range(3):
+        loss_of(m, i).backward()
+        opt.step()
+        assert dev.live_device_buffers() == SLOTS  # this update's slots only
+        opt.zero_grad()
+    opt.wait_params()
+    assert dev.live_device_buffers() == 0  # freed by wait_params (steady memory)
+    loss_of(m, 3).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(m, 4)  # the forward that waits for the last chunk frees the staging
+    assert dev.live_device_buffers() == 0
+    opt.close()
+
+
+def test_next_forward_needs_forward_waits_for_streamed_parameters_too():
+    m = model()
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, device=SimulatedDevice(), overlap="next_forward",
+                                stream_fraction=1.0, stream_budget_bytes=BUDGET, lr=1e-2)
+    loss_of(m, 0).backward()
+    with pytest.raises(OffloadUsageError, match="register_forward_waits"):
+        opt.step()
+    opt.register_forward_waits(m)
+    opt.step()
+    opt.close()
+
+
+class _Tracking(SimulatedDevice):
+    """The simulated device, remembering (weakly) every device buffer it handed out."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def alloc_device(self, nbytes, device):
+        t = super().alloc_device(nbytes, device)
+        self.refs.append(weakref.ref(t))
+        return t
+
+    def live_device_buffers(self):
+        return sum(r() is not None for r in self.refs)
 
 
 def test_zero_streams_nothing():
@@ -274,11 +434,14 @@ def test_bad_stream_budget(value):
 @pytest.mark.usefixtures("deterministic")  # also fills fresh slots: copies in must follow it
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("budget", [BUDGET, 2**20])
-def test_streamed_part_is_bit_identical_to_fused_adamw_on_cuda(dtype, budget):
+@pytest.mark.parametrize("mode", ["backward_update", "next_forward"])
+def test_streamed_part_is_bit_identical_to_fused_adamw_on_cuda(dtype, budget, mode):
+    """next_forward: the update runs on its own stream while the next forward runs; each
+    step's forward in ``train`` waits only for its own chunks."""
     ref, ref_opt = reference(dtype, "cuda")
     ref_losses = train(ref, ref_opt, 4)
     m = model(dtype, "cuda")
-    opt = hybrid(m, 1.0, 1.0, "backward_update", device=_cuda(), budget=budget)
+    opt = hybrid(m, 1.0, 1.0, mode, device=_cuda(), budget=budget)
     assert train(m, opt, 4) == ref_losses
     assert_same(m, opt, ref, ref_opt)
     opt.close()
@@ -305,6 +468,34 @@ def test_streamed_peak_memory_within_the_budget_on_cuda():
         assert peak <= (budget if i else budget * 3 // 2), (i, peak, budget)
         opt.zero_grad()
     assert 0 < opt.last_step_stats["stream_staging_bytes"] <= budget
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_next_forward_holds_staging_only_until_the_update_is_waited_for_on_cuda():
+    """next_forward: step() returns with the update queued, holding the slots (and the gradients
+    it reads); wait_params (or the forward that reaches the last chunk) gives them back."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda().to(torch.bfloat16)
+    budget = 2**20 * 2
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, stream_fraction=1.0, stream_budget_bytes=budget,
+                                device=_cuda(), overlap="next_forward", lr=1e-3)
+    opt.register_forward_waits(m)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    base = None
+    for i in range(3):
+        m(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        held = torch.cuda.memory_allocated()
+        opt.wait_params()
+        torch.cuda.synchronize()
+        if base is not None:
+            grads = sum(p.numel() * p.element_size() for p in m.parameters())
+            assert 0 < held - base <= budget + grads, (i, held - base)
+            assert torch.cuda.memory_allocated() == base, i
+        base = torch.cuda.memory_allocated()
     opt.close()
 
 
@@ -358,10 +549,11 @@ def test_pinned_memory_is_allocated_at_construction_only(dtype):
     opt.close()
 
 
-def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch):
+@pytest.mark.parametrize("mode", ["none", "next_forward"])
+def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     dev = SimulatedDevice()
     m = model()
-    opt = hybrid(m, 1.0, 1.0, device=dev)
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
     train(m, opt, 1)
     calls = []
     update = StreamedPart._update
