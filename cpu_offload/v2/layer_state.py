@@ -145,7 +145,7 @@ class Entry:
 
     __slots__ = (
         "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version",
-        "storage", "gpu", "aliases", "nrefs", "owner", "cpu", "reloaded", "rstorage",
+        "storage", "gpu", "aliases", "nrefs", "owner", "cpu", "reloaded",
         "ready_event", "reload_event", "reload_wait", "live", "pops", "generation", "checksum",
         "verified", "error", "recheck", "listed_by",
     )
@@ -171,7 +171,7 @@ class Entry:
         entry.aliases = [alias]  # a detached alias per saved tensor, until release
         entry.nrefs = 1  # aliases made (SavedRef.index counts them)
         entry.owner = None  # after a release that freed nothing: the storage, weakly
-        entry.cpu = entry.reloaded = entry.rstorage = None
+        entry.cpu = entry.reloaded = None
         entry.ready_event = entry.reload_event = entry.reload_wait = None
         entry.live = entry.pops = entry.generation = 0
         entry.checksum = None
@@ -226,11 +226,7 @@ class Entry:
         reloaded together (a layer) waits for all of it, once."""
         wait = self.reload_wait
         event, wait[0] = wait[0], None
-        dev = self.rt.device
-        compute = dev.current_stream()
-        if dev.times_events:
-            self.stats.waits.append((dev.record_event(compute), event))  # ``record_wait``
-        dev.wait_event(compute, event)
+        self.rt.device.compute_wait(event, self.stats.waits)
 
     def verify_reload(self) -> None:
         """Verify mode: the reloaded bytes must be the bytes that were saved (blocks the host)."""
@@ -306,7 +302,7 @@ class Entry:
             dev = self.rt.device
             dev.wait_event(dev.current_stream(), wait[0])
             wait[0] = None
-        self.reloaded = self.rstorage = self.reload_event = self.reload_wait = None
+        self.reloaded = self.reload_event = self.reload_wait = None
         self.pops = 0
         self.generation += 1
 
@@ -319,36 +315,22 @@ class Entry:
         self.cpu = self.gpu = self.storage = self.aliases = None
 
 
-def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> None:
-    """Allocate device storages on the compute stream and queue the host-to-device copies.
-
-    All buffers are allocated before any entry changes, so an out-of-memory error leaves every
-    entry as it was (a retried backward reloads them again). ``event_key``: a layer's reload,
-    ended by one event (``Runtime.record``) that the first unpack of any of its entries waits
-    for, on behalf of all; without it (a reload on demand), one event per group of small
-    copies and per large copy."""
+def copy_in(rt: Runtime, entries: list) -> None:
+    """A reload on demand (not scheduled: a custom schedule, a partial backward): allocate
+    device storages on the compute stream and queue the host-to-device copies, one event per
+    group of small copies and per large copy. All buffers are allocated before any entry
+    changes, so an out-of-memory error leaves every entry as it was. (A layer's scheduled
+    reload is ``LayerState.start_reload``.)"""
     dev, stream = rt.device, rt.stream
     alloc = dev.alloc_device
     buffers = [alloc(entry.nbytes, entry.device) for entry in entries]
     pairs = [(b, e.cpu) for b, e in zip(buffers, entries)]
     # The new buffers were allocated on the compute stream: copy once compute got there.
-    if event_key is not None:
-        dev.copy_after_compute(stream, pairs)
-        event = rt.record(event_key)
-        wait = [event]  # shared: the first unpack of any of them waits, for all
-        for entry, buf in zip(entries, buffers):
-            entry.lstats.reloaded_bytes += entry.nbytes
-            entry.reloaded = buf
-            entry.rstorage = buf.untyped_storage()
-            entry.reload_event = event
-            entry.reload_wait = wait
-        return
     dev.wait_stream(stream, dev.current_stream())
     events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
     for entry, buf, event in zip(entries, buffers, events):
         entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
-        entry.rstorage = buf.untyped_storage()
         entry.reload_event = event
         entry.reload_wait = [event]
 
@@ -431,14 +413,14 @@ def unpack(packed: Any) -> Any:
     if entry.error is not None:
         raise OffloadUsageError(entry.error)
     flat = entry.reloaded
-    if flat is not None and entry.reload_wait[0] is None and entry.checksum is None:
-        storage = entry.rstorage  # reloaded and waited for (by an earlier unpack)
-    else:
+    if flat is None or entry.checksum is not None:
         flat = entry.device_bytes_for_unpack()
-        storage = flat.untyped_storage()
-    if packed.bits is None:  # ``restore_view``, spelled out for the common case
+    elif entry.reload_wait[0] is not None:
+        entry.wait_reload()  # the first unpack of what was reloaded together
+    if packed.bits is None:  # ``restore_view``, spelled out for the common case (``flat``
+        # starts its storage: the offset is the storage's)
         t = flat.new_empty(0, dtype=packed.dtype).set_(
-            storage, packed.offset, packed.size, packed.stride)
+            flat, packed.offset, packed.size, packed.stride)
     else:
         t = restore_view(flat, packed.meta)
     if packed.cls is not _Tensor:
@@ -450,7 +432,7 @@ def unpack(packed: Any) -> Any:
         # Last unpack of this backward: autograd now owns the only reference, so the reloaded
         # memory is freed as soon as the backward node is done with it (``free_reload``; the
         # copy was waited for above).
-        entry.reloaded = entry.rstorage = entry.reload_event = entry.reload_wait = None
+        entry.reloaded = entry.reload_event = entry.reload_wait = None
         entry.pops = 0
         entry.generation += 1
     return t
@@ -578,7 +560,7 @@ class LayerState:
             entry.gpu = None
             entry.aliases = [alias]
             entry.nrefs = 1
-            entry.owner = entry.cpu = entry.reloaded = entry.rstorage = None
+            entry.owner = entry.cpu = entry.reloaded = None
             entry.ready_event = entry.reload_event = entry.reload_wait = None
             entry.live = entry.pops = entry.generation = 0
             entry.checksum = entry.error = None
@@ -648,12 +630,16 @@ class LayerState:
         )
         return KeptRef(t)
 
-    def flush_copies(self) -> None:
+    def flush_copies(self, end: bool = False) -> None:
         """Queue the device-to-host copies of the storages saved since the last flush (after the
-        compute that produced them): pinned buffers, one stream wait and one batch for all."""
+        compute that produced them): pinned buffers, one stream wait and one batch for all.
+        ``end``: the layer's forward is over; the same device call also marks where its copies
+        end on the copy stream (one event per layer, re-recorded every step)."""
         entries = self.entries
         n = len(entries)
         if self.flushed == n:
+            if end:
+                self._end_copies(())
             return
         pending = entries[self.flushed:]
         for e in pending:
@@ -665,6 +651,8 @@ class LayerState:
         self.flushed = n
         self.pending_bytes = 0
         if not pending:
+            if end:
+                self._end_copies(())
             return
         rt = self.rt
         bufs = rt.pool.acquire_many(
@@ -677,14 +665,25 @@ class LayerState:
             if verify:
                 entry.checksum = checksum(flat)
             entry.lstats.copied_out_bytes += entry.nbytes
-        rt.device.copy_after_compute(rt.stream, [(e.cpu, e.gpu) for e in pending])
+        pairs = [(e.cpu, e.gpu) for e in pending]
+        if end:
+            self._end_copies(pairs)
+        else:
+            rt.device.copy_after_compute(rt.stream, pairs)
+
+    def _end_copies(self, pairs: Any) -> None:
+        """Queue the last copies of the layer's forward and record its offload event after
+        them (``copy_batch``: one device call)."""
+        rt = self.rt
+        events, key = rt.events, (self.index, "offload")
+        self.offload_event = events[key] = rt.device.copy_batch(
+            rt.stream, pairs, events[key] if key in events else None)
 
     def finish_forward(self) -> None:
-        """End of this layer's forward: mark where its offload copies end on the copy stream
-        (one event per layer, re-recorded every step)."""
+        """End of this layer's forward: queue the copies not queued yet and mark where its
+        offload copies end on the copy stream (one event per layer, re-recorded every step)."""
         if self.eager and self.entries:
-            self.flush_copies()
-            self.offload_event = self.rt.record((self.index, "offload"))
+            self.flush_copies(True)
 
     def start_offload(self) -> None:
         """Manual mode: queue the copies of every entry not copied yet; tensors this layer saves
@@ -714,17 +713,38 @@ class LayerState:
                     f"release_activation_forward_gpu_memory({self.index}) before "
                     f"start_offload_layer({self.index}): start the offload first"
                 )
-        dev = self.rt.device
-        if on_device:
-            compute = dev.current_stream()
-            if dev.times_events:
-                self.stats.waits.append((dev.record_event(compute), self.offload_event))
-            dev.wait_event(compute, self.offload_event)
+        rt = self.rt
+        dev = rt.device
+        milestone = ("release", self.index) if rt.traces else None
+        if not on_device:
+            self.released = True
+            if milestone is not None:
+                dev.trace(*milestone)
+            return
+        # One device call: compute waits for the layer's copies (timed, if the device times
+        # events), then the milestone.
+        dev.compute_wait(self.offload_event, self.stats.waits, milestone)
+        count = _storage_use_count
+        checks_frees = rt.checks_frees
         for entry in on_device:
-            entry.release(recheck)
+            # ``Entry.release``, spelled out for a storage that nobody else references and
+            # that is unchanged since it was saved: its aliases are simply dropped.
+            if count is None or count(entry.storage._cdata) > entry.nrefs + 2:
+                entry.release(recheck)  # held elsewhere
+                continue
+            version = entry.version
+            for alias in entry.aliases:
+                if alias._version != version:
+                    break
+            else:
+                entry.aliases = None
+                if checks_frees:
+                    dev.will_free(entry.gpu)
+                entry.lstats.freed_bytes += entry.nbytes
+                entry.gpu = entry.storage = None
+                continue
+            entry.release(recheck)  # changed in place: its unpack must raise
         self.released = True
-        if self.rt.traces:
-            dev.trace("release", self.index)
 
     # -- backward --------------------------------------------------------------------------------
     def start_reload(self) -> None:
@@ -744,11 +764,27 @@ class LayerState:
                     and (e.owner is None or e.still_on_device() is None)
                 ]
                 break
+        rt = self.rt
         if todo:
-            copy_in(self.rt, todo, (self.index, "reload"))
+            # One device call: the buffers (allocated on the compute stream, all before any
+            # entry changes, so an out-of-memory error leaves every entry as it was), the
+            # copies once compute got there, and the layer's event re-recorded at their end,
+            # which the first unpack of any of them waits for, on behalf of all.
+            events, key = rt.events, (self.index, "reload")
+            buffers, event = rt.device.reload_batch(
+                rt.stream, [(e.cpu, e.device) for e in todo],
+                events[key] if key in events else None,
+                ("reload", self.index) if rt.traces else None)
+            events[key] = event
+            wait = [event]
+            for entry, buf in zip(todo, buffers):
+                entry.lstats.reloaded_bytes += entry.nbytes
+                entry.reloaded = buf
+                entry.reload_event = event
+                entry.reload_wait = wait
+        elif rt.traces:
+            rt.device.trace("reload", self.index)
         self.reload_started = True
-        if self.rt.traces:
-            self.rt.device.trace("reload", self.index)
 
     def end_backward(self) -> None:
         """After a backward pass: drop reloads nobody unpacked; allow another reload."""

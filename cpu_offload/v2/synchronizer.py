@@ -427,7 +427,7 @@ class OffloadSynchronizer:
         if current is not None:
             self.current = None
             if current.eager and current.entries:
-                current.finish_forward()
+                current.flush_copies(True)  # ``finish_forward``
         step = self.step
         if step is not None and step.fwd_count >= step.model_layers:
             step.end_forward_layer()
