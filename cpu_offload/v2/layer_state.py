@@ -467,56 +467,32 @@ class LayerState:
         self.pending_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor, ready: Optional[Event] = None, selected: bool = False
+             ) -> Any:
         """The pack hook of an offloaded layer (Note [hot path calls]). A plain tensor without
         marks (nothing in its or its base's ``__dict__``) outside an opted-out module is judged
-        here with attribute reads only; anything else goes through ``pack_checked``."""
-        base = t._base
-        if (not _FAST_PATH or type(t) is not _Tensor or t.__dict__
-                or (MODULE_POLICY and not MODULE_POLICY[-1]) or t.layout is not _strided):
-            return self.pack_checked(t)
-        rt = self.rt
-        if base is not None:
-            if type(base) is _Parameter and SKIP_ATTR not in base.__dict__ and (
-                    rt.device_type == t.device.type):
-                # A view of a parameter (``F.linear`` saves ``weight.t()``): kept.
-                lstats = self.lstats if self.lstats is not None else self.layer_stats()
-                lstats.skipped_bytes["parameter"] += t.nbytes
-                return KeptRef(t)
-            if type(base) is not _Tensor or base.__dict__:
+        here with attribute reads only; anything else goes through ``pack_checked``, which
+        comes back with ``selected=True`` for a tensor the selection policy offloads (and
+        ``ready``: the tensor is final from that event on, ``start_offload``). The storage's
+        copy to the host is queued at the layer's end (or at once, for a large one)."""
+        if not selected:
+            base = t._base
+            if (not _FAST_PATH or type(t) is not _Tensor or t.__dict__
+                    or (MODULE_POLICY and not MODULE_POLICY[-1]) or t.layout is not _strided):
                 return self.pack_checked(t)
-        if (rt.device_type != t.device.type or t.is_nested
-                or (rt.threshold and t.nbytes < rt.threshold * t.itemsize)):
-            return self.pack_checked(t)
-        return self.offload(t)
-
-    def pack_checked(self, t: torch.Tensor) -> Any:
-        """The pack hook's general path: the selection policy decides (and the statistics say
-        why a tensor stays); wrapper subclasses are taken apart, inner tensor by inner tensor."""
-        policy = self.rt.policy
-        if type(t) is not _Tensor and is_traceable_wrapper_subclass(t):
-            if policy.wrapper_skip_reason(t) is not None:
-                return KeptRef(t)
-            names, ctx = tensor_flatten(t)
-            inner = {name: self.pack_checked(getattr(t, name)) for name in names}
-            if all(type(v) is KeptRef for v in inner.values()):
-                return KeptRef(t)  # nothing inside was offloaded
-            return SavedSubclassRef(t, ctx, inner)
-        reason = policy.skip_reason(t)
-        if reason is not None:
-            if reason == "weight mark" and is_parameter(t._base):
-                reason = "parameter"  # F.linear saves weight.t()
-            self.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
-            return KeptRef(t)
-        ready = getattr(t, READY_EVENT_ATTR, None)
-        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
-            ready = getattr(t._base, READY_EVENT_ATTR, None)
-        return self.offload(t, ready)
-
-    def offload(self, t: torch.Tensor, ready: Optional[Event] = None) -> Any:
-        """Register a saved tensor the policy selected; its storage's copy to the host is queued
-        at the layer's end (or at once, for a large one). ``ready``: the tensor is final from
-        that event on (``start_offload``)."""
+            rt = self.rt
+            if base is not None:
+                if type(base) is _Parameter and SKIP_ATTR not in base.__dict__ and (
+                        rt.device_type == t.device.type):
+                    # A view of a parameter (``F.linear`` saves ``weight.t()``): kept.
+                    lstats = self.lstats if self.lstats is not None else self.layer_stats()
+                    lstats.skipped_bytes["parameter"] += t.nbytes
+                    return KeptRef(t)
+                if type(base) is not _Tensor or base.__dict__:
+                    return self.pack_checked(t)
+            if (rt.device_type != t.device.type or t.is_nested
+                    or (rt.threshold and t.nbytes < rt.threshold * t.itemsize)):
+                return self.pack_checked(t)
         storage = t.untyped_storage()
         key = storage._cdata
         shared = self.shared
@@ -546,7 +522,7 @@ class LayerState:
                 self.limit -= nbytes
             alias = t.detach()
             lstats = self.lstats if self.lstats is not None else self.layer_stats()
-            entry = _new(Entry)  # ``Entry.new``, spelled out
+            entry = Entry()  # ``Entry.new``, spelled out (no ``__init__``: every slot set here)
             entry.rt = rt
             entry.stats = self.stats
             entry.lstats = lstats
@@ -598,7 +574,7 @@ class LayerState:
             entry.aliases.append(alias)
             lstats = self.lstats if self.lstats is not None else self.layer_stats()
         lstats.offloaded_tensors += 1
-        ref = _new(SavedRef)  # ``SavedRef.new``, spelled out
+        ref = SavedRef()  # ``SavedRef.new``, spelled out (no ``__init__``: every slot set here)
         ref.entry = entry
         ref.index = index
         ref.dtype = t.dtype
@@ -614,12 +590,39 @@ class LayerState:
         entry.live += 1
         return ref
 
+    def pack_checked(self, t: torch.Tensor) -> Any:
+        """The pack hook's general path: the selection policy decides (and the statistics say
+        why a tensor stays); wrapper subclasses are taken apart, inner tensor by inner tensor."""
+        policy = self.rt.policy
+        if type(t) is not _Tensor and is_traceable_wrapper_subclass(t):
+            if policy.wrapper_skip_reason(t) is not None:
+                return KeptRef(t)
+            names, ctx = tensor_flatten(t)
+            inner = {name: self.pack_checked(getattr(t, name)) for name in names}
+            if all(type(v) is KeptRef for v in inner.values()):
+                return KeptRef(t)  # nothing inside was offloaded
+            return SavedSubclassRef(t, ctx, inner)
+        reason = policy.skip_reason(t)
+        if reason is not None:
+            if reason == "weight mark" and is_parameter(t._base):
+                reason = "parameter"  # F.linear saves weight.t()
+            self.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
+            return KeptRef(t)
+        ready = getattr(t, READY_EVENT_ATTR, None)
+        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+            ready = getattr(t._base, READY_EVENT_ATTR, None)
+        return self.pack(t, ready, True)
+
     def layer_stats(self) -> LayerStats:
         """This layer's counters, looked up once. Made only when something is counted, so a
         layer that saved nothing has none (as the statistics report it)."""
         lstats = self.lstats
-        if lstats is None:
-            lstats = self.lstats = self.stats.layer(self.index)
+        if lstats is None:  # ``StepStats.layer``, spelled out
+            layers, index = self.stats.layers, self.index
+            lstats = layers[index] if index in layers else None
+            if lstats is None:
+                lstats = layers[index] = LayerStats()
+            self.lstats = lstats
         return lstats
 
     def _over_host_budget(self, t: torch.Tensor, nbytes: int, budget: int) -> KeptRef:
@@ -666,8 +669,10 @@ class LayerState:
                 entry.checksum = checksum(flat)
             entry.lstats.copied_out_bytes += entry.nbytes
         pairs = [(e.cpu, e.gpu) for e in pending]
-        if end:
-            self._end_copies(pairs)
+        if end:  # ``_end_copies``, spelled out
+            events, key = rt.events, (self.index, "offload")
+            self.offload_event = events[key] = rt.device.copy_batch(
+                rt.stream, pairs, events[key] if key in events else None)
         else:
             rt.device.copy_after_compute(rt.stream, pairs)
 

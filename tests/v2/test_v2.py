@@ -802,3 +802,22 @@ def test_cuda_graph_capture_replays_bit_exact():
         assert torch.equal(static_out, ref_out.detach())
         for got, want in zip(static_grads, ref_grads):
             assert torch.equal(got, want)
+
+
+def test_contexts_left_out_of_order_on_one_thread_leave_the_others_active():
+    """The active contexts of a thread are a chain; one left before an inner one leaves the
+    chain as it was without it (the innermost still names the synchronizer of the block the
+    code runs in)."""
+    from cpu_offload.v2.context import active_synchronizer
+
+    contexts = [offload_ctx(SimulatedDevice(), 1, 2)[0] for _ in range(3)]
+    with torch.no_grad():  # no hooks: only the chain of active contexts is exercised
+        for c in contexts:
+            c.__enter__()
+        assert active_synchronizer() is contexts[2].synchronizer
+        contexts[1].__exit__(None, None, None)
+        assert active_synchronizer() is contexts[2].synchronizer
+        contexts[2].__exit__(None, None, None)
+        assert active_synchronizer() is contexts[0].synchronizer and is_cpu_offload_enabled()
+        contexts[0].__exit__(None, None, None)
+    assert active_synchronizer() is None and not is_cpu_offload_enabled()
