@@ -147,7 +147,7 @@ class Entry:
         "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version",
         "storage", "gpu", "aliases", "nrefs", "owner", "cpu", "reloaded",
         "ready_event", "reload_event", "reload_wait", "live", "pops", "generation", "checksum",
-        "verified", "error", "recheck", "listed_by",
+        "verified", "error", "recheck", "listed_by", "slab",
     )
 
     @classmethod
@@ -178,6 +178,7 @@ class Entry:
         entry.verified = -1  # the generation whose reload passed the verify check
         entry.error = None
         entry.recheck = False  # counted as held elsewhere when released; see ``recount``
+        entry.slab = None  # the ``HostSlab`` that ``cpu`` is a part of, if any
         return entry
 
     def flat(self) -> torch.Tensor:
@@ -311,8 +312,23 @@ class Entry:
         if self.reloaded is not None:
             self.free_reload()
         if self.cpu is not None:
-            self.rt.pool.release(self.cpu, self.pool_key)
+            slab = self.slab
+            if slab is None:
+                self.rt.pool.release(self.cpu, self.pool_key)
+            else:
+                slab.users -= 1
+                if not slab.users:  # the last storage copied into it: the buffer goes back
+                    self.rt.pool.release(slab.buf)
         self.cpu = self.gpu = self.storage = self.aliases = None
+
+
+class HostSlab:
+    """One pinned host buffer holding the copies of a batch of storages (a layer's, copied
+    together at its end), each in a slice of it: one pool call per batch instead of one per
+    storage. It goes back to the pool when the last of those storages is dropped. Made without
+    ``__init__`` (``buf`` and ``users`` are set where it is made)."""
+
+    __slots__ = ("buf", "users")
 
 
 def copy_in(rt: Runtime, entries: list) -> None:
@@ -367,7 +383,13 @@ class SavedRef:
             entry.pops -= 1  # autograd freed it after its node ran: it no longer waits
         if entry.live == 0:
             if entry.reloaded is None and entry.cpu is not None:  # ``drop``, spelled out
-                entry.rt.pool.release(entry.cpu, entry.pool_key)
+                slab = entry.slab
+                if slab is None:
+                    entry.rt.pool.release(entry.cpu, entry.pool_key)
+                else:
+                    slab.users -= 1
+                    if not slab.users:
+                        entry.rt.pool.release(slab.buf)
                 entry.cpu = entry.gpu = entry.storage = entry.aliases = None
             else:
                 entry.drop()
@@ -542,6 +564,7 @@ class LayerState:
             entry.checksum = entry.error = None
             entry.verified = -1
             entry.recheck = False
+            entry.slab = None
             shared[key] = entry
             index = 0
             if self.eager and (ready is not None or self.offload_event is not None):
@@ -658,11 +681,26 @@ class LayerState:
                 self._end_copies(())
             return
         rt = self.rt
-        bufs = rt.pool.acquire_many(
-            [e.nbytes for e in pending], [e.pool_key for e in pending] if rt.retain else None)
+        if rt.retain:  # a buffer bound to each (layer, slot): CUDA graphs copy into it
+            for entry, buf in zip(pending, rt.pool.acquire_many(
+                    [e.nbytes for e in pending], [e.pool_key for e in pending])):
+                entry.cpu = buf
+        else:  # one pinned buffer for the batch, a slice of it per storage
+            total = users = 0
+            for entry in pending:
+                total += entry.nbytes
+                users += 1
+            slab = HostSlab()
+            slab.buf = buf = rt.pool.acquire(total)
+            slab.users = users
+            start = 0
+            for entry in pending:
+                stop = start + entry.nbytes
+                entry.cpu = buf[start:stop]
+                entry.slab = slab
+                start = stop
         verify = rt.verify
-        for entry, buf in zip(pending, bufs):
-            entry.cpu = buf
+        for entry in pending:
             # ``Entry.flat``, spelled out: a flat uint8 tensor over the storage, to copy
             entry.gpu = flat = entry.aliases[0].new_empty(0, dtype=_uint8).set_(entry.storage)
             if verify:
