@@ -17,13 +17,16 @@ saved tensor or storage, so they make only the calls they must and spell out sma
 (``benchmarks/call_count.py`` counts them, ``tests/v2/test_hot_path_calls.py`` pins the count):
 
 - pack: the alias (``detach``: the version counter, and the memory until release), the storage
-  (identity and size) and the geometry. Grouping into copies happens at the layer's end.
-- release: one device-side wait for the layer, then per storage one use count. A storage that
-  nobody else references needs no in-place watch after release (nothing can change it any more):
-  its aliases are simply dropped. One that something else holds keeps aliases that forget the
-  memory but keep the version counter (``forget_storages``).
-- unpack: the tensor rebuilt on the storage (``new_empty`` + ``set_``); the layer's reload
-  event is waited for once, by the first unpack.
+  (identity and size) and the geometry. Grouping into copies happens at the layer's end: one
+  pinned buffer for the batch (``HostSlab``, a slice per storage), one device call for the
+  copies and the layer's event (``copy_batch``).
+- release: one device call for the layer's wait (``compute_wait``), then per storage one use
+  count. A storage that nobody else references needs no in-place watch after release (nothing
+  can change it any more): its aliases are simply dropped. One that something else holds keeps
+  aliases that forget the memory but keep the version counter (``forget_storages``).
+- reload: one device call for the layer (``reload_batch``: buffers, copies, event).
+- unpack: the tensor rebuilt on the reloaded flat tensor (``new_empty`` + ``set_``); the layer's
+  reload event is waited for once, by the first unpack (``compute_wait``).
 """
 from __future__ import annotations
 
@@ -113,13 +116,6 @@ class Runtime:
             device.tensor_device_type
             if policy is not None and policy.is_device_tensor == device.is_device_tensor else None
         )
-
-    def record(self, key: tuple) -> Event:
-        """Record the point reached on the copy stream, in the event kept for ``key``."""
-        events = self.events
-        event = events[key] = self.device.rerecord_event(
-            self.stream, events[key] if key in events else None)
-        return event
 
     def warn_once(self, message: str, key: Optional[str] = None) -> None:
         """A ``UserWarning`` pointing at the user's line, given once per context and key."""
@@ -722,12 +718,6 @@ class LayerState:
         self.offload_event = events[key] = rt.device.copy_batch(
             rt.stream, pairs, events[key] if key in events else None)
 
-    def finish_forward(self) -> None:
-        """End of this layer's forward: queue the copies not queued yet and mark where its
-        offload copies end on the copy stream (one event per layer, re-recorded every step)."""
-        if self.eager and self.entries:
-            self.flush_copies(True)
-
     def start_offload(self) -> None:
         """Manual mode: queue the copies of every entry not copied yet; tensors this layer saves
         from now on are copied as they are saved."""
@@ -828,13 +818,6 @@ class LayerState:
         elif rt.traces:
             rt.device.trace("reload", self.index)
         self.reload_started = True
-
-    def end_backward(self) -> None:
-        """After a backward pass: drop reloads nobody unpacked; allow another reload."""
-        self.reload_started = False
-        for entry in self.entries:
-            if entry.reloaded is not None:
-                entry.free_reload()
 
     # -- lifetime ------------------------------------------------------------------------------
     def abort(self, reason: Optional[str] = None) -> None:

@@ -211,7 +211,11 @@ class Step:
         # schedules do) keeps its reload instead of copying it back a second time.
         for layer in self.layers:
             if layer is not None and layer.index in self.bwd_layers:
-                layer.end_backward()
+                # Reloads nobody unpacked are dropped; another backward may reload again.
+                layer.reload_started = False
+                for entry in layer.entries:
+                    if entry.reloaded is not None:
+                        entry.free_reload()
         for selective in self.selective.values():
             selective.end_backward()
         self.bwd_layers.clear()
@@ -423,7 +427,7 @@ class OffloadSynchronizer:
         if current is not None:
             self.current = None
             if current.eager and current.entries:
-                current.flush_copies(True)  # ``finish_forward``
+                current.flush_copies(True)  # the rest of its copies, and its offload event
         step = self.step
         if step is not None and step.fwd_count >= step.model_layers:
             step.end_forward_layer()
