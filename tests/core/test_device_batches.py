@@ -61,7 +61,7 @@ def test_reload_batch_allocates_before_copying_and_compute_must_wait():
 
 @pytest.mark.gpu
 def test_cuda_batches_copy_reload_and_reuse_the_layer_event():
-    dev = CudaDevice()
+    dev = CudaDevice(time_waits=False)  # (timed events are one per record, never reused)
     side = dev.new_stream()
     pairs = _pairs(dev, [4096, 1 << 20, 12], device="cuda")
     event = dev.copy_batch(side, pairs)
