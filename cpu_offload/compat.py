@@ -166,6 +166,10 @@ def pop_saved_tensors_hooks() -> None:
 
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
+# torch's own query of the innermost saved-tensor hook pair (``top_saved_tensors_hooks``, one C
+# call: hot paths ask it first, since ``in_checkpoint_region`` is False with no hooks at all),
+# or None on releases that lack it.
+top_default_hooks = _top_default_hooks
 
 
 def in_checkpoint_region() -> bool:

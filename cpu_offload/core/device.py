@@ -138,6 +138,44 @@ class OffloadDevice(abc.ABC):
         for dst, src in pairs:
             self.copy(stream, dst, src)
 
+    def copy_batch(self, stream: Stream, pairs: list, event: Optional[Event] = None,
+                   milestone: Optional[tuple] = None) -> Event:
+        """A layer's copies in one call: ``copy_after_compute(stream, pairs)`` (nothing when
+        ``pairs`` is empty), then the end of the batch marked on ``stream`` in ``event``
+        (``rerecord_event``: the event the last batch returned, or None) and returned; then
+        ``trace(*milestone)`` if given. The schedulers call it once per layer and direction, so
+        an implementation should do it with the fewest host calls it can (``CudaDevice``
+        switches streams once)."""
+        if pairs:
+            self.copy_after_compute(stream, pairs)
+        event = self.rerecord_event(stream, event)
+        if milestone is not None:
+            self.trace(*milestone)
+        return event
+
+    def reload_batch(self, stream: Stream, sources: list, event: Optional[Event] = None,
+                     milestone: Optional[tuple] = None) -> tuple:
+        """A layer's reload in one call: for each ``(host_buffer, device)`` in ``sources``, a
+        new flat ``uint8`` buffer of its size on ``device`` (``alloc_device``: on the compute
+        stream, all allocated before any copy is queued), filled from it by ``copy_batch``.
+        Returns ``(buffers, event)``, ``event`` marking the end of the copies."""
+        buffers = [self.alloc_device(src.numel(), device) for src, device in sources]
+        event = self.copy_batch(
+            stream, [(dst, src) for dst, (src, _) in zip(buffers, sources)], event, milestone)
+        return buffers, event
+
+    def compute_wait(self, event: Event, waits: Optional[list] = None,
+                     milestone: Optional[tuple] = None) -> None:
+        """Make the current (compute) stream wait for ``event`` (device side). ``waits``: if
+        the device times events, ``(event recorded on compute now, event)`` is appended to it
+        (the statistics' copy-wait time). Then ``trace(*milestone)`` if given."""
+        compute = self.current_stream()
+        if waits is not None and self.times_events:
+            waits.append((self.record_event(compute), event))
+        self.wait_event(compute, event)
+        if milestone is not None:
+            self.trace(*milestone)
+
     def copy_and_record(self, stream: Stream, pairs: list, group_bytes: int = 0) -> list:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)``; return one event per pair, marking
         (at least) the end of its copy.
@@ -366,6 +404,38 @@ class CudaDevice(OffloadDevice):
             return fn()
         finally:
             torch.cuda.set_stream(previous)
+
+    def copy_batch(self, stream: Stream, pairs: list, event: Optional[Event] = None,
+                   milestone: Optional[tuple] = None) -> Event:
+        if pairs:
+            previous = self.current_stream()
+            self.wait_stream(stream, previous)
+            torch.cuda.set_stream(stream)
+            try:
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+            finally:
+                torch.cuda.set_stream(previous)
+        event = self.rerecord_event(stream, event)
+        if milestone is not None:
+            self.trace(*milestone)
+        return event
+
+    def reload_batch(self, stream: Stream, sources: list, event: Optional[Event] = None,
+                     milestone: Optional[tuple] = None) -> tuple:
+        empty, uint8 = torch.empty, torch.uint8
+        buffers = [empty(src.numel(), dtype=uint8, device=device) for src, device in sources]
+        pairs = [(dst, src) for dst, (src, _) in zip(buffers, sources)]
+        return buffers, self.copy_batch(stream, pairs, event, milestone)
+
+    def compute_wait(self, event: Event, waits: Optional[list] = None,
+                     milestone: Optional[tuple] = None) -> None:
+        compute = self.current_stream()
+        if waits is not None and self.times_events:
+            waits.append((self.record_event(compute), event))
+        compute.wait_event(event)
+        if milestone is not None:
+            self.trace(*milestone)
 
     def copy_and_record(self, stream: Stream, pairs: list, group_bytes: int = 0) -> list:
         previous = self.current_stream()

@@ -219,6 +219,23 @@ class SimulatedDevice(OffloadDevice):
             start = dst.data_ptr()
             self._enqueue(stream, run, [src.data_ptr()], (start, start + nbytes))
 
+    # The batched calls of ``OffloadDevice``, run as one operation under the lock: each copy,
+    # wait and allocation in them is checked as when made one by one.
+    def copy_batch(self, stream: SimStream, pairs: list, event: Optional[SimEvent] = None,
+                   milestone: Optional[tuple] = None) -> SimEvent:
+        with self._lock:
+            return super().copy_batch(stream, pairs, event, milestone)
+
+    def reload_batch(self, stream: SimStream, sources: list, event: Optional[SimEvent] = None,
+                     milestone: Optional[tuple] = None) -> tuple:
+        with self._lock:
+            return super().reload_batch(stream, sources, event, milestone)
+
+    def compute_wait(self, event: SimEvent, waits: Optional[list] = None,
+                     milestone: Optional[tuple] = None) -> None:
+        with self._lock:
+            super().compute_wait(event, waits, milestone)
+
     def will_free(self, t: torch.Tensor) -> None:
         ptr = t.data_ptr()
         with self._lock:

@@ -36,11 +36,26 @@ from .synchronizer import (
 )
 
 class _ThreadState(threading.local):
-    """Contexts active on this thread (innermost last). Per thread, so two threads that enter
-    and exit contexts in any interleaving never see or keep each other's."""
+    """Contexts active on this thread, innermost first, as a chain of pairs
+    ``(synchronizer, outer chain)`` (None: none), so that entering and leaving a layer make no
+    call. Per thread, so two threads that enter and exit contexts in any interleaving never see
+    or keep each other's."""
 
     def __init__(self) -> None:
-        self.active: list[OffloadSynchronizer] = []
+        self.active: Optional[tuple] = None
+
+
+def _without(chain: Optional[tuple], sync: OffloadSynchronizer) -> Optional[tuple]:
+    """``chain`` without the innermost link holding ``sync`` (contexts left out of order)."""
+    inner = []
+    while chain is not None and chain[0] is not sync:
+        inner.append(chain[0])
+        chain = chain[1]
+    if chain is not None:
+        chain = chain[1]
+    for s in reversed(inner):
+        chain = (s, chain)
+    return chain
 
 
 _state = _ThreadState()
@@ -107,7 +122,7 @@ class OffloadContext:
                     sync.abort()
                     raise
         self._frame = hooks
-        _state.active.append(sync)
+        _state.active = (sync, _state.active)
         return self
 
     @eager_between_graphs
@@ -118,13 +133,10 @@ class OffloadContext:
             return False
         hooks, self._frame = self._frame, None
         active = _state.active
-        if active and active[-1] is sync:
-            active.pop()
+        if active is not None and active[0] is sync:
+            _state.active = active[1]
         else:
-            for i in range(len(active) - 1, -1, -1):
-                if active[i] is sync:
-                    del active[i]
-                    break
+            _state.active = _without(active, sync)
         if hooks is _DIRECT:
             pop_pushed_saved_tensors_hooks()
         elif hooks is not None:
@@ -142,22 +154,23 @@ class OffloadContext:
 
 def is_cpu_offload_enabled() -> bool:
     """True while a layer runs inside an enabled V2 offload context on this thread."""
-    return bool(_state.active)
+    return _state.active is not None
 
 
 def active_synchronizer() -> Optional[OffloadSynchronizer]:
     """The synchronizer of the V2 offload context a layer runs inside now (this thread), or
     None (checkpoint offload policies hand their tensors to it)."""
-    return _state.active[-1] if _state.active else None
+    active = _state.active
+    return active[0] if active is not None else None
 
 
 def start_offload(*tensors: Optional[torch.Tensor], offload_base_tensor: bool = False) -> None:
     """Record that these tensors are final now, so their copy may start before they are saved
     for backward. Outside an offload context there is nothing to offload: no-op."""
     active = _state.active
-    if not active:
+    if active is None:
         return
-    dev = active[-1].device
+    dev = active[0].device
     event = dev.record_event(dev.current_stream())
     for t in tensors:
         if t is None:

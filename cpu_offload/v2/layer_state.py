@@ -17,13 +17,16 @@ saved tensor or storage, so they make only the calls they must and spell out sma
 (``benchmarks/call_count.py`` counts them, ``tests/v2/test_hot_path_calls.py`` pins the count):
 
 - pack: the alias (``detach``: the version counter, and the memory until release), the storage
-  (identity and size) and the geometry. Grouping into copies happens at the layer's end.
-- release: one device-side wait for the layer, then per storage one use count. A storage that
-  nobody else references needs no in-place watch after release (nothing can change it any more):
-  its aliases are simply dropped. One that something else holds keeps aliases that forget the
-  memory but keep the version counter (``forget_storages``).
-- unpack: the tensor rebuilt on the storage (``new_empty`` + ``set_``); the layer's reload
-  event is waited for once, by the first unpack.
+  (identity and size) and the geometry. Grouping into copies happens at the layer's end: one
+  pinned buffer for the batch (``HostSlab``, a slice per storage), one device call for the
+  copies and the layer's event (``copy_batch``).
+- release: one device call for the layer's wait (``compute_wait``), then per storage one use
+  count. A storage that nobody else references needs no in-place watch after release (nothing
+  can change it any more): its aliases are simply dropped. One that something else holds keeps
+  aliases that forget the memory but keep the version counter (``forget_storages``).
+- reload: one device call for the layer (``reload_batch``: buffers, copies, event).
+- unpack: the tensor rebuilt on the reloaded flat tensor (``new_empty`` + ``set_``); the layer's
+  reload event is waited for once, by the first unpack (``compute_wait``).
 """
 from __future__ import annotations
 
@@ -114,13 +117,6 @@ class Runtime:
             if policy is not None and policy.is_device_tensor == device.is_device_tensor else None
         )
 
-    def record(self, key: tuple) -> Event:
-        """Record the point reached on the copy stream, in the event kept for ``key``."""
-        events = self.events
-        event = events[key] = self.device.rerecord_event(
-            self.stream, events[key] if key in events else None)
-        return event
-
     def warn_once(self, message: str, key: Optional[str] = None) -> None:
         """A ``UserWarning`` pointing at the user's line, given once per context and key."""
         key = key or message
@@ -145,9 +141,9 @@ class Entry:
 
     __slots__ = (
         "rt", "stats", "lstats", "layer", "pool_key", "nbytes", "device", "key", "version",
-        "storage", "gpu", "aliases", "nrefs", "owner", "cpu", "reloaded", "rstorage",
+        "storage", "gpu", "aliases", "nrefs", "owner", "cpu", "reloaded",
         "ready_event", "reload_event", "reload_wait", "live", "pops", "generation", "checksum",
-        "verified", "error", "recheck", "listed_by",
+        "verified", "error", "recheck", "listed_by", "slab",
     )
 
     @classmethod
@@ -171,13 +167,14 @@ class Entry:
         entry.aliases = [alias]  # a detached alias per saved tensor, until release
         entry.nrefs = 1  # aliases made (SavedRef.index counts them)
         entry.owner = None  # after a release that freed nothing: the storage, weakly
-        entry.cpu = entry.reloaded = entry.rstorage = None
+        entry.cpu = entry.reloaded = None
         entry.ready_event = entry.reload_event = entry.reload_wait = None
         entry.live = entry.pops = entry.generation = 0
         entry.checksum = None
         entry.verified = -1  # the generation whose reload passed the verify check
         entry.error = None
         entry.recheck = False  # counted as held elsewhere when released; see ``recount``
+        entry.slab = None  # the ``HostSlab`` that ``cpu`` is a part of, if any
         return entry
 
     def flat(self) -> torch.Tensor:
@@ -226,11 +223,7 @@ class Entry:
         reloaded together (a layer) waits for all of it, once."""
         wait = self.reload_wait
         event, wait[0] = wait[0], None
-        dev = self.rt.device
-        compute = dev.current_stream()
-        if dev.times_events:
-            self.stats.waits.append((dev.record_event(compute), event))  # ``record_wait``
-        dev.wait_event(compute, event)
+        self.rt.device.compute_wait(event, self.stats.waits)
 
     def verify_reload(self) -> None:
         """Verify mode: the reloaded bytes must be the bytes that were saved (blocks the host)."""
@@ -306,7 +299,7 @@ class Entry:
             dev = self.rt.device
             dev.wait_event(dev.current_stream(), wait[0])
             wait[0] = None
-        self.reloaded = self.rstorage = self.reload_event = self.reload_wait = None
+        self.reloaded = self.reload_event = self.reload_wait = None
         self.pops = 0
         self.generation += 1
 
@@ -315,40 +308,41 @@ class Entry:
         if self.reloaded is not None:
             self.free_reload()
         if self.cpu is not None:
-            self.rt.pool.release(self.cpu, self.pool_key)
+            slab = self.slab
+            if slab is None:
+                self.rt.pool.release(self.cpu, self.pool_key)
+            else:
+                slab.users -= 1
+                if not slab.users:  # the last storage copied into it: the buffer goes back
+                    self.rt.pool.release(slab.buf)
         self.cpu = self.gpu = self.storage = self.aliases = None
 
 
-def copy_in(rt: Runtime, entries: list, event_key: Optional[tuple] = None) -> None:
-    """Allocate device storages on the compute stream and queue the host-to-device copies.
+class HostSlab:
+    """One pinned host buffer holding the copies of a batch of storages (a layer's, copied
+    together at its end), each in a slice of it: one pool call per batch instead of one per
+    storage. It goes back to the pool when the last of those storages is dropped. Made without
+    ``__init__`` (``buf`` and ``users`` are set where it is made)."""
 
-    All buffers are allocated before any entry changes, so an out-of-memory error leaves every
-    entry as it was (a retried backward reloads them again). ``event_key``: a layer's reload,
-    ended by one event (``Runtime.record``) that the first unpack of any of its entries waits
-    for, on behalf of all; without it (a reload on demand), one event per group of small
-    copies and per large copy."""
+    __slots__ = ("buf", "users")
+
+
+def copy_in(rt: Runtime, entries: list) -> None:
+    """A reload on demand (not scheduled: a custom schedule, a partial backward): allocate
+    device storages on the compute stream and queue the host-to-device copies, one event per
+    group of small copies and per large copy. All buffers are allocated before any entry
+    changes, so an out-of-memory error leaves every entry as it was. (A layer's scheduled
+    reload is ``LayerState.start_reload``.)"""
     dev, stream = rt.device, rt.stream
     alloc = dev.alloc_device
     buffers = [alloc(entry.nbytes, entry.device) for entry in entries]
     pairs = [(b, e.cpu) for b, e in zip(buffers, entries)]
     # The new buffers were allocated on the compute stream: copy once compute got there.
-    if event_key is not None:
-        dev.copy_after_compute(stream, pairs)
-        event = rt.record(event_key)
-        wait = [event]  # shared: the first unpack of any of them waits, for all
-        for entry, buf in zip(entries, buffers):
-            entry.lstats.reloaded_bytes += entry.nbytes
-            entry.reloaded = buf
-            entry.rstorage = buf.untyped_storage()
-            entry.reload_event = event
-            entry.reload_wait = wait
-        return
     dev.wait_stream(stream, dev.current_stream())
     events = dev.copy_and_record(stream, pairs, BATCH_BYTES)
     for entry, buf, event in zip(entries, buffers, events):
         entry.lstats.reloaded_bytes += entry.nbytes
         entry.reloaded = buf
-        entry.rstorage = buf.untyped_storage()
         entry.reload_event = event
         entry.reload_wait = [event]
 
@@ -385,7 +379,13 @@ class SavedRef:
             entry.pops -= 1  # autograd freed it after its node ran: it no longer waits
         if entry.live == 0:
             if entry.reloaded is None and entry.cpu is not None:  # ``drop``, spelled out
-                entry.rt.pool.release(entry.cpu, entry.pool_key)
+                slab = entry.slab
+                if slab is None:
+                    entry.rt.pool.release(entry.cpu, entry.pool_key)
+                else:
+                    slab.users -= 1
+                    if not slab.users:
+                        entry.rt.pool.release(slab.buf)
                 entry.cpu = entry.gpu = entry.storage = entry.aliases = None
             else:
                 entry.drop()
@@ -431,14 +431,14 @@ def unpack(packed: Any) -> Any:
     if entry.error is not None:
         raise OffloadUsageError(entry.error)
     flat = entry.reloaded
-    if flat is not None and entry.reload_wait[0] is None and entry.checksum is None:
-        storage = entry.rstorage  # reloaded and waited for (by an earlier unpack)
-    else:
+    if flat is None or entry.checksum is not None:
         flat = entry.device_bytes_for_unpack()
-        storage = flat.untyped_storage()
-    if packed.bits is None:  # ``restore_view``, spelled out for the common case
+    elif entry.reload_wait[0] is not None:
+        entry.wait_reload()  # the first unpack of what was reloaded together
+    if packed.bits is None:  # ``restore_view``, spelled out for the common case (``flat``
+        # starts its storage: the offset is the storage's)
         t = flat.new_empty(0, dtype=packed.dtype).set_(
-            storage, packed.offset, packed.size, packed.stride)
+            flat, packed.offset, packed.size, packed.stride)
     else:
         t = restore_view(flat, packed.meta)
     if packed.cls is not _Tensor:
@@ -450,7 +450,7 @@ def unpack(packed: Any) -> Any:
         # Last unpack of this backward: autograd now owns the only reference, so the reloaded
         # memory is freed as soon as the backward node is done with it (``free_reload``; the
         # copy was waited for above).
-        entry.reloaded = entry.rstorage = entry.reload_event = entry.reload_wait = None
+        entry.reloaded = entry.reload_event = entry.reload_wait = None
         entry.pops = 0
         entry.generation += 1
     return t
@@ -485,56 +485,32 @@ class LayerState:
         self.pending_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor, ready: Optional[Event] = None, selected: bool = False
+             ) -> Any:
         """The pack hook of an offloaded layer (Note [hot path calls]). A plain tensor without
         marks (nothing in its or its base's ``__dict__``) outside an opted-out module is judged
-        here with attribute reads only; anything else goes through ``pack_checked``."""
-        base = t._base
-        if (not _FAST_PATH or type(t) is not _Tensor or t.__dict__
-                or (MODULE_POLICY and not MODULE_POLICY[-1]) or t.layout is not _strided):
-            return self.pack_checked(t)
-        rt = self.rt
-        if base is not None:
-            if type(base) is _Parameter and SKIP_ATTR not in base.__dict__ and (
-                    rt.device_type == t.device.type):
-                # A view of a parameter (``F.linear`` saves ``weight.t()``): kept.
-                lstats = self.lstats if self.lstats is not None else self.layer_stats()
-                lstats.skipped_bytes["parameter"] += t.nbytes
-                return KeptRef(t)
-            if type(base) is not _Tensor or base.__dict__:
+        here with attribute reads only; anything else goes through ``pack_checked``, which
+        comes back with ``selected=True`` for a tensor the selection policy offloads (and
+        ``ready``: the tensor is final from that event on, ``start_offload``). The storage's
+        copy to the host is queued at the layer's end (or at once, for a large one)."""
+        if not selected:
+            base = t._base
+            if (not _FAST_PATH or type(t) is not _Tensor or t.__dict__
+                    or (MODULE_POLICY and not MODULE_POLICY[-1]) or t.layout is not _strided):
                 return self.pack_checked(t)
-        if (rt.device_type != t.device.type or t.is_nested
-                or (rt.threshold and t.nbytes < rt.threshold * t.itemsize)):
-            return self.pack_checked(t)
-        return self.offload(t)
-
-    def pack_checked(self, t: torch.Tensor) -> Any:
-        """The pack hook's general path: the selection policy decides (and the statistics say
-        why a tensor stays); wrapper subclasses are taken apart, inner tensor by inner tensor."""
-        policy = self.rt.policy
-        if type(t) is not _Tensor and is_traceable_wrapper_subclass(t):
-            if policy.wrapper_skip_reason(t) is not None:
-                return KeptRef(t)
-            names, ctx = tensor_flatten(t)
-            inner = {name: self.pack_checked(getattr(t, name)) for name in names}
-            if all(type(v) is KeptRef for v in inner.values()):
-                return KeptRef(t)  # nothing inside was offloaded
-            return SavedSubclassRef(t, ctx, inner)
-        reason = policy.skip_reason(t)
-        if reason is not None:
-            if reason == "weight mark" and is_parameter(t._base):
-                reason = "parameter"  # F.linear saves weight.t()
-            self.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
-            return KeptRef(t)
-        ready = getattr(t, READY_EVENT_ATTR, None)
-        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
-            ready = getattr(t._base, READY_EVENT_ATTR, None)
-        return self.offload(t, ready)
-
-    def offload(self, t: torch.Tensor, ready: Optional[Event] = None) -> Any:
-        """Register a saved tensor the policy selected; its storage's copy to the host is queued
-        at the layer's end (or at once, for a large one). ``ready``: the tensor is final from
-        that event on (``start_offload``)."""
+            rt = self.rt
+            if base is not None:
+                if type(base) is _Parameter and SKIP_ATTR not in base.__dict__ and (
+                        rt.device_type == t.device.type):
+                    # A view of a parameter (``F.linear`` saves ``weight.t()``): kept.
+                    lstats = self.lstats if self.lstats is not None else self.layer_stats()
+                    lstats.skipped_bytes["parameter"] += t.nbytes
+                    return KeptRef(t)
+                if type(base) is not _Tensor or base.__dict__:
+                    return self.pack_checked(t)
+            if (rt.device_type != t.device.type or t.is_nested
+                    or (rt.threshold and t.nbytes < rt.threshold * t.itemsize)):
+                return self.pack_checked(t)
         storage = t.untyped_storage()
         key = storage._cdata
         shared = self.shared
@@ -564,7 +540,7 @@ class LayerState:
                 self.limit -= nbytes
             alias = t.detach()
             lstats = self.lstats if self.lstats is not None else self.layer_stats()
-            entry = _new(Entry)  # ``Entry.new``, spelled out
+            entry = Entry()  # ``Entry.new``, spelled out (no ``__init__``: every slot set here)
             entry.rt = rt
             entry.stats = self.stats
             entry.lstats = lstats
@@ -578,12 +554,13 @@ class LayerState:
             entry.gpu = None
             entry.aliases = [alias]
             entry.nrefs = 1
-            entry.owner = entry.cpu = entry.reloaded = entry.rstorage = None
+            entry.owner = entry.cpu = entry.reloaded = None
             entry.ready_event = entry.reload_event = entry.reload_wait = None
             entry.live = entry.pops = entry.generation = 0
             entry.checksum = entry.error = None
             entry.verified = -1
             entry.recheck = False
+            entry.slab = None
             shared[key] = entry
             index = 0
             if self.eager and (ready is not None or self.offload_event is not None):
@@ -616,7 +593,7 @@ class LayerState:
             entry.aliases.append(alias)
             lstats = self.lstats if self.lstats is not None else self.layer_stats()
         lstats.offloaded_tensors += 1
-        ref = _new(SavedRef)  # ``SavedRef.new``, spelled out
+        ref = SavedRef()  # ``SavedRef.new``, spelled out (no ``__init__``: every slot set here)
         ref.entry = entry
         ref.index = index
         ref.dtype = t.dtype
@@ -632,12 +609,39 @@ class LayerState:
         entry.live += 1
         return ref
 
+    def pack_checked(self, t: torch.Tensor) -> Any:
+        """The pack hook's general path: the selection policy decides (and the statistics say
+        why a tensor stays); wrapper subclasses are taken apart, inner tensor by inner tensor."""
+        policy = self.rt.policy
+        if type(t) is not _Tensor and is_traceable_wrapper_subclass(t):
+            if policy.wrapper_skip_reason(t) is not None:
+                return KeptRef(t)
+            names, ctx = tensor_flatten(t)
+            inner = {name: self.pack_checked(getattr(t, name)) for name in names}
+            if all(type(v) is KeptRef for v in inner.values()):
+                return KeptRef(t)  # nothing inside was offloaded
+            return SavedSubclassRef(t, ctx, inner)
+        reason = policy.skip_reason(t)
+        if reason is not None:
+            if reason == "weight mark" and is_parameter(t._base):
+                reason = "parameter"  # F.linear saves weight.t()
+            self.layer_stats().skipped_bytes[reason] += t.numel() * t.element_size()
+            return KeptRef(t)
+        ready = getattr(t, READY_EVENT_ATTR, None)
+        if ready is None and t._base is not None:  # start_offload(offload_base_tensor=True)
+            ready = getattr(t._base, READY_EVENT_ATTR, None)
+        return self.pack(t, ready, True)
+
     def layer_stats(self) -> LayerStats:
         """This layer's counters, looked up once. Made only when something is counted, so a
         layer that saved nothing has none (as the statistics report it)."""
         lstats = self.lstats
-        if lstats is None:
-            lstats = self.lstats = self.stats.layer(self.index)
+        if lstats is None:  # ``StepStats.layer``, spelled out
+            layers, index = self.stats.layers, self.index
+            lstats = layers[index] if index in layers else None
+            if lstats is None:
+                lstats = layers[index] = LayerStats()
+            self.lstats = lstats
         return lstats
 
     def _over_host_budget(self, t: torch.Tensor, nbytes: int, budget: int) -> KeptRef:
@@ -648,12 +652,16 @@ class LayerState:
         )
         return KeptRef(t)
 
-    def flush_copies(self) -> None:
+    def flush_copies(self, end: bool = False) -> None:
         """Queue the device-to-host copies of the storages saved since the last flush (after the
-        compute that produced them): pinned buffers, one stream wait and one batch for all."""
+        compute that produced them): pinned buffers, one stream wait and one batch for all.
+        ``end``: the layer's forward is over; the same device call also marks where its copies
+        end on the copy stream (one event per layer, re-recorded every step)."""
         entries = self.entries
         n = len(entries)
         if self.flushed == n:
+            if end:
+                self._end_copies(())
             return
         pending = entries[self.flushed:]
         for e in pending:
@@ -665,26 +673,50 @@ class LayerState:
         self.flushed = n
         self.pending_bytes = 0
         if not pending:
+            if end:
+                self._end_copies(())
             return
         rt = self.rt
-        bufs = rt.pool.acquire_many(
-            [e.nbytes for e in pending], [e.pool_key for e in pending] if rt.retain else None)
+        if rt.retain:  # a buffer bound to each (layer, slot): CUDA graphs copy into it
+            for entry, buf in zip(pending, rt.pool.acquire_many(
+                    [e.nbytes for e in pending], [e.pool_key for e in pending])):
+                entry.cpu = buf
+        else:  # one pinned buffer for the batch, a slice of it per storage
+            total = users = 0
+            for entry in pending:
+                total += entry.nbytes
+                users += 1
+            slab = HostSlab()
+            slab.buf = buf = rt.pool.acquire(total)
+            slab.users = users
+            start = 0
+            for entry in pending:
+                stop = start + entry.nbytes
+                entry.cpu = buf[start:stop]
+                entry.slab = slab
+                start = stop
         verify = rt.verify
-        for entry, buf in zip(pending, bufs):
-            entry.cpu = buf
+        for entry in pending:
             # ``Entry.flat``, spelled out: a flat uint8 tensor over the storage, to copy
             entry.gpu = flat = entry.aliases[0].new_empty(0, dtype=_uint8).set_(entry.storage)
             if verify:
                 entry.checksum = checksum(flat)
             entry.lstats.copied_out_bytes += entry.nbytes
-        rt.device.copy_after_compute(rt.stream, [(e.cpu, e.gpu) for e in pending])
+        pairs = [(e.cpu, e.gpu) for e in pending]
+        if end:  # ``_end_copies``, spelled out
+            events, key = rt.events, (self.index, "offload")
+            self.offload_event = events[key] = rt.device.copy_batch(
+                rt.stream, pairs, events[key] if key in events else None)
+        else:
+            rt.device.copy_after_compute(rt.stream, pairs)
 
-    def finish_forward(self) -> None:
-        """End of this layer's forward: mark where its offload copies end on the copy stream
-        (one event per layer, re-recorded every step)."""
-        if self.eager and self.entries:
-            self.flush_copies()
-            self.offload_event = self.rt.record((self.index, "offload"))
+    def _end_copies(self, pairs: Any) -> None:
+        """Queue the last copies of the layer's forward and record its offload event after
+        them (``copy_batch``: one device call)."""
+        rt = self.rt
+        events, key = rt.events, (self.index, "offload")
+        self.offload_event = events[key] = rt.device.copy_batch(
+            rt.stream, pairs, events[key] if key in events else None)
 
     def start_offload(self) -> None:
         """Manual mode: queue the copies of every entry not copied yet; tensors this layer saves
@@ -714,17 +746,38 @@ class LayerState:
                     f"release_activation_forward_gpu_memory({self.index}) before "
                     f"start_offload_layer({self.index}): start the offload first"
                 )
-        dev = self.rt.device
-        if on_device:
-            compute = dev.current_stream()
-            if dev.times_events:
-                self.stats.waits.append((dev.record_event(compute), self.offload_event))
-            dev.wait_event(compute, self.offload_event)
+        rt = self.rt
+        dev = rt.device
+        milestone = ("release", self.index) if rt.traces else None
+        if not on_device:
+            self.released = True
+            if milestone is not None:
+                dev.trace(*milestone)
+            return
+        # One device call: compute waits for the layer's copies (timed, if the device times
+        # events), then the milestone.
+        dev.compute_wait(self.offload_event, self.stats.waits, milestone)
+        count = _storage_use_count
+        checks_frees = rt.checks_frees
         for entry in on_device:
-            entry.release(recheck)
+            # ``Entry.release``, spelled out for a storage that nobody else references and
+            # that is unchanged since it was saved: its aliases are simply dropped.
+            if count is None or count(entry.storage._cdata) > entry.nrefs + 2:
+                entry.release(recheck)  # held elsewhere
+                continue
+            version = entry.version
+            for alias in entry.aliases:
+                if alias._version != version:
+                    break
+            else:
+                entry.aliases = None
+                if checks_frees:
+                    dev.will_free(entry.gpu)
+                entry.lstats.freed_bytes += entry.nbytes
+                entry.gpu = entry.storage = None
+                continue
+            entry.release(recheck)  # changed in place: its unpack must raise
         self.released = True
-        if self.rt.traces:
-            dev.trace("release", self.index)
 
     # -- backward --------------------------------------------------------------------------------
     def start_reload(self) -> None:
@@ -744,18 +797,27 @@ class LayerState:
                     and (e.owner is None or e.still_on_device() is None)
                 ]
                 break
+        rt = self.rt
         if todo:
-            copy_in(self.rt, todo, (self.index, "reload"))
+            # One device call: the buffers (allocated on the compute stream, all before any
+            # entry changes, so an out-of-memory error leaves every entry as it was), the
+            # copies once compute got there, and the layer's event re-recorded at their end,
+            # which the first unpack of any of them waits for, on behalf of all.
+            events, key = rt.events, (self.index, "reload")
+            buffers, event = rt.device.reload_batch(
+                rt.stream, [(e.cpu, e.device) for e in todo],
+                events[key] if key in events else None,
+                ("reload", self.index) if rt.traces else None)
+            events[key] = event
+            wait = [event]
+            for entry, buf in zip(todo, buffers):
+                entry.lstats.reloaded_bytes += entry.nbytes
+                entry.reloaded = buf
+                entry.reload_event = event
+                entry.reload_wait = wait
+        elif rt.traces:
+            rt.device.trace("reload", self.index)
         self.reload_started = True
-        if self.rt.traces:
-            self.rt.device.trace("reload", self.index)
-
-    def end_backward(self) -> None:
-        """After a backward pass: drop reloads nobody unpacked; allow another reload."""
-        self.reload_started = False
-        for entry in self.entries:
-            if entry.reloaded is not None:
-                entry.free_reload()
 
     # -- lifetime ------------------------------------------------------------------------------
     def abort(self, reason: Optional[str] = None) -> None:

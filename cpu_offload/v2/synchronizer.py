@@ -9,6 +9,7 @@ schedule while the next forward starts a fresh one.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,7 @@ from ..compat import (
     in_checkpoint_region,
     never_compiled,
     queue_backward_callback,
+    top_default_hooks,
 )
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadUsageError, check_sync_argument
@@ -29,6 +31,8 @@ from ..core.pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy
 from .stats import StepStats
+
+_top_hooks = top_default_hooks  # (in_checkpoint_region is False when no hooks are installed)
 
 
 class Step:
@@ -116,7 +120,7 @@ class Step:
         self.grad_layers += grad
         actions = self.actions
         if actions is not None and actions[pos] is not None:
-            self._apply(pos)
+            self._apply(pos, index)  # (layers[:index] exist)
         if self.rt.traces:
             self.rt.device.trace("fwd", index)
         schedule = self.schedule
@@ -149,7 +153,9 @@ class Step:
                         # Inside the last layer's call: its caller still holds that layer's input.
                         self.layers[i].release(recheck=True)
 
-    def begin_backward(self, index: int) -> None:
+    def begin_backward(self, index: int, grad_outputs: Any = None) -> None:
+        """Layer ``index``'s backward is about to start (the pre-hook on its output's
+        ``grad_fn``, registered by the sync function as ``partial(begin_backward, index)``)."""
         if self.aborted:
             return  # unpacking its tensors raises a clear error instead
         if not torch.is_grad_enabled():
@@ -190,7 +196,8 @@ class Step:
         self.bwd_count = count = self.bwd_count + 1  # len(self.bwd_layers)
         actions = self.actions
         if actions is not None and actions[self.model_layers + count] is not None:
-            self._apply(self.model_layers + count)
+            # (a schedule's forward is complete here: every layer exists)
+            self._apply(self.model_layers + count, self.fwd_count)
         if self.rt.traces:
             self.rt.device.trace("bwd", index)
 
@@ -204,7 +211,11 @@ class Step:
         # schedules do) keeps its reload instead of copying it back a second time.
         for layer in self.layers:
             if layer is not None and layer.index in self.bwd_layers:
-                layer.end_backward()
+                # Reloads nobody unpacked are dropped; another backward may reload again.
+                layer.reload_started = False
+                for entry in layer.entries:
+                    if entry.reloaded is not None:
+                        entry.free_reload()
         for selective in self.selective.values():
             selective.end_backward()
         self.bwd_layers.clear()
@@ -254,31 +265,18 @@ class Step:
             f"{self.fwd_count} of {self.model_layers} layers: {why}; run the forward pass again"
         )
 
-    def _apply(self, pos: int) -> None:
+    def _apply(self, pos: int, n: int) -> None:
+        """The schedule's releases and reloads at position ``pos``, among ``layers[:n]``."""
         if self.actions is None:
             return
         releases, reloads = self.actions[pos]
         layers = self.layers
-        n = len(layers)
         for i in releases:
             if i < n and layers[i] is not None:
                 layers[i].release()
         for i in reloads:
             if i < n and layers[i] is not None:
                 layers[i].start_reload()
-
-
-class BackwardTrigger:
-    """Pre-hook on a layer's output ``grad_fn``: that layer's backward is about to start."""
-
-    __slots__ = ("step", "index", "__weakref__")
-
-    def __init__(self, step: Step, index: int) -> None:
-        self.step = step
-        self.index = index
-
-    def __call__(self, grad_outputs: Any) -> None:
-        self.step.begin_backward(self.index)
 
 
 class OffloadSynchronizer:
@@ -387,7 +385,9 @@ class OffloadSynchronizer:
         # layer gets no hooks: ours would shadow checkpoint's in forward but not in its
         # recomputation (entered in backward, where the context does nothing), so checkpoint
         # would pair recomputed tensors with the wrong saved slots.
-        self.current = step.begin_forward(in_checkpoint_region(), grad)
+        self.current = step.begin_forward(
+            (_top_hooks is None or _top_hooks(False) is not None) and in_checkpoint_region(),
+            grad)
         self.current_index = index = step.fwd_count - 1
         self.current_selective = step.selective[index] if index in step.selective else None
         self.inside = True
@@ -427,7 +427,7 @@ class OffloadSynchronizer:
         if current is not None:
             self.current = None
             if current.eager and current.entries:
-                current.finish_forward()
+                current.flush_copies(True)  # the rest of its copies, and its offload event
         step = self.step
         if step is not None and step.fwd_count >= step.model_layers:
             step.end_forward_layer()
@@ -456,7 +456,9 @@ class OffloadSynchronizer:
             self.current_index = step.fwd_count - 1
         self.last_side = False
         if tensor.grad_fn is not None and step is not None:
-            trigger = BackwardTrigger(step, self.current_index)
+            # The backward trigger: a pre-hook on the layer's output ``grad_fn`` (it holds the
+            # step; ``last_trigger`` tells whether the newest layer output's graph is alive).
+            trigger = partial(step.begin_backward, self.current_index)
             tensor.grad_fn.register_prehook(trigger)
             step.last_trigger = weakref.ref(trigger)
         return tensor

@@ -84,8 +84,8 @@ def _leftovers() -> List[str]:
         found.append("a saved-tensor hook was still installed after the program")
     from cpu_offload.v2 import context as v2_context
 
-    if v2_context._state.active:
-        v2_context._state.active.clear()
+    if v2_context._state.active is not None:
+        v2_context._state.active = None
         found.append("an offload context was still active after the program")
     return found
 

@@ -102,6 +102,37 @@ def test_step_statistics_count_every_byte(sim):
     assert f"pinned host memory: peak {6 * NBYTES / 1024:.1f} KiB, in use now 0.0 KiB" in text
 
 
+def test_a_layers_host_copies_share_one_pinned_buffer_given_back_with_the_last(sim):
+    """The storages a layer copies at its end go into slices of one pinned buffer (one pool
+    call per layer): it is in use until the last of them is dropped, then back in the pool,
+    reused by the next step."""
+    seen = []
+
+    class Probe(Sep):
+        def forward(self, x):
+            y = self.lin(x)  # saves x (addmm)
+            if y.requires_grad:  # runs after exp's backward, before addmm's
+                y.register_hook(lambda g: seen.append(pool.in_use_bytes))
+            return torch.exp(y * 0.1) * 1.0  # saves exp's output
+
+    layers = nn.ModuleList([Probe(0), Sep(1), Sep(2)])
+    ctx, sync = get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=0, device=sim
+    )
+    pool = ctx.synchronizer.rt.pool
+    ref = reference_grads(layers, 0)
+    seen.clear()
+    for _ in range(2):
+        torch.manual_seed(0)
+        assert_grads(step(layers, ctx, sync), layers, ref)
+        for p in layers.parameters():
+            p.grad = None
+        assert pool.in_use_bytes == 0
+    assert sim.host_allocs == 1 and sim.host_bytes_allocated == 2 * NBYTES
+    # exp's saved output was dropped by then, x's was not: the buffer stayed in use whole.
+    assert seen == [2 * NBYTES, 2 * NBYTES]
+
+
 def test_the_summary_names_the_device_in_use(sim):
     """A summary on the simulated device speaks of its memory, not of a GPU there is none of."""
     layers = nn.ModuleList([Sep(i) for i in range(3)])
@@ -262,7 +293,9 @@ def test_failed_pinned_allocation_names_the_bytes_and_the_option():
         enabled=True, num_layers=1, model_layers=3, min_tensor_size_to_offload=0,
         device=NoPinned(),
     )
-    with pytest.raises(OffloadUsageError, match=rf"{NBYTES} bytes of pinned.*max_host_bytes"):
+    # (the layer's two storages are copied into one pinned buffer, allocated at its end)
+    with pytest.raises(OffloadUsageError,
+                       match=rf"allocating {2 * NBYTES} bytes of pinned.*max_host_bytes"):
         step(layers, ctx, sync)
 
 

@@ -114,6 +114,24 @@ def test_missing_offload_wait_is_a_hazard(x0, monkeypatch):
         run_step(layers, x0, *offload_ctx(SimulatedDevice(), 2, 4))
 
 
+def test_release_whose_compute_wait_is_removed_is_a_hazard(x0, monkeypatch):
+    """The per-layer wait is one device call (``compute_wait``, which also records the
+    milestone): with only that wait removed from an otherwise unchanged release, the device
+    memory is freed while its copy to the host is still queued, and the simulation says so."""
+    layers = make_layers(4)
+    sim = SimulatedDevice()
+    ctx, sync = offload_ctx(sim, 2, 4)
+    run_step(layers, x0, ctx, sync)  # exact with the wait
+
+    def no_wait(event, waits=None, milestone=None):
+        if milestone is not None:
+            sim.trace(*milestone)
+
+    monkeypatch.setattr(sim, "compute_wait", no_wait)
+    with pytest.raises(SimulatedHazard, match="freed while a copy queued"):
+        run_step(layers, x0, ctx, sync)
+
+
 @pytest.mark.parametrize("batch", [0, 4096, 1 << 20])
 def test_small_copies_are_batched_and_stay_exact(sim, x0, monkeypatch, batch):
     """Host work per saved tensor: small storages' device-to-host copies are queued together
@@ -784,3 +802,22 @@ def test_cuda_graph_capture_replays_bit_exact():
         assert torch.equal(static_out, ref_out.detach())
         for got, want in zip(static_grads, ref_grads):
             assert torch.equal(got, want)
+
+
+def test_contexts_left_out_of_order_on_one_thread_leave_the_others_active():
+    """The active contexts of a thread are a chain; one left before an inner one leaves the
+    chain as it was without it (the innermost still names the synchronizer of the block the
+    code runs in)."""
+    from cpu_offload.v2.context import active_synchronizer
+
+    contexts = [offload_ctx(SimulatedDevice(), 1, 2)[0] for _ in range(3)]
+    with torch.no_grad():  # no hooks: only the chain of active contexts is exercised
+        for c in contexts:
+            c.__enter__()
+        assert active_synchronizer() is contexts[2].synchronizer
+        contexts[1].__exit__(None, None, None)
+        assert active_synchronizer() is contexts[2].synchronizer
+        contexts[2].__exit__(None, None, None)
+        assert active_synchronizer() is contexts[0].synchronizer and is_cpu_offload_enabled()
+        contexts[0].__exit__(None, None, None)
+    assert active_synchronizer() is None and not is_cpu_offload_enabled()
