@@ -423,8 +423,9 @@ class CudaDevice(OffloadDevice):
 
     def reload_batch(self, stream: Stream, sources: list, event: Optional[Event] = None,
                      milestone: Optional[tuple] = None) -> tuple:
-        empty, uint8 = torch.empty, torch.uint8
-        buffers = [empty(src.numel(), dtype=uint8, device=device) for src, device in sources]
+        # through alloc_device (one method to override, e.g. to inject an out-of-memory error)
+        alloc = self.alloc_device
+        buffers = [alloc(src.numel(), device) for src, device in sources]
         pairs = [(dst, src) for dst, (src, _) in zip(buffers, sources)]
         return buffers, self.copy_batch(stream, pairs, event, milestone)
 
