@@ -405,22 +405,6 @@ class CudaDevice(OffloadDevice):
         finally:
             torch.cuda.set_stream(previous)
 
-    def copy_batch(self, stream: Stream, pairs: list, event: Optional[Event] = None,
-                   milestone: Optional[tuple] = None) -> Event:
-        if pairs:
-            previous = self.current_stream()
-            self.wait_stream(stream, previous)
-            torch.cuda.set_stream(stream)
-            try:
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-            finally:
-                torch.cuda.set_stream(previous)
-        event = self.rerecord_event(stream, event)
-        if milestone is not None:
-            self.trace(*milestone)
-        return event
-
     def reload_batch(self, stream: Stream, sources: list, event: Optional[Event] = None,
                      milestone: Optional[tuple] = None) -> tuple:
         # through alloc_device (one method to override, e.g. to inject an out-of-memory error)
