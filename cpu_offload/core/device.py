@@ -405,23 +405,6 @@ class CudaDevice(OffloadDevice):
         finally:
             torch.cuda.set_stream(previous)
 
-    def reload_batch(self, stream: Stream, sources: list, event: Optional[Event] = None,
-                     milestone: Optional[tuple] = None) -> tuple:
-        # through alloc_device (one method to override, e.g. to inject an out-of-memory error)
-        alloc = self.alloc_device
-        buffers = [alloc(src.numel(), device) for src, device in sources]
-        pairs = [(dst, src) for dst, (src, _) in zip(buffers, sources)]
-        return buffers, self.copy_batch(stream, pairs, event, milestone)
-
-    def compute_wait(self, event: Event, waits: Optional[list] = None,
-                     milestone: Optional[tuple] = None) -> None:
-        compute = self.current_stream()
-        if waits is not None and self.times_events:
-            waits.append((self.record_event(compute), event))
-        compute.wait_event(event)
-        if milestone is not None:
-            self.trace(*milestone)
-
     def copy_and_record(self, stream: Stream, pairs: list, group_bytes: int = 0) -> list:
         previous = self.current_stream()
         timing = self.times_events and not torch.cuda.is_current_stream_capturing()

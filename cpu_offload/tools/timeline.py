@@ -55,8 +55,6 @@ class TimelineDevice(CudaDevice):
     # One copy at a time through ``copy``, so each is timed (CudaDevice batches them).
     copy_after_compute = OffloadDevice.copy_after_compute
     copy_and_record = OffloadDevice.copy_and_record
-    copy_batch = OffloadDevice.copy_batch
-    reload_batch = OffloadDevice.reload_batch
 
     def timeline(self) -> dict:
         """Milestones and copies in milliseconds from ``start()`` (synchronizes)."""

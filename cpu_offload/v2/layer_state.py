@@ -378,17 +378,7 @@ class SavedRef:
         if self.popped == entry.generation:
             entry.pops -= 1  # autograd freed it after its node ran: it no longer waits
         if entry.live == 0:
-            if entry.reloaded is None and entry.cpu is not None:  # ``drop``, spelled out
-                slab = entry.slab
-                if slab is None:
-                    entry.rt.pool.release(entry.cpu, entry.pool_key)
-                else:
-                    slab.users -= 1
-                    if not slab.users:
-                        entry.rt.pool.release(slab.buf)
-                entry.cpu = entry.gpu = entry.storage = entry.aliases = None
-            else:
-                entry.drop()
+            entry.drop()
 
     def unpack(self) -> torch.Tensor:
         return unpack(self)
@@ -703,10 +693,8 @@ class LayerState:
                 entry.checksum = checksum(flat)
             entry.lstats.copied_out_bytes += entry.nbytes
         pairs = [(e.cpu, e.gpu) for e in pending]
-        if end:  # ``_end_copies``, spelled out
-            events, key = rt.events, (self.index, "offload")
-            self.offload_event = events[key] = rt.device.copy_batch(
-                rt.stream, pairs, events[key] if key in events else None)
+        if end:
+            self._end_copies(pairs)
         else:
             rt.device.copy_after_compute(rt.stream, pairs)
 
