@@ -947,8 +947,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._parts[k].wait_params(indices)
 
     def _finish_inflight(self) -> None:
-        for part in self._parts:  # device side: the streamed update before what follows
-            part.order_params()
+        self._order_streamed()
         st, self._inflight = self._inflight, None
         if st is not None:
             try:
@@ -1023,7 +1022,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
 
     def _order_streamed(self) -> None:
-        """(Tests remove it: a hazard.)"""
+        """Device side: the streamed update before what the compute stream does next (tests
+        remove it: a hazard)."""
         for part in self._parts:
             part.order_params()
 
