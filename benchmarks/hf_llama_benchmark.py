@@ -12,6 +12,8 @@ one model:
   each checkpointed layer in ``save_on_cpu(pin_memory=True)``: copies on the compute stream, no
   overlap); skipped, with a note, where the installed transformers has no such option;
 - ``apply k=K``     ``cpu_offload.apply_offloading(model.model.layers, num_layers=K)``;
+- ``floor k=K``     the minimal exact offloader of ``floor.py`` on the same ``K`` layers, with V2's
+  default schedule: what any offloader costs this host (``--no-floor`` leaves it out);
 - ``plan @B``       ``plan_offloading`` measured once on the real step, then the plan for each memory
   budget ``B`` (fraction of ``none``'s peak), applied with ``apply_offloading(layers, plan=plan)``;
   with ``--verify N`` (default 3 on CUDA) the model's N best candidates for the budget are
@@ -68,6 +70,8 @@ from bench_common import (
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 
 import cpu_offload  # noqa: E402
+from cpu_offload.v2.selection import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
+from floor import FloorOffloader  # noqa: E402
 from cpu_offload.plan import profile_step, search  # noqa: E402
 from cpu_offload.plan.verify import verify_plans  # noqa: E402
 from cpu_offload.plan.search import PEAK_MARGIN  # noqa: E402
@@ -334,6 +338,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--min-tensor-size", type=int,
                    help=f"min_tensor_size_to_offload (library default on cuda, {SIM_MIN_TENSOR_SIZE} on sim)")
     p.add_argument("--no-exact", action="store_true", help="skip the deterministic exactness step")
+    p.add_argument("--no-floor", action="store_true",
+                   help="leave out the floor k=K rows (the minimal exact offloader)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
@@ -403,9 +409,19 @@ def main(argv: Optional[list] = None) -> list:
             return note, handle.remove
         return setup
 
+    def floor(k: int) -> Callable[[], tuple]:
+        def setup() -> tuple:
+            minimum = args.min_tensor_size
+            offloader = FloorOffloader(k, n, device.is_cuda, min_elements=(
+                DEFAULT_MIN_TENSOR_SIZE if minimum is None else minimum)).attach(wl.layers)
+            return "minimal exact offloader (floor.py), default schedule", offloader.remove
+        return setup
+
     for k in (int(k) for k in args.ks.split(",") if k.strip()):
         if 1 <= k < n:
             run_row(Row(f"apply k={k}"), applied(num_layers=k), wl, device, args, reference, rows, setups)
+            if not args.no_floor:
+                run_row(Row(f"floor k={k}"), floor(k), wl, device, args, reference, rows, setups)
         else:
             notes.append(f"apply k={k} skipped: needs 1 <= k < {n}")
 

@@ -13,11 +13,12 @@ Methods, timed with the host clock (forward + backward + device synchronize, med
                       tensor but nothing is copied (the pure bookkeeping cost);
 - ``save_on_cpu``     ``torch.autograd.graph.save_on_cpu`` (pinned on CUDA): torch's own hooks;
 - ``v1``              legacy V1 (``NVTE_CPU_OFFLOAD_V1=1``), layers tag their activations;
-- ``floor``           a minimal exact offloader (``FloorOffloader``), the host's floor: per
-                      tensor the hook pair, a pinned allocation, one copy out, one device
+- ``floor``           a minimal exact offloader (``floor.FloorOffloader``), the host's floor:
+                      per tensor the hook pair, a pinned allocation, one copy out, one device
                       allocation, one copy back; per layer one event record and one stream wait
-                      each way, events reused across steps; no deduplication, view handling or
-                      in-place checks (parameters and their views stay, as V2 keeps them).
+                      each way, events reused across steps; V2's default schedule; no
+                      deduplication, view handling or in-place checks (parameters and their
+                      views stay, as V2 keeps them).
 
 Saved tensors per step are counted once with a counting pack hook (no offloading): each layer
 saves its input and ``weight.t()`` (``addmm``) and the GELU input. Overhead per saved tensor =
@@ -55,6 +56,7 @@ from bench_common import (
 )
 
 import torch  # noqa: E402
+from floor import FloorOffloader  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cpu_offload  # noqa: E402
@@ -121,90 +123,22 @@ def count_saved(layers: nn.ModuleList, x: torch.Tensor, device: BenchDevice) -> 
     return counts
 
 
-class FloorOffloader:
-    """The least work an exact offloader of the first ``k`` layers does (the ``floor`` row).
-
-    Forward: each layer's saved activations are held until the layer ends, then copied to
-    pinned host memory on the side stream after one stream wait; one event (reused every step)
-    marks their end, and compute waits for it before the device copies are dropped. Backward:
-    the first unpack of a layer reloads all of it (device allocations on the compute stream,
-    one stream wait, the copies, one reused event, one wait). Parameters and their views stay.
-    On the CPU (no CUDA) the copies are plain synchronous copies: a smoke test only.
-    """
-
-    def __init__(self, layers: nn.ModuleList, k: int, cuda: bool) -> None:
-        self.layers, self.k, self.cuda = layers, k, cuda
-        self.stream = torch.cuda.Stream() if cuda else None
-        self.out_events = [torch.cuda.Event() for _ in range(k)] if cuda else []
-        self.in_events = [torch.cuda.Event() for _ in range(k)] if cuda else []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            if i >= self.k:
-                x = layer(x)
-                continue
-            slots: list = []  # per saved activation: [device tensor, then host tensor]
-            state = {"slots": slots, "reloaded": False, "layer": i}
-
-            def pack(t: torch.Tensor, slots: list = slots, state: dict = state) -> Any:
-                if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-                    return t
-                slot = [t, state]
-                slots.append(slot)
-                return slot
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
-                x = layer(x)
-            self.copy_out(i, slots)
-        return x
-
-    def copy_out(self, i: int, slots: list) -> None:
-        if not self.cuda:
-            for slot in slots:
-                slot[0] = slot[0].to("cpu", copy=True)
-            return
-        compute = torch.cuda.current_stream()
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            for slot in slots:
-                t = slot[0]
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                slot[0] = host
-            self.out_events[i].record()
-        compute.wait_event(self.out_events[i])  # then the device tensors may be dropped
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, list):
-            return packed
-        state = packed[1]
-        if not state["reloaded"]:
-            state["reloaded"] = True
-            self.copy_in(state["layer"], state["slots"])
-        return packed[0]
-
-    def copy_in(self, i: int, slots: list) -> None:
-        if not self.cuda:
-            for slot in slots:
-                slot[0] = slot[0].clone()
-            return
-        compute = torch.cuda.current_stream()
-        bufs = [torch.empty(s[0].shape, dtype=s[0].dtype, device="cuda") for s in slots]
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            for slot, buf in zip(slots, bufs):
-                buf.copy_(slot[0], non_blocking=True)
-                slot[0] = buf
-            self.in_events[i].record()
-        compute.wait_event(self.in_events[i])
-
-
 def make_forward(name: str, layers: nn.ModuleList, k: int, device: BenchDevice) -> Callable:
     """The forward function of a method (call inside ``backend(name)``)."""
     if name == "none":
         return lambda x: run(layers, x)
     if name == "floor":
-        return FloorOffloader(layers, k, device.is_cuda).forward
+        floor = FloorOffloader(k, len(layers), device.is_cuda, min_elements=0,
+                               schedule="on_demand")
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(layers):
+                floor.before(i)
+                x = layer(x)
+                floor.after(i, x)
+            return x
+
+        return forward
     if name == "save_on_cpu":
 
         def forward(x: torch.Tensor) -> torch.Tensor:

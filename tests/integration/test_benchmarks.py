@@ -155,7 +155,7 @@ def test_hf_llama_benchmark_smoke_sim(tmp_path, capsys):
         "--device", "sim", "--layers", "4", "--ks", "2", "--budgets", "0.6", "--warmup", "0",
         "--iters", "1", "--rounds", "3", "--verify", "2", "--out", str(tmp_path),
     ])
-    assert [r.method for r in rows] == ["none", "hf_ckpt", "apply k=2", "plan @0.6"]
+    assert [r.method for r in rows] == ["none", "hf_ckpt", "apply k=2", "floor k=2", "plan @0.6"]
     assert all(r.error is None and r.exact is True for r in rows), rows
     assert all(len(r.round_ratios) == 3 and r.spread is not None for r in rows), rows
     assert rows[0].round_ratios == [1.0] * 3 and rows[0].time_ratio == 1.0
