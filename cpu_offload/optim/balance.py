@@ -162,13 +162,15 @@ def cpu_update_probe(dtype: torch.dtype, make_optimizer: Callable[[list[dict]], 
     return (lambda: bucket.update([grad], [out], scratch, [hypers], None)), elems
 
 
-def rates(device: OffloadDevice, where: torch.device, cpu_probe: Callable[[], None], threads: int,
-          elems: int) -> dict:
+def rates(device: OffloadDevice, where: torch.device,
+          make_cpu_probe: Callable[[], tuple[Callable[[], None], int]], threads: int) -> dict:
     """``device.nominal_rates()`` if it has them (simulations), else measured: the link both ways
-    at once, then the CPU update while that traffic keeps running (as in a step)."""
+    at once, then the CPU update while that traffic keeps running (as in a step).
+    ``make_cpu_probe()`` returns ``cpu_update_probe``'s pair; it is called only to measure."""
     fixed = device.nominal_rates()
     if fixed is not None:
         return dict(fixed)
+    cpu_probe, elems = make_cpu_probe()
     link = LinkProbe(device, where)
     try:
         rate = link.rate()

@@ -465,11 +465,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         def rates() -> dict:
             if self._rates is None:
-                probe, elems = balance.cpu_update_probe(
-                    params[0].dtype, lambda groups: self._cpu_cls(groups, **self._kwargs),
-                    hypers[0], self._chunk_elems)
-                self._rates = balance.rates(self._device, params[0].device, probe,
-                                            self._cpu_threads, elems)
+                self._rates = balance.rates(
+                    self._device, params[0].device, lambda: balance.cpu_update_probe(
+                        params[0].dtype, lambda groups: self._cpu_cls(groups, **self._kwargs),
+                        hypers[0], self._chunk_elems),
+                    self._cpu_threads)
             return self._rates
 
         on_cpu, self._balance = balance.split(params, self._stream_request, self._state_probe[0],

@@ -631,7 +631,7 @@ def test_measured_rates_run_through_the_device():
     dev = SimulatedDevice()
     calls = []
     probe = lambda: calls.append(torch.ones(1000).sum())  # noqa: E731
-    r = balance.rates(_NoNominal(dev), torch.device("cpu"), probe, 1, 1000)
+    r = balance.rates(_NoNominal(dev), torch.device("cpu"), lambda: (probe, 1000), 1)
     assert r["h2d_bytes_per_s"] > 0 and r["cpu_params_per_s"] > 0 and len(calls) == 3
     assert len(dev.copies("h2d")) >= 4 and len(dev.copies("d2h")) >= 4 and dev.pending_ops() == 0
 
