@@ -11,7 +11,8 @@ device makes none of them.
 
 Methods: ``hooks_only`` (a saved-tensor hook pair that does nothing around each layer: 2 calls
 per tensor), ``v2`` (``num_layers=14`` of 16, every activation offloaded), ``v2_hooks_only`` (V2
-with a size threshold nothing reaches), ``v1`` (legacy, tagged activations). Run::
+with a size threshold nothing reaches), ``apply`` (V2 through ``apply_offloading``: the same
+plus its per-layer driver), ``v1`` (legacy, tagged activations). Run::
 
     python benchmarks/call_count.py
 
@@ -38,7 +39,7 @@ import cpu_offload  # noqa: E402
 from cpu_offload.core import simulated  # noqa: E402
 from hook_overhead import SmallLayer  # noqa: E402  (the same layer, the same saved tensors)
 
-METHODS = ("hooks_only", "v2", "v2_hooks_only", "v1")
+METHODS = ("hooks_only", "v2", "v2_hooks_only", "apply", "v1")
 NEVER = 2**62  # a min_tensor_size_to_offload no tensor reaches
 _SIMULATED_FILE = os.path.abspath(simulated.__file__)
 
@@ -102,6 +103,9 @@ def make_step(method: str, stack: nn.ModuleList, x: torch.Tensor, k: int) -> Cal
             ctx, sync = cpu_offload.get_cpu_offload_context(**kwargs)
         finally:
             os.environ.pop("NVTE_CPU_OFFLOAD_V1", None)
+    elif method == "apply":
+        cpu_offload.apply_offloading(stack, num_layers=k, min_tensor_size_to_offload=0,
+                                     device=cpu_offload.SimulatedDevice(defer=False))
     elif method is not None:
         raise ValueError(f"unknown method {method!r}; one of {METHODS}")
 
@@ -156,6 +160,9 @@ def calls_per_saved_tensor(method: str, layers: int = 16, width: int = 64, batch
         counts[name] = min(counter.count(step) for _ in range(2))
     for layer in stack:
         layer.tag_activations = False
+    handle = cpu_offload.offloading_handle(stack)
+    if handle is not None:
+        handle.remove()
     return (counts[method] - counts[None]) / saved
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..compat import compiler_disable, in_backward, in_checkpoint_region
+from ..compat import eager_between_graphs, in_backward, in_checkpoint_region
 from ..core.errors import OffloadConfigError, OffloadUsageError
 
 __all__ = [
@@ -64,7 +64,7 @@ class _LayerState:
         self.context_fn = context_fn
 
 
-@compiler_disable
+@eager_between_graphs
 def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """``(state, token, checkpointed)``; ``token is None``: run the layer untouched;
     ``checkpointed``: run it under the plan's checkpoint."""
@@ -86,12 +86,12 @@ def _begin(self: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return state, state.driver.before(state.index, self, args, kwargs), checkpointed
 
 
-@compiler_disable
+@eager_between_graphs
 def _end(state: _LayerState, token: Any, out: Any) -> Any:
     return state.driver.after(token, out)
 
 
-@compiler_disable
+@eager_between_graphs
 def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
     state.driver.abort(token, exc)
 
