@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 # Let ``python benchmarks/<script>.py`` work from a checkout without installing the package.
 _REPO = Path(__file__).resolve().parents[1]
@@ -228,6 +228,24 @@ def ratio_stats(ratios: Sequence[float]) -> tuple:
         return mid, None, None
     width = max(ratios) - min(ratios)
     return mid, width / mid if mid else None, width
+
+
+def interleaved_rounds(names: Sequence[str], time_one: Callable[[str], float],
+                       rounds: int) -> dict[str, list[float]]:
+    """Time every configuration ``rounds`` more times, in turn: ``time_one(name)`` returns one
+    measurement (ms). ``names[0]`` is the baseline. Every other round runs in reverse order, the
+    baseline first and last (its time in that round: the median of the two), so clock and
+    neighbour drift hit every configuration alike. Returns each name's per-round times."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    base = names[0]
+    for r in range(rounds):
+        order = list(names) if r % 2 == 0 else [base, *names[:0:-1], base]
+        base_times = []
+        for name in order:
+            ms = time_one(name)
+            (base_times if name == base else times[name]).append(ms)
+        times[base].append(median(base_times))
+    return times
 
 
 def within_noise(diff: float, *ranges: Optional[float]) -> bool:

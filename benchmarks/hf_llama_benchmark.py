@@ -66,6 +66,7 @@ from bench_common import (
     within_noise,
     write_json,
 )
+from bench_common import interleaved_rounds as common_interleaved_rounds
 
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 
@@ -236,30 +237,26 @@ def time_steps(
 def interleaved_rounds(
     setups: dict, rows: list, wl: Workload, device: BenchDevice, args: argparse.Namespace
 ) -> None:
-    """Time every row again in ``args.rounds`` rounds, rows in turn (``none`` first; every
-    other round in reverse order, ``none`` then last as well); set ``round_ratios`` (per
-    round, the time over ``none``'s in the same round), ``time_ratio`` (their median),
-    ``spread`` and ``step_ms`` (median of the rounds). The first pass (exactness and peaks,
-    the profile in between) counts only without rounds: it is not interleaved with ``none``."""
+    """Time every row again in ``args.rounds`` rounds (``bench_common.interleaved_rounds``:
+    ``none`` first, every other round in reverse order); set ``round_ratios`` (per round, the
+    time over ``none``'s in the same round), ``time_ratio`` (their median), ``spread`` and
+    ``step_ms`` (median of the rounds). The first pass (exactness and peaks, the profile in
+    between) counts only without rounds: it is not interleaved with ``none``."""
     live = [r for r in rows if r.error is None and r.method in setups]
     base = live[0]
-    for r in range(args.rounds):
-        order = live if r % 2 == 0 else live[:1] + live[:0:-1]
-        base_times = []
-        for row in order + ([base] if r % 2 else []):
-            note, teardown = setups[row.method]()
-            try:
-                ms = time_steps(wl, device, args)
-            finally:
-                teardown()
-                device.free_memory()
-            if row is base:
-                base_times.append(ms)
-            else:
-                row.round_ms.append(ms)
-        base.round_ms.append(median(base_times))  # reverse rounds: none at both ends
+
+    def time_one(method: str) -> float:
+        note, teardown = setups[method]()
+        try:
+            return time_steps(wl, device, args)
+        finally:
+            teardown()
+            device.free_memory()
+
+    times = common_interleaved_rounds([r.method for r in live], time_one, args.rounds)
     first = 1 if args.rounds else 0
     for row in live:
+        row.round_ms.extend(times[row.method])
         row.step_ms = median(row.round_ms[first:])
         row.round_ratios = [ms / b for ms, b in zip(row.round_ms[first:], base.round_ms[first:])]
         row.time_ratio, row.spread, _ = ratio_stats(row.round_ratios)

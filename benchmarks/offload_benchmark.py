@@ -12,6 +12,12 @@ All methods run in one process on one model, so ratios compare like with like:
   offloaded storage, checked after its reload; the check blocks the host): the cost of verify mode.
 
 Per method: ``--warmup`` untimed steps, then ``--iters`` timed steps (CUDA events, median).
+Then ``--rounds`` more rounds (default 3 on CUDA) time every method again, in turn
+(``bench_common.interleaved_rounds``: every other round in reverse order, ``none`` first and
+last), so that drift hits every method alike: ``time x`` is the median over the rounds of the
+method's step time over ``none``'s in the same round, ``spread %`` the range of those per-round
+ratios over it, and ``step ms`` the median of the rounds (``fwd ms``, ``bwd ms`` and the peak
+come from the first pass).
 Peak memory is ``max_memory_allocated() - memory_allocated()`` taken right before each step (the
 max over timed steps), i.e. above what the step starts with. Weight gradients are preallocated and
 zeroed in place before each step (``zero_grad(set_to_none=False)``, as training loops with
@@ -54,10 +60,12 @@ from bench_common import (
     environment_info,
     format_table,
     gc_paused,
+    interleaved_rounds,
     median,
     deterministic_algorithms,
     plottable,
     prepare_determinism,
+    ratio_stats,
     save_plot,
     write_json,
 )
@@ -294,6 +302,9 @@ class Result:
     exact_error: Optional[str] = None
     sim_copies: Optional[int] = None  # simulated device only: copy operations it performed
     step_ms_all: list = field(default_factory=list)
+    round_ms: list = field(default_factory=list)  # step time (median) of each timing round
+    round_ratios: list = field(default_factory=list)  # per round: step time / none's
+    spread: Optional[float] = None  # (max - min) / median of round_ratios
 
 
 def measure(
@@ -325,6 +336,34 @@ def measure(
         wl.model.set_tag_activations(False)
         device.free_memory()
     return res, snapshots
+
+
+def timing_rounds(plan: list[Method], results: list[Result], wl: Workload, device: BenchDevice,
+                  args: argparse.Namespace) -> None:
+    """``args.rounds`` interleaved rounds of every method that ran (not the ``none`` re-check at
+    the end, a drift check of the first pass); sets ``round_ms``, ``round_ratios`` and
+    ``step_ms`` (the median of the rounds)."""
+    runs = {r.label: m for m, r in zip(plan, results) if r.error is None and m.tag != "@end"}
+    if not args.rounds or results[0].label not in runs:
+        return
+
+    def time_one(label: str) -> float:
+        method = runs[label]
+        try:
+            with backend(method.name):
+                forward = make_forward(method, wl, device, args.min_tensor_size)
+                return median([s.step_ms for s in time_steps(forward, wl, device, args)])
+        finally:
+            wl.model.set_tag_activations(False)
+            device.free_memory()
+
+    times = interleaved_rounds(list(runs), time_one, args.rounds)
+    base = times[results[0].label]
+    for r in results:
+        if r.label in times:
+            r.round_ms = times[r.label]
+            r.step_ms = median(r.round_ms)
+            r.round_ratios = [ms / b for ms, b in zip(r.round_ms, base)]
 
 
 def time_steps(forward: Callable, wl: Workload, device: BenchDevice, args: argparse.Namespace) -> list[StepStats]:
@@ -382,7 +421,9 @@ def derive(res: Result, base: Result, per_layer: dict[str, int], n_layers: int) 
         res.offloaded_bytes = per_layer["v2"] * (res.k - (part is not None)) + (part or 0)
     elif res.method == "save_on_cpu":
         res.offloaded_bytes = per_layer["save_on_cpu"] * n_layers
-    if base.step_ms:
+    if res.round_ratios:
+        res.time_ratio, res.spread, _ = ratio_stats(res.round_ratios)
+    elif base.step_ms:
         res.time_ratio = res.step_ms / base.step_ms
     if base.peak_bytes and res.peak_bytes is not None:
         res.peak_ratio = res.peak_bytes / base.peak_bytes
@@ -461,8 +502,8 @@ def _timed_copies(device: BenchDevice, pairs: list[tuple[torch.Tensor, torch.Ten
 
 
 HEADERS = (
-    "method", "k", "step ms", "fwd ms", "bwd ms", "time x", "peak GiB", "peak x", "exact",
-    "offl GiB", "D2H GB/s", "H2D GB/s", "target", "verdict",
+    "method", "k", "step ms", "fwd ms", "bwd ms", "time x", "spread %", "peak GiB", "peak x",
+    "exact", "offl GiB", "D2H GB/s", "H2D GB/s", "target", "verdict",
 )
 
 
@@ -472,7 +513,8 @@ def result_row(r: Result) -> list[Any]:
         return [name, r.k, "ERROR (below)"] + [None] * (len(HEADERS) - 3)
     gib = (lambda b: None if b is None else b / GIB)
     return [
-        name, r.k, r.step_ms, r.fwd_ms, r.bwd_ms, r.time_ratio, gib(r.peak_bytes), r.peak_ratio,
+        name, r.k, r.step_ms, r.fwd_ms, r.bwd_ms, r.time_ratio,
+        None if r.spread is None else 100 * r.spread, gib(r.peak_bytes), r.peak_ratio,
         r.bit_exact, gib(r.offloaded_bytes) if r.offloaded_bytes else None, r.d2h_gbps,
         r.h2d_gbps, r.target, r.verdict,
     ]
@@ -549,6 +591,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--warmup", type=int, help="untimed steps per method (cuda 3, sim 1)")
     p.add_argument("--iters", type=int, help="timed steps per method (cuda 10, sim 2)")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds after the first pass "
+                   "(cuda 3, sim 1): time x is the median of the per-round ratios to none")
     p.add_argument("--min-tensor-size", type=int,
                    help="v2 min_tensor_size_to_offload (library default on cuda, "
                         f"{SIM_MIN_TENSOR_SIZE} on sim)")
@@ -630,6 +674,7 @@ def main(argv: Optional[list[str]] = None) -> list[Result]:
     prepare_determinism(device)
     args.warmup = args.warmup if args.warmup is not None else (3 if device.is_cuda else 1)
     args.iters = max(1, args.iters if args.iters is not None else (10 if device.is_cuda else 2))
+    args.rounds = max(0, args.rounds if args.rounds is not None else (3 if device.is_cuda else 1))
     if args.min_tensor_size is None and not device.is_cuda:
         args.min_tensor_size = SIM_MIN_TENSOR_SIZE
     link_mib = args.link_mib or (1024 if device.is_cuda else 16)
@@ -669,6 +714,7 @@ def main(argv: Optional[list[str]] = None) -> list[Result]:
         results.append(res)
         shown = "ERROR " + res.error if res.error else f"{res.step_ms:.2f} ms"
         print(f"  {res.label:<16} {shown}", flush=True)
+    timing_rounds(plan, results, wl, device, args)
     base = results[0]
     for r in results:
         derive(r, base, per_layer, cfg.layers)

@@ -26,6 +26,9 @@ def test_offload_benchmark_smoke_sim(tmp_path):
     ])
     assert [r.label for r in results] == ["none", "checkpoint", "v2 k=2"]
     assert all(r.error is None and r.exact_error is None for r in results), results
+    # one interleaved timing round (the default on sim): time x is the ratio measured in it
+    assert results[0].round_ratios == [1.0] and all(len(r.round_ms) == 1 for r in results)
+    assert results[2].time_ratio == results[2].round_ms[0] / results[0].round_ms[0]
     assert all(r.bit_exact is True for r in results)
     assert not torch.are_deterministic_algorithms_enabled()  # restored after the exactness step
     assert results[2].offloaded_bytes > 0 and results[2].sim_copies > 0
