@@ -222,6 +222,9 @@ def program_source(spec: ProgramSpec) -> str:
         out(1, 'os.environ["NVTE_CPU_OFFLOAD_V1"] = "1"  # the legacy backend')
     else:
         out(1, 'os.environ.pop("NVTE_CPU_OFFLOAD_V1", None)')
+    if spec.batch_bytes is not None:
+        out(1, "from cpu_offload.v2 import layer_state",
+            f"layer_state.BATCH_BYTES = {spec.batch_bytes}  # copies from this size queued early")
     out(1, "layers = build()", "params = list(layers.parameters())", "dev = TrackingDevice()",
         "watch = Watch(layers)", "handle = opt = None", "try:")
     _entry_setup(spec, out)

@@ -59,15 +59,20 @@ class Result:
 
 @contextlib.contextmanager
 def _isolated() -> Iterator[None]:
-    """Restore the backend switch, warnings and the thread count; silence expected warnings."""
+    """Restore the backend switch, V2's batch size, warnings and the thread count; silence
+    expected warnings."""
+    from cpu_offload.v2 import layer_state
+
     before = os.environ.get(V1_ENV)
     threads = torch.get_num_threads()
+    batch_bytes = layer_state.BATCH_BYTES  # a program may lower it
     torch.set_num_threads(1)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        layer_state.BATCH_BYTES = batch_bytes
         torch.set_num_threads(threads)
         if before is None:
             os.environ.pop(V1_ENV, None)

@@ -56,6 +56,8 @@ def reductions(spec: ProgramSpec) -> Iterator[Tuple[str, ProgramSpec]]:
         yield f"num_layers={spec.num_layers - 1}", replace(spec, num_layers=spec.num_layers - 1)
     if spec.min_size:
         yield "min_size=0", replace(spec, min_size=0)
+    if spec.batch_bytes is not None:
+        yield "batch_bytes=None", replace(spec, batch_bytes=None)
     for name in ("recompute", "selective", "sync_dict", "manual"):
         items = getattr(spec, name)
         for j in range(len(items)):

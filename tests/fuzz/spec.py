@@ -92,6 +92,10 @@ class ProgramSpec:
     eval_forward: str = "none"  # none | before (each step) | inside (between forward and backward)
     fault: tuple = ()
     optimizer: Optional[OptSpec] = None
+    # V2's BATCH_BYTES for the program (None: the library's 1 MiB, which the fuzzer's small
+    # tensors never reach): storages from this size on are copied as soon as they are saved,
+    # with those saved before them, instead of at the layer's end.
+    batch_bytes: Optional[int] = None
 
     @property
     def n(self) -> int:
@@ -128,6 +132,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
         f["plan_spread"] += 1
     if spec.partial_bytes is not None:
         f["plan_partial"] += 1
+    if spec.batch_bytes is not None:
+        f["early_copies"] += 1
     if spec.selective:
         f.update(["selective", f"selective_scope={spec.selective_scope}"])
     if len(spec.backwards) > 1:
@@ -377,5 +383,6 @@ def generate(seed: int) -> ProgramSpec:
         eval_forward=rng.choice(("none",) * 4 + ("before", "inside")),
         fault=(rng.choice(("fwd", "bwd", "between")), rng.randrange(n)) if rng.random() < 0.25 else (),
         optimizer=_optimizer(rng) if rng.random() < 0.4 else None,
+        batch_bytes=rng.choice((None, None, 0, 512)),  # drawn last: earlier seeds' fields stay
     )
     return normalize(spec)
