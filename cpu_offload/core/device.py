@@ -107,6 +107,15 @@ class OffloadDevice(abc.ABC):
     def event_done(self, event: Event) -> bool:
         """Non-blocking: has the device passed ``event``?"""
 
+    def link_busy(self, event: Event) -> bool:
+        """Whether copies queued before ``event`` (recorded on a copy stream) still run, so that
+        copies queued now would wait behind them anyway. V2's pack hook then leaves a large
+        storage for a later batch of its layer (the next one it queues, or the layer's end)
+        instead of queuing it at once: fewer host calls, and the link no less busy. The
+        default, False, queues every large storage at once; a real device answers without
+        blocking (``CudaDevice``: the event's query)."""
+        return False
+
     @abc.abstractmethod
     def wait_host(self, event: Event) -> None:
         """Block the calling host thread until the device has passed ``event``.
@@ -365,6 +374,10 @@ class CudaDevice(OffloadDevice):
 
     def event_done(self, event: Event) -> bool:
         return event.query()
+
+    def link_busy(self, event: Event) -> bool:
+        # Never a query while capturing a graph (an unsafe call there): queue at once, as before.
+        return not torch.cuda.is_current_stream_capturing() and not event.query()
 
     def wait_host(self, event: Event) -> None:
         event.synchronize()

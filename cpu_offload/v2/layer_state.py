@@ -78,6 +78,7 @@ class Runtime:
     __slots__ = (
         "device", "stream", "pool", "retain", "verify", "max_host_bytes", "threshold", "warned",
         "byte_limits", "events", "checks_frees", "policy", "device_type", "traces",
+        "copy_tail", "mark_event",
     )
 
     def __init__(
@@ -104,6 +105,13 @@ class Runtime:
         self.byte_limits: dict[int, int] = {}
         # (layer, direction) -> the event recorded last time, re-recorded every step
         self.events: dict[tuple, Event] = {}
+        # The last event recorded on the copy stream after forward copies (a layer's offload
+        # event, or ``mark_event``): while the device says the link is busy up to it, a large
+        # storage waits for its layer's next batch (``OffloadDevice.link_busy``). ``mark_event``
+        # is the one event re-recorded after each early batch of large storages (never a
+        # layer's offload event, which a release waits for).
+        self.copy_tail: Optional[Event] = None
+        self.mark_event: Optional[Event] = None
         # whether the device checks frees (the simulation): a real device is not even called
         self.checks_frees = type(device).will_free is not OffloadDevice.will_free
         # whether the device records schedule milestones (the simulation): if not, no call
@@ -451,7 +459,7 @@ class LayerState:
 
     __slots__ = (
         "index", "rt", "stats", "lstats", "entries", "shared", "eager", "offload_event",
-        "released", "reload_started", "limit", "flushed", "pending_bytes",
+        "released", "reload_started", "limit", "flushed", "pending_bytes", "small_bytes",
     )
 
     def __init__(
@@ -469,10 +477,15 @@ class LayerState:
         self.reload_started = False
         # bytes this layer may still offload, if limited
         self.limit = rt.byte_limits.get(index) if rt.byte_limits else None
-        # entries[:flushed] were considered for copying; the new storages after them are copied
-        # at the layer's end (or once they reach BATCH_BYTES): pending_bytes of them
+        # entries[:flushed] were considered for copying; of the storages after them, pending_bytes
+        # are not copied yet. Large ones (BATCH_BYTES or more) are copied as soon as they are
+        # saved (unless the link is busy: then with the layer's next batch), each into its own
+        # host buffer; small ones (small_bytes of them pending) together, in one host buffer,
+        # once they reach BATCH_BYTES and at the layer's end. So the host buffers' sizes do not
+        # depend on timing, and the pool reuses them step after step.
         self.flushed = 0
         self.pending_bytes = 0
+        self.small_bytes = 0
 
     # -- forward ---------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, ready: Optional[Event] = None, selected: bool = False
@@ -565,11 +578,17 @@ class LayerState:
             else:
                 self.entries.append(entry)
                 if self.eager:
-                    # The automatic schedule: copies queued together at the layer's end; a
-                    # large one (and those before it) at once.
+                    # The automatic schedule: a large storage copied at once (unless the link
+                    # is still busy with earlier copies), small ones in batches.
                     self.pending_bytes += nbytes
-                    if nbytes >= BATCH_BYTES or self.pending_bytes >= BATCH_BYTES:
-                        self.flush_copies()
+                    if nbytes >= BATCH_BYTES:
+                        if (rt.retain or rt.copy_tail is None
+                                or not rt.device.link_busy(rt.copy_tail)):
+                            self.flush_copies(large=True)
+                    else:
+                        self.small_bytes += nbytes
+                        if self.small_bytes >= BATCH_BYTES:
+                            self.flush_copies(large=False)
                 else:  # manual, before start_offload: copied from when it is final
                     entry.ready_event = ready or rt.device.record_event(
                         rt.device.current_stream())
@@ -642,11 +661,16 @@ class LayerState:
         )
         return KeptRef(t)
 
-    def flush_copies(self, end: bool = False) -> None:
+    def flush_copies(self, end: bool = False, large: Optional[bool] = None) -> None:
         """Queue the device-to-host copies of the storages saved since the last flush (after the
         compute that produced them): pinned buffers, one stream wait and one batch for all.
-        ``end``: the layer's forward is over; the same device call also marks where its copies
-        end on the copy stream (one event per layer, re-recorded every step)."""
+        ``large``: only the large storages (``True``, the pack hook's early batch, whose end
+        ``Runtime.mark_event`` marks for ``link_busy``) or only the small ones (``False``);
+        ``None``: all. ``end``: the layer's forward is over; the same device call also marks
+        where its copies end on the copy stream (one event per layer, re-recorded every step).
+
+        Each large storage gets its own host buffer and the small ones of a batch share one
+        (``HostSlab``), so buffer sizes do not depend on when the link let a batch go."""
         entries = self.entries
         n = len(entries)
         if self.flushed == n:
@@ -654,14 +678,22 @@ class LayerState:
                 self._end_copies(())
             return
         pending = entries[self.flushed:]
-        for e in pending:
-            if e.cpu is not None or e.storage is None:
-                # Not those an earlier layer saved (copied by it), nor those whose saved
-                # tensors autograd already freed (dropped: nothing to copy).
-                pending = [e for e in pending if e.cpu is None and e.storage is not None]
-                break
-        self.flushed = n
-        self.pending_bytes = 0
+        if large is None:
+            for e in pending:
+                if e.cpu is not None or e.storage is None:
+                    # Not those an earlier layer saved (copied by it), nor those whose saved
+                    # tensors autograd already freed (dropped: nothing to copy).
+                    pending = [e for e in pending if e.cpu is None and e.storage is not None]
+                    break
+            self.flushed = n
+            self.pending_bytes = self.small_bytes = 0
+        else:
+            pending = [e for e in pending if e.cpu is None and e.storage is not None
+                       and (e.nbytes >= BATCH_BYTES) is large]
+            for e in pending:
+                self.pending_bytes -= e.nbytes
+            if not large:
+                self.small_bytes = 0
         if not pending:
             if end:
                 self._end_copies(())
@@ -671,20 +703,40 @@ class LayerState:
             for entry, buf in zip(pending, rt.pool.acquire_many(
                     [e.nbytes for e in pending], [e.pool_key for e in pending])):
                 entry.cpu = buf
-        else:  # one pinned buffer for the batch, a slice of it per storage
-            total = users = 0
+        else:
+            # A buffer per large storage, one for the small ones together (a slice each); all
+            # acquired before any entry changes, so a failed allocation changes nothing.
+            small = pending
+            total = 0
             for entry in pending:
+                if entry.nbytes >= BATCH_BYTES:
+                    small = [e for e in pending if e.nbytes < BATCH_BYTES]
+                    break
                 total += entry.nbytes
-                users += 1
-            slab = HostSlab()
-            slab.buf = buf = rt.pool.acquire(total)
-            slab.users = users
-            start = 0
-            for entry in pending:
-                stop = start + entry.nbytes
-                entry.cpu = buf[start:stop]
-                entry.slab = slab
-                start = stop
+            if small is pending:  # small ones only (a small layer's batch): one pool call
+                slab_buf = rt.pool.acquire(total)
+            else:
+                total = sum(e.nbytes for e in small)
+                big = [e for e in pending if e.nbytes >= BATCH_BYTES]
+                bufs = rt.pool.acquire_many([e.nbytes for e in big] + ([total] if small else []))
+                for entry, buf in zip(big, bufs):
+                    entry.cpu = buf
+                slab_buf = bufs[-1] if small else None
+            if small:
+                slab = HostSlab()
+                slab.buf = slab_buf
+                slab.users = len(small)
+                start = 0
+                for entry in small:
+                    stop = start + entry.nbytes
+                    entry.cpu = slab_buf[start:stop]
+                    entry.slab = slab
+                    start = stop
+        if large is not None:  # entries[:flushed] are all copied (or dropped) now
+            i = self.flushed
+            while i < n and (entries[i].cpu is not None or entries[i].storage is None):
+                i += 1
+            self.flushed = i
         verify = rt.verify
         for entry in pending:
             # ``Entry.flat``, spelled out: a flat uint8 tensor over the storage, to copy
@@ -695,6 +747,8 @@ class LayerState:
         pairs = [(e.cpu, e.gpu) for e in pending]
         if end:
             self._end_copies(pairs)
+        elif large and not rt.retain:
+            rt.copy_tail = rt.mark_event = rt.device.copy_batch(rt.stream, pairs, rt.mark_event)
         else:
             rt.device.copy_after_compute(rt.stream, pairs)
 
@@ -703,7 +757,7 @@ class LayerState:
         them (``copy_batch``: one device call)."""
         rt = self.rt
         events, key = rt.events, (self.index, "offload")
-        self.offload_event = events[key] = rt.device.copy_batch(
+        self.offload_event = rt.copy_tail = events[key] = rt.device.copy_batch(
             rt.stream, pairs, events[key] if key in events else None)
 
     def start_offload(self) -> None:
@@ -814,7 +868,7 @@ class LayerState:
         dev = self.rt.device
         dev.wait_stream(dev.current_stream(), self.rt.stream)
         self.flushed = len(self.entries)  # never queued
-        self.pending_bytes = 0
+        self.pending_bytes = self.small_bytes = 0
         for entry in self.entries:
             entry.error = reason or (
                 "this saved tensor belongs to a forward pass interrupted by an exception inside "

@@ -165,6 +165,51 @@ def test_small_copies_are_batched_and_stay_exact(sim, x0, monkeypatch, batch):
     assert len(reload_waits) <= 3 < len(h2d)
 
 
+@pytest.mark.parametrize("busy", ["always", "every other query"])
+def test_large_copies_wait_for_a_later_batch_while_the_link_is_busy(x0, monkeypatch, busy):
+    """While the device says the copies queued before are still running (``link_busy``), a
+    large storage waits for its layer's next batch instead of being queued at once: fewer
+    stream waits and host calls, the same gradients, host buffers reused whatever the timing
+    (each large storage has its own), and a missing release wait still caught."""
+    from cpu_offload.v2 import layer_state
+
+    class BusyLink(SimulatedDevice):
+        queries = 0
+
+        def link_busy(self, event):
+            self.queries += 1
+            return busy == "always" or self.queries % 2 == 0
+
+    monkeypatch.setattr(layer_state, "BATCH_BYTES", 4096)  # every storage here is large
+    layers = make_layers(4)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    sim = BusyLink()
+    ctx, sync = offload_ctx(sim, 2, 4)
+    allocs = []
+    for _ in range(3):
+        sim.log.clear()
+        assert_same(run_step(layers, x0, ctx, sync), ref)
+        allocs.append(sim.host_allocs)
+    assert allocs[1] == allocs[2]  # the third step allocated no host buffer
+    log = sim.log
+    first_bwd = log.index(("bwd", 3))
+    d2h = [e for e in log[:first_bwd] if e[0] == "copy" and e[3] == "d2h"]
+    side_waits = [e for e in log[:first_bwd] if e[:3] == ("wait", "side1", "compute")]
+    assert sim.queries > 0
+    if busy == "always":
+        assert len(side_waits) == 2 < len(d2h)  # one batch per offloaded layer, at its end
+    else:
+        assert 2 < len(side_waits) < len(d2h)
+
+    def no_wait(event, waits=None, milestone=None):
+        if milestone is not None:
+            sim.trace(*milestone)
+
+    monkeypatch.setattr(sim, "compute_wait", no_wait)
+    with pytest.raises(SimulatedHazard, match="freed while a copy queued"):
+        run_step(layers, x0, ctx, sync)
+
+
 def test_a_storage_freed_before_its_batched_copy_is_not_copied(sim):
     """A saved tensor autograd drops inside the layer (its graph branch is discarded) leaves
     the batch before the copy is queued: nothing is copied for it, and nothing else changes."""
