@@ -61,6 +61,19 @@ def offload_ctx(sim, k, n, **kw):
     return get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, device=sim, **kw)
 
 
+def assert_release_wait_needed(sim, monkeypatch, step):
+    """With only the release's per-layer wait (``compute_wait``) removed, ``step()`` frees
+    device memory while its copy to the host is still queued, and the simulation says so."""
+
+    def no_wait(event, waits=None, milestone=None):
+        if milestone is not None:
+            sim.trace(*milestone)
+
+    monkeypatch.setattr(sim, "compute_wait", no_wait)
+    with pytest.raises(SimulatedHazard, match="freed while a copy queued"):
+        step()
+
+
 @pytest.fixture
 def x0():
     torch.manual_seed(1)
@@ -123,13 +136,7 @@ def test_release_whose_compute_wait_is_removed_is_a_hazard(x0, monkeypatch):
     ctx, sync = offload_ctx(sim, 2, 4)
     run_step(layers, x0, ctx, sync)  # exact with the wait
 
-    def no_wait(event, waits=None, milestone=None):
-        if milestone is not None:
-            sim.trace(*milestone)
-
-    monkeypatch.setattr(sim, "compute_wait", no_wait)
-    with pytest.raises(SimulatedHazard, match="freed while a copy queued"):
-        run_step(layers, x0, ctx, sync)
+    assert_release_wait_needed(sim, monkeypatch, lambda: run_step(layers, x0, ctx, sync))
 
 
 @pytest.mark.parametrize("batch", [0, 4096, 1 << 20])
@@ -201,13 +208,7 @@ def test_large_copies_wait_for_a_later_batch_while_the_link_is_busy(x0, monkeypa
     else:
         assert 2 < len(side_waits) < len(d2h)
 
-    def no_wait(event, waits=None, milestone=None):
-        if milestone is not None:
-            sim.trace(*milestone)
-
-    monkeypatch.setattr(sim, "compute_wait", no_wait)
-    with pytest.raises(SimulatedHazard, match="freed while a copy queued"):
-        run_step(layers, x0, ctx, sync)
+    assert_release_wait_needed(sim, monkeypatch, lambda: run_step(layers, x0, ctx, sync))
 
 
 def test_a_storage_freed_before_its_batched_copy_is_not_copied(sim):
