@@ -17,9 +17,10 @@ saved tensor or storage, so they make only the calls they must and spell out sma
 (``benchmarks/call_count.py`` counts them, ``tests/v2/test_hot_path_calls.py`` pins the count):
 
 - pack: the alias (``detach``: the version counter, and the memory until release), the storage
-  (identity and size) and the geometry. Grouping into copies happens at the layer's end: one
-  pinned buffer for the batch (``HostSlab``, a slice per storage), one device call for the
-  copies and the layer's event (``copy_batch``).
+  (identity and size) and the geometry. Small storages are copied together (one pinned buffer,
+  ``HostSlab``, a slice each) at the layer's end or once they add up to ``BATCH_BYTES``; a large
+  one at once, or with the next batch while the link is busy (``OffloadDevice.link_busy``). One
+  device call per batch for its copies (the layer's last also records its event: ``copy_batch``).
 - release: one device call for the layer's wait (``compute_wait``), then per storage one use
   count. A storage that nobody else references needs no in-place watch after release (nothing
   can change it any more): its aliases are simply dropped. One that something else holds keeps
@@ -65,10 +66,11 @@ _uint8 = torch.uint8
 _storage_use_count = storage_use_counter()  # by a storage's _cdata; None where torch lacks it
 
 # Copies of storages smaller than this are batched: the device-to-host copies of a layer's small
-# saved tensors are queued together (at the layer's end, or when this many bytes are waiting, or
-# before a large copy). A launch costs the host microseconds while this many bytes take the link
-# about 20 us, so batching them delays nothing that matters; larger storages are copied as soon
-# as they are saved, so that they overlap the rest of the layer's forward.
+# saved tensors are queued together (at the layer's end, or when this many bytes are waiting). A
+# launch costs the host microseconds while this many bytes take the link about 20 us, so batching
+# them delays nothing that matters. Larger storages are copied as soon as they are saved, so that
+# they overlap the rest of the layer's forward; while copies queued before still run (the link is
+# busy), with the layer's next batch, which costs fewer host calls and starts no later in effect.
 BATCH_BYTES = 1 << 20
 
 
@@ -327,8 +329,8 @@ class Entry:
 
 
 class HostSlab:
-    """One pinned host buffer holding the copies of a batch of storages (a layer's, copied
-    together at its end), each in a slice of it: one pool call per batch instead of one per
+    """One pinned host buffer holding the copies of a batch of small storages (a layer's,
+    copied together), each in a slice of it: one pool call per batch instead of one per
     storage. It goes back to the pool when the last of those storages is dropped. Made without
     ``__init__`` (``buf`` and ``users`` are set where it is made)."""
 
