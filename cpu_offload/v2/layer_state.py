@@ -462,10 +462,12 @@ class LayerState:
     __slots__ = (
         "index", "rt", "stats", "lstats", "entries", "shared", "eager", "offload_event",
         "released", "reload_started", "limit", "flushed", "pending_bytes", "small_bytes",
+        "may_wait",
     )
 
     def __init__(
-        self, index: int, rt: Runtime, eager: bool, shared: dict, stats: StepStats
+        self, index: int, rt: Runtime, eager: bool, shared: dict, stats: StepStats,
+        may_wait: bool = False,
     ) -> None:
         self.index = index
         self.rt = rt
@@ -481,13 +483,16 @@ class LayerState:
         self.limit = rt.byte_limits.get(index) if rt.byte_limits else None
         # entries[:flushed] were considered for copying; of the storages after them, pending_bytes
         # are not copied yet. Large ones (BATCH_BYTES or more) are copied as soon as they are
-        # saved (unless the link is busy: then with the layer's next batch), each into its own
-        # host buffer; small ones (small_bytes of them pending) together, in one host buffer,
-        # once they reach BATCH_BYTES and at the layer's end. So the host buffers' sizes do not
-        # depend on timing, and the pool reuses them step after step.
+        # saved (with ``may_wait``, while the link is busy: with the layer's next batch), each
+        # into its own host buffer; small ones (small_bytes of them pending) together, in one
+        # host buffer, once they reach BATCH_BYTES and at the layer's end. So the host buffers'
+        # sizes do not depend on timing, and the pool reuses them step after step.
         self.flushed = 0
         self.pending_bytes = 0
         self.small_bytes = 0
+        # whether large copies may wait for a busy link (``Schedule.copies_can_wait``): not
+        # when the layer is released at the next layer's start, nor with CUDA-graph buffers
+        self.may_wait = may_wait and not rt.retain
 
     # -- forward ---------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, ready: Optional[Event] = None, selected: bool = False
@@ -584,7 +589,7 @@ class LayerState:
                     # is still busy with earlier copies), small ones in batches.
                     self.pending_bytes += nbytes
                     if nbytes >= BATCH_BYTES:
-                        if (rt.retain or rt.copy_tail is None
+                        if (not self.may_wait or rt.copy_tail is None
                                 or not rt.device.link_busy(rt.copy_tail)):
                             self.flush_copies(large=True)
                     else:

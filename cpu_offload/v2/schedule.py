@@ -168,7 +168,8 @@ def validate_synchronization_dict(
 
 @dataclass(frozen=True)
 class Schedule:
-    """Actions per position, derived once from a validated synchronization dict."""
+    """Actions per position, derived once from a validated synchronization dict; and
+    ``copies_wait``, the layers for which ``copies_can_wait`` holds."""
 
     model_layers: int
     sync: Mapping[int, SyncEntry]
@@ -191,6 +192,9 @@ class Schedule:
         for pos in set(releases) | set(reloads):
             actions[pos] = (releases.get(pos, []), reloads.get(pos, []))
         object.__setattr__(self, "_actions", actions)
+        # ``copies_can_wait``, for every layer at once (looked up per layer without a call)
+        object.__setattr__(self, "copies_wait", frozenset(
+            layer for layer in self.sync if self.copies_can_wait(layer)))
 
     @classmethod
     def default(cls, num_layers: int, model_layers: int) -> "Schedule":
@@ -232,6 +236,22 @@ class Schedule:
         off_fwd, off_num, rel_fwd, rel_num = self.sync[layer]
         n = self.model_layers
         return position(off_fwd, off_num, n), position(rel_fwd, rel_num, n)
+
+    def copies_can_wait(self, layer: int) -> bool:
+        """Whether a whole other layer's forward runs between the end of ``layer``'s forward and
+        its release. Only then may the copies of its large storages wait for a busy link (until
+        its next batch or its end, at the latest): the copies still have that layer's time to
+        finish before the release waits for them. A layer released at the next layer's start
+        has none, and its copies are queued as they are saved.
+
+        Example::
+
+            >>> Schedule.default(2, 8).copies_can_wait(0)   # released before layer 6's forward
+            True
+            >>> Schedule.default(7, 8).copies_can_wait(0)   # released before layer 1's forward
+            False
+        """
+        return self.window(layer)[0] >= layer + 3  # forward of layer j starts at position j + 1
 
     def away(self, layer: int, pos: int) -> bool:
         """Whether ``layer``'s offloaded memory is off the device at position ``pos``."""

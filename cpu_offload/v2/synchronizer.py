@@ -131,7 +131,8 @@ class Step:
         if offloaded and grad and checkpointed:
             self.stats.layers_in_checkpoint += 1
         layer = (
-            LayerState(index, self.rt, not manual, self.shared, self.stats)
+            LayerState(index, self.rt, not manual, self.shared, self.stats,
+                       not manual and index in schedule.copies_wait)
             if offloaded and grad and not checkpointed else None
         )
         self.layers.append(layer)

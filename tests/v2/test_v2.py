@@ -211,6 +211,32 @@ def test_large_copies_wait_for_a_later_batch_while_the_link_is_busy(x0, monkeypa
     assert_release_wait_needed(sim, monkeypatch, lambda: run_step(layers, x0, ctx, sync))
 
 
+def test_a_layer_released_at_the_next_layers_start_queues_its_copies_at_once(x0, monkeypatch):
+    """With 3 of 4 layers offloaded each is released when the next one starts: its copies have
+    no other layer's time to finish in, so none waits for the link, even if it is busy."""
+    from cpu_offload.v2 import layer_state
+
+    class BusyLink(SimulatedDevice):
+        queries = 0
+
+        def link_busy(self, event):
+            self.queries += 1
+            return True
+
+    monkeypatch.setattr(layer_state, "BATCH_BYTES", 0)  # every storage is large
+    layers = make_layers(4)
+    ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
+    sim = BusyLink()
+    ctx, sync = offload_ctx(sim, 3, 4)
+    for _ in range(2):
+        sim.log.clear()
+        assert_same(run_step(layers, x0, ctx, sync), ref)
+    first_bwd = sim.log.index(("bwd", 3))
+    d2h = [e for e in sim.log[:first_bwd] if e[0] == "copy" and e[3] == "d2h"]
+    side_waits = [e for e in sim.log[:first_bwd] if e[:3] == ("wait", "side1", "compute")]
+    assert sim.queries == 0 and len(side_waits) == len(d2h)  # every copy queued as it was saved
+
+
 def test_a_storage_freed_before_its_batched_copy_is_not_copied(sim):
     """A saved tensor autograd drops inside the layer (its graph branch is discarded) leaves
     the batch before the copy is queued: nothing is copied for it, and nothing else changes."""
