@@ -74,6 +74,27 @@ def assert_release_wait_needed(sim, monkeypatch, step):
         step()
 
 
+def forward_copies(log):
+    """The device-to-host copies a step's forward queued, and the copy stream's waits for
+    compute (one per batch of copies), from a ``SimulatedDevice`` log of the step."""
+    forward = log[:log.index(("bwd", 3))]
+    d2h = [e for e in forward if e[0] == "copy" and e[3] == "d2h"]
+    return d2h, [e for e in forward if e[:3] == ("wait", "side1", "compute")]
+
+
+class BusyLink(SimulatedDevice):
+    """A simulated device whose link is busy always, or every other time it is asked."""
+
+    def __init__(self, every_other: bool = False):
+        super().__init__()
+        self.every_other = every_other
+        self.queries = 0
+
+    def link_busy(self, event):
+        self.queries += 1
+        return not self.every_other or self.queries % 2 == 0
+
+
 @pytest.fixture
 def x0():
     torch.manual_seed(1)
@@ -155,8 +176,7 @@ def test_small_copies_are_batched_and_stay_exact(sim, x0, monkeypatch, batch):
         assert_same(run_step(layers, x0, ctx, sync), ref)
     log = sim.log
     first_bwd = log.index(("bwd", 3))
-    d2h = [e for e in log[:first_bwd] if e[0] == "copy" and e[3] == "d2h"]
-    side_waits = [e for e in log[:first_bwd] if e[:3] == ("wait", "side1", "compute")]
+    d2h, side_waits = forward_copies(log)
     sizes = [e[2] for e in d2h]
     assert max(sizes) < 1 << 20 and min(sizes) < 4096 <= max(sizes)  # the cases below differ
     if batch == 0:
@@ -180,17 +200,10 @@ def test_large_copies_wait_for_a_later_batch_while_the_link_is_busy(x0, monkeypa
     (each large storage has its own), and a missing release wait still caught."""
     from cpu_offload.v2 import layer_state
 
-    class BusyLink(SimulatedDevice):
-        queries = 0
-
-        def link_busy(self, event):
-            self.queries += 1
-            return busy == "always" or self.queries % 2 == 0
-
-    monkeypatch.setattr(layer_state, "BATCH_BYTES", 4096)  # every storage here is large
+    monkeypatch.setattr(layer_state, "BATCH_BYTES", 4096)  # storages from 4096 bytes are large
     layers = make_layers(4)
     ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
-    sim = BusyLink()
+    sim = BusyLink(every_other=busy != "always")
     ctx, sync = offload_ctx(sim, 2, 4)
     allocs = []
     for _ in range(3):
@@ -198,10 +211,7 @@ def test_large_copies_wait_for_a_later_batch_while_the_link_is_busy(x0, monkeypa
         assert_same(run_step(layers, x0, ctx, sync), ref)
         allocs.append(sim.host_allocs)
     assert allocs[1] == allocs[2]  # the third step allocated no host buffer
-    log = sim.log
-    first_bwd = log.index(("bwd", 3))
-    d2h = [e for e in log[:first_bwd] if e[0] == "copy" and e[3] == "d2h"]
-    side_waits = [e for e in log[:first_bwd] if e[:3] == ("wait", "side1", "compute")]
+    d2h, side_waits = forward_copies(sim.log)
     assert sim.queries > 0
     if busy == "always":
         assert len(side_waits) == 2 < len(d2h)  # one batch per offloaded layer, at its end
@@ -216,13 +226,6 @@ def test_a_layer_released_at_the_next_layers_start_queues_its_copies_at_once(x0,
     no other layer's time to finish in, so none waits for the link, even if it is busy."""
     from cpu_offload.v2 import layer_state
 
-    class BusyLink(SimulatedDevice):
-        queries = 0
-
-        def link_busy(self, event):
-            self.queries += 1
-            return True
-
     monkeypatch.setattr(layer_state, "BATCH_BYTES", 0)  # every storage is large
     layers = make_layers(4)
     ref = run_step(layers, x0, *get_cpu_offload_context(enabled=False))
@@ -231,9 +234,7 @@ def test_a_layer_released_at_the_next_layers_start_queues_its_copies_at_once(x0,
     for _ in range(2):
         sim.log.clear()
         assert_same(run_step(layers, x0, ctx, sync), ref)
-    first_bwd = sim.log.index(("bwd", 3))
-    d2h = [e for e in sim.log[:first_bwd] if e[0] == "copy" and e[3] == "d2h"]
-    side_waits = [e for e in sim.log[:first_bwd] if e[:3] == ("wait", "side1", "compute")]
+    d2h, side_waits = forward_copies(sim.log)
     assert sim.queries == 0 and len(side_waits) == len(d2h)  # every copy queued as it was saved
 
 
