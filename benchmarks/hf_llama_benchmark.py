@@ -246,7 +246,7 @@ def interleaved_rounds(
     base = live[0]
 
     def time_one(method: str) -> float:
-        note, teardown = setups[method]()
+        _, teardown = setups[method]()
         try:
             return time_steps(wl, device, args)
         finally:
