@@ -113,7 +113,18 @@ class OffloadDevice(abc.ABC):
         storage for a later batch of its layer (the next one it queues, or the layer's end)
         instead of queuing it at once: fewer host calls, and the link no less busy. The
         default, False, queues every large storage at once; a real device answers without
-        blocking (``CudaDevice``: the event's query)."""
+        blocking (``CudaDevice``: the event's query).
+
+        Args:
+            event: an event this device recorded on a copy stream.
+
+        Example::
+
+            >>> import cpu_offload
+            >>> sim = cpu_offload.SimulatedDevice()   # keeps the default
+            >>> sim.link_busy(sim.record_event(sim.new_stream()))
+            False
+        """
         return False
 
     @abc.abstractmethod

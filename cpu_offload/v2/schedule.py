@@ -244,6 +244,9 @@ class Schedule:
         finish before the release waits for them. A layer released at the next layer's start
         has none, and its copies are queued as they are saved.
 
+        Args:
+            layer: an offloaded layer of this schedule.
+
         Example::
 
             >>> Schedule.default(2, 8).copies_can_wait(0)   # released before layer 6's forward
