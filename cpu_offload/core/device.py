@@ -151,12 +151,17 @@ class OffloadDevice(abc.ABC):
     def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (both flat uint8 of equal size)."""
 
+    def copy_many(self, stream: Stream, pairs: list) -> None:
+        """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, in order, with no
+        stream wait: ``copy`` for each pair, in one call (``CudaDevice`` switches streams once)."""
+        for dst, src in pairs:
+            self.copy(stream, dst, src)
+
     def copy_after_compute(self, stream: Stream, pairs: list) -> None:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, after everything
         queued on the current (compute) stream so far: one stream wait for the whole batch."""
         self.wait_stream(stream, self.current_stream())
-        for dst, src in pairs:
-            self.copy(stream, dst, src)
+        self.copy_many(stream, pairs)
 
     def copy_batch(self, stream: Stream, pairs: list, event: Optional[Event] = None,
                    milestone: Optional[tuple] = None) -> Event:
@@ -410,15 +415,13 @@ class CudaDevice(OffloadDevice):
         finally:
             torch.cuda.set_stream(previous)
 
+    def copy_many(self, stream: Stream, pairs: list) -> None:
+        _copies_on(stream, pairs, self.current_stream())
+
     def copy_after_compute(self, stream: Stream, pairs: list) -> None:
         previous = self.current_stream()
         self.wait_stream(stream, previous)
-        torch.cuda.set_stream(stream)
-        try:
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        finally:
-            torch.cuda.set_stream(previous)
+        _copies_on(stream, pairs, previous)
 
     def run_on(self, stream: Stream, fn: Callable[[], Any], reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> Any:
@@ -444,6 +447,17 @@ class CudaDevice(OffloadDevice):
         finally:
             torch.cuda.set_stream(previous)
         return events
+
+
+def _copies_on(stream: Stream, pairs: list, previous: Stream) -> None:
+    """``dst.copy_(src)`` for each pair on CUDA ``stream``, then ``previous`` is current again:
+    one stream switch for the whole batch."""
+    torch.cuda.set_stream(stream)
+    try:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 def event_groups(pairs: list, group_bytes: int) -> list:

@@ -97,6 +97,11 @@ class _Piece:
     streamed: dict = field(default_factory=dict)  # state name -> pinned host tensor (this piece)
     previous: dict = field(default_factory=dict)  # before load_state_dict: reused if they fit
     kept: dict = field(default_factory=dict)  # state entries that stay where they are
+    # what the copies move, made once (``flat_bytes`` costs a few host calls, and a step makes
+    # two copies per state tensor of every piece): the master's bytes, and each streamed
+    # state's (kept in step with ``streamed``)
+    master_bytes: Optional[torch.Tensor] = None
+    streamed_bytes: dict = field(default_factory=dict)
 
     @property
     def numel(self) -> int:
@@ -208,11 +213,13 @@ class StreamedPart:
         for i, start, stop in pieces:
             p = self.params[i]
             split = (start, stop) != (0, p.numel())
+            master_bytes = None
             if self.masters[i] is not None:  # a slot view, set for each update
                 key = torch.empty(0, dtype=self.masters[i].dtype, device=p.device)
+                master_bytes = flat_bytes(self.masters[i].view(-1)[start:stop])
             else:
                 key = p.detach().view(-1)[start:stop] if split else p.detach()
-            made.append(_Piece(i, start, stop, key, split))
+            made.append(_Piece(i, start, stop, key, split, master_bytes=master_bytes))
         gids, groups = chunk_param_groups(made, self.group_of, hypers)
         return _Chunk(made, make_optimizer(groups), gids)
 
@@ -385,22 +392,25 @@ class StreamedPart:
                 slot = slots[i % SLOTS]
                 self._wait_slot(start if i < SLOTS else outs[i - SLOTS])
                 views = []
+                copies = []  # the chunk's copies in: queued together
                 for pc, (m_off, g_off, names) in zip(pieces, layout):
                     m = g = None
                     if m_off is not None:
-                        host = self.masters[pc.index].view(-1)[pc.start:pc.stop]
-                        m = slot[m_off: m_off + host.numel() * host.element_size()]
+                        host = pc.master_bytes
+                        m = slot[m_off: m_off + host.numel()]
                         g = slot[g_off: g_off + m.numel()]
-                        dev.copy(self.h2d, m, flat_bytes(host))
+                        copies.append((m, host))
                         self.bytes_in += m.numel()
                     st = {}
                     for name, off in names.items():
                         host = pc.streamed[name]
-                        raw = slot[off: off + host.numel() * host.element_size()]
-                        dev.copy(self.h2d, raw, flat_bytes(host))
+                        flat = pc.streamed_bytes[name]
+                        raw = slot[off: off + flat.numel()]
+                        copies.append((raw, flat))
                         self.bytes_in += raw.numel()
                         st[name] = raw.view(host.dtype).view(host.shape)
                     views.append((m, g, st))
+                dev.copy_many(self.h2d, copies)
                 self._wait_chunk(dev.record_event(self.h2d))
                 if self.overlapped:
                     grads = [self.params[pc.index].grad for pc in pieces]
@@ -414,11 +424,15 @@ class StreamedPart:
                     self._chunk_update(chunk, pieces, views, slot[:total], hypers)
                     done = dev.record_event(compute)
                 dev.wait_event(self.d2h, done)
-                for pc, (m, _, _) in zip(pieces, views):
-                    if m is not None:
-                        dev.copy(self.d2h, flat_bytes(self.masters[pc.index].view(-1)[pc.start:pc.stop]), m)
-                        self.bytes_out += m.numel()
-                    fresh |= self._copy_state_out(chunk, pc, keep)
+                copies = []  # the chunk's copies out: queued together
+                try:
+                    for pc, (m, _, _) in zip(pieces, views):
+                        if m is not None:
+                            copies.append((pc.master_bytes, m))
+                            self.bytes_out += m.numel()
+                        fresh |= self._state_out(chunk, pc, keep, copies)
+                finally:  # pieces before a failed one keep their update, on the host too
+                    dev.copy_many(self.d2h, copies)
                 outs.append(dev.record_event(self.d2h))
                 if fresh:  # state the class just created: freed chunk by chunk, not at the end
                     self._free_after_copy_out(outs[-1], keep, ustream)
@@ -507,10 +521,12 @@ class StreamedPart:
             dev.run_on(stream, lambda: [dev.will_free(t) for t in keep])
         keep.clear()
 
-    def _copy_state_out(self, chunk: _Chunk, pc: _Piece, created: list[torch.Tensor]) -> bool:
-        """Queue the copies of piece ``pc``'s state back into host memory (first time: allocate
-        it); appends the device tensors the copies read to ``created`` (to keep until they are
-        done); True if the class created state on the device (none was in host memory yet)."""
+    def _state_out(self, chunk: _Chunk, pc: _Piece, created: list[torch.Tensor],
+                   copies: list) -> bool:
+        """The copies of piece ``pc``'s state back into host memory, appended to ``copies`` as
+        ``(host bytes, device bytes)`` (first time: the host memory is allocated); appends the
+        device tensors the copies read to ``created`` (to keep until they are done); True if
+        the class created state on the device (none was in host memory yet)."""
         dev = self._device
         st = chunk.optimizer.state.pop(pc.key, None) or {}
         fresh = False
@@ -519,14 +535,15 @@ class StreamedPart:
             if not (torch.is_tensor(v) and v.device == key_device and dev.is_device_tensor(v)):
                 pc.kept[name] = v
                 continue
-            host = pc.streamed.get(name)
-            if host is None:
+            flat = pc.streamed_bytes.get(name)
+            if flat is None:
                 host = pc.streamed[name] = self._host_state(pc, name, v)
+                flat = pc.streamed_bytes[name] = flat_bytes(host)
                 fresh = True
             v = v.contiguous()
             created.append(v)
-            dev.copy(self.d2h, flat_bytes(host), flat_bytes(v))
-            self.bytes_out += host.numel() * host.element_size()
+            copies.append((flat, flat_bytes(v)))
+            self.bytes_out += flat.numel()
         if self.masters[pc.index] is not None:
             pc.key.set_()  # drop the slot view
         return fresh
@@ -581,14 +598,18 @@ class StreamedPart:
                                                 state_dict, shapes):
             for pc in c.pieces:
                 pc.previous, pc.streamed, pc.kept = pc.streamed, {}, {}
+                pc.streamed_bytes = {}
                 if self.masters[pc.index] is not None:  # shape and device for load's casts
                     pc.key.set_(torch.empty((pc.numel,) if pc.split else self.params[pc.index].shape,
                                             dtype=pc.key.dtype, device=pc.key.device))
             c.optimizer.load_state_dict(chunk_state)
-            keep = []
+            keep, copies = [], []
             dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
-            for pc in c.pieces:
-                self._copy_state_out(c, pc, keep)
+            try:
+                for pc in c.pieces:
+                    self._state_out(c, pc, keep, copies)
+            finally:  # what was loaded before a failure reaches host memory
+                dev.copy_many(self.d2h, copies)
             dev.wait_host(dev.record_event(self.d2h))
             for t in keep:
                 dev.will_free(t)

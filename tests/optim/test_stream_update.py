@@ -576,6 +576,38 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     opt.close()
 
 
+def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(monkeypatch):
+    # A chunk's copies out are queued together; a piece whose host state cannot be allocated
+    # (first step) must not keep the pieces before it, already updated on the device, from
+    # reaching host memory.
+    dev = SimulatedDevice()
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, device=dev, budget=2**22)
+    part = opt._parts[0]
+    seen = []
+    host_state = StreamedPart._host_state
+
+    def failing(self, pc, name, v):
+        seen.append(pc)
+        if pc is not seen[0]:
+            raise RuntimeError("no pinned memory")
+        return host_state(self, pc, name, v)
+
+    monkeypatch.setattr(StreamedPart, "_host_state", failing)
+    before = [p.detach().clone() for p in part.params]
+    loss_of(m, 0).backward()
+    with pytest.raises(RuntimeError, match="no pinned memory"):
+        opt.step()
+    dev.synchronize()
+    assert dev.pending_ops() == 0
+    first = seen[0]
+    param = part.params[first.index].detach().view(-1)[first.start:first.stop]
+    master = part.masters[first.index].view(-1)[first.start:first.stop]
+    assert not torch.equal(param, before[first.index].view(-1)[first.start:first.stop])  # updated
+    assert torch.equal(master.to(torch.bfloat16), param)  # and its master copied out
+    opt.close()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_param_group_and_reload_master_weights(dtype):
     ref, ref_opt = reference(dtype)
