@@ -161,7 +161,8 @@ class OffloadDevice(abc.ABC):
         """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, after everything
         queued on the current (compute) stream so far: one stream wait for the whole batch."""
         self.wait_stream(stream, self.current_stream())
-        self.copy_many(stream, pairs)
+        for dst, src in pairs:
+            self.copy(stream, dst, src)
 
     def copy_batch(self, stream: Stream, pairs: list, event: Optional[Event] = None,
                    milestone: Optional[tuple] = None) -> Event:

@@ -54,6 +54,7 @@ class TimelineDevice(CudaDevice):
 
     # One copy at a time through ``copy``, so each is timed (CudaDevice batches them).
     copy_after_compute = OffloadDevice.copy_after_compute
+    copy_many = OffloadDevice.copy_many
     copy_and_record = OffloadDevice.copy_and_record
 
     def timeline(self) -> dict:
