@@ -153,7 +153,25 @@ class OffloadDevice(abc.ABC):
 
     def copy_many(self, stream: Stream, pairs: list) -> None:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, in order, with no
-        stream wait: ``copy`` for each pair, in one call (``CudaDevice`` switches streams once)."""
+        stream wait: ``copy`` for each pair, in one call (``CudaDevice`` switches streams once).
+        The streamed optimizer queues a chunk's copies in, and its copies out, this way.
+
+        Args:
+            stream: a side stream of this device.
+            pairs: ``(dst, src)`` flat uint8 tensors of equal size, one of each pair in host
+                memory (``alloc_host``), the other in device memory.
+
+        Example::
+
+            >>> import torch, cpu_offload
+            >>> sim = cpu_offload.SimulatedDevice()
+            >>> src = sim.alloc_device(4, torch.device("cpu")).copy_(torch.arange(4))
+            >>> dst = sim.alloc_host(4)
+            >>> sim.copy_many(sim.new_stream(), [(dst, src)])
+            >>> sim.synchronize()
+            >>> dst.tolist()
+            [0, 1, 2, 3]
+        """
         for dst, src in pairs:
             self.copy(stream, dst, src)
 
