@@ -65,6 +65,32 @@ def sync_hyperparameters(opt: torch.optim.Optimizer, group_ids: Sequence[int], h
                 group[k] = v
 
 
+def same_hyperparameters(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Hyperparameters ``a`` and ``b`` (lists of group entries) are the same (tensors by
+    identity, other values by equality)."""
+    def same(x: Any, y: Any) -> bool:
+        if x is y:
+            return True
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            return False
+        try:
+            return bool(x == y)
+        except Exception:  # noqa: BLE001 - incomparable values count as changed
+            return False
+
+    return len(a) == len(b) and all(
+        ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga) for ga, gb in zip(a, b))
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version`` (bumped by every in-place change, through any alias but ``.data``); -1
+    where there is none (inference tensors): such a tensor never counts as unchanged."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def plan_chunks(numels: Sequence[int], chunk_elems: int, split: bool) -> list[list[tuple[int, int, int]]]:
     """Chunks of about ``chunk_elems`` elements, as lists of ``(param index, start, stop)``
     pieces, in parameter order. ``chunk_elems <= 0``: one chunk of whole parameters. Without

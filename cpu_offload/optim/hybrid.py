@@ -19,7 +19,9 @@ from ..core.device import Event, OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from . import balance, ddp
 from . import state as state_format
-from .cpu_update import IMPLEMENTATION_KEYS, CpuBucket, sync_hyperparameters
+from .cpu_update import (
+    IMPLEMENTATION_KEYS, CpuBucket, tensor_version, same_hyperparameters, sync_hyperparameters,
+)
 from .overlap import overlap_mode
 from .partition import (
     DEFAULT_BUCKET_BYTES, arrival_from_order, check_fraction, choose_offloaded, default_arrival,
@@ -105,32 +107,6 @@ class _Step:
     waited: set = field(default_factory=set)  # buckets the compute stream already waits for
     record_queued: bool = False  # DDP: the end-of-backward record of gradients is queued
     stats: dict = field(default_factory=lambda: {"cpu_update_s": 0.0, "jobs": [], "redone": 0})
-
-
-def _same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
-    """Hyperparameters ``a`` and ``b`` (lists of group entries) are the same (tensors by
-    identity, other values by equality)."""
-    def same(x: Any, y: Any) -> bool:
-        if x is y:
-            return True
-        if torch.is_tensor(x) or torch.is_tensor(y):
-            return False
-        try:
-            return bool(x == y)
-        except Exception:  # noqa: BLE001 - incomparable values count as changed
-            return False
-
-    return len(a) == len(b) and all(
-        ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga) for ga, gb in zip(a, b))
-
-
-def _version(t: torch.Tensor) -> int:
-    """``t._version`` (bumped by every in-place change); -1 where there is none (inference
-    tensors): such a gradient never counts as unchanged."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
 
 
 def _done(value: Any) -> Future:
@@ -250,6 +226,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             end (``next_forward``: once the next forward has waited for the last chunk). The
             first step of a parameter also lets the class create its state on the device, one
             chunk at a time (at most half the budget more, that step).
+        stream_during_backward: start the streamed part's chunks during backward, each as
+            soon as its gradients are final, into a second pinned host copy of their state
+            (``cpu_offload.optim.stream_backward``); ``step()`` keeps those whose gradients,
+            hyperparameters and (fp32) parameters did not change since, and redoes the others.
+            Costs 14 B/param more pinned host memory (bf16 AdamW), 2 B/param more each way
+            over the link, and the staging during backward. Needs ``overlap`` of
+            ``"backward_update"`` or ``"next_forward"`` and no ``max_grad_norm``. Off by default:
+            it helps when the streamed part's link time, not the CPU, bounds the step (see
+            docs/optimizer.md).
         bind_cpu_cores: run the CPU worker and its intra-op threads on physical cores only (one
             hyperthread per core, of the GPU's NUMA node where the host exposes it, leaving one
             core to the launching thread): ``os.sched_setaffinity``. Off by default until
@@ -302,13 +287,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         stream_fraction: Any = "auto",
         stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES,
         bind_cpu_cores: bool = False,
+        stream_during_backward: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         self.offload_fraction = check_fraction(offload_fraction)
         for name, flag in (("param_update_in_fp32", param_update_in_fp32), ("pin_cpu_grads", pin_cpu_grads),
                            ("pin_cpu_params", pin_cpu_params),
                            ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d),
-                           ("bind_cpu_cores", bind_cpu_cores)):
+                           ("bind_cpu_cores", bind_cpu_cores),
+                           ("stream_during_backward", stream_during_backward)):
             check_bool(name, flag)
         check_int("bucket_bytes", bucket_bytes, minimum=1, unit="bytes")
         check_int("cpu_threads", cpu_threads, minimum=1, allow_none=True)
@@ -336,6 +323,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             )
         self.overlap = self._mode.name
         self.max_grad_norm = max_grad_norm
+        if stream_during_backward:
+            if not self._mode.updates_in_backward:
+                raise OffloadConfigError(
+                    f"stream_during_backward=True updates during backward: it needs "
+                    f"overlap='backward_update' or 'next_forward', not {self._mode.name!r}")
+            if max_grad_norm is not None:
+                raise OffloadConfigError(
+                    "stream_during_backward=True cannot be combined with max_grad_norm (which "
+                    "scales every gradient inside step(), after backward): drop one of them")
+            if self._stream_request == 0:
+                raise OffloadConfigError(
+                    "stream_during_backward=True needs a streamed part: stream_fraction > 0 "
+                    "(or 'auto')")
+        self.stream_during_backward = stream_during_backward
         self.param_update_in_fp32 = param_update_in_fp32
         self._device = device if device is not None else default_device()
         self._cpu_cls = cpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
@@ -426,9 +427,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             part = StreamedPart(
                 self._device, [params[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
                 lambda groups: self._gpu_cls(groups, **self._kwargs), self.stream_budget_bytes,
-                *self._state_probe, overlapped=self._mode.forward_waits)
+                *self._state_probe, overlapped=self._mode.forward_waits,
+                early=self.stream_during_backward)
             self._parts.append(part)
             self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
+            if part.backward is not None:  # chunks start updating as their gradients land
+                ref = weakref.ref(self)
+                for p in part.params:
+                    if p.requires_grad:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda p, ref=ref: _call(ref, "_on_streamed_grad", p, p.grad)))
         for order in make_buckets(chosen, sizes, self._bucket_bytes):
             bparams = [params[i] for i in order]
             self._engine.add_bucket(bparams)
@@ -588,11 +596,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             else:
                 self._watch(st, p, grad, True)
 
+    def _on_streamed_grad(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        if self._no_sync or grad is None or self._ddp:
+            return
+        with self._lock:
+            st = self._begin()
+            part, k = self._streamed[id(p)]
+            part.backward.on_grad(k, grad, st.hypers)
+
     def _watch(self, st: _Step, p: torch.Tensor, grad: torch.Tensor, is_param_grad: bool) -> None:
         """Early work is off: only note which gradient backward produced, for ``step()`` to
         tell whether early work would have stayed valid (then it is turned on again)."""
         again = id(p) in st.watch
-        st.watch[id(p)] = None if again else (p, grad, _version(grad)) if is_param_grad else (p, _PENDING)
+        st.watch[id(p)] = None if again else (p, grad, tensor_version(grad)) if is_param_grad else (p, _PENDING)
 
     def _copy_grad(self, st: _Step, p: torch.Tensor, grad: torch.Tensor, from_hook: bool,
                    is_param_grad: bool = True) -> None:
@@ -617,7 +633,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             st.keep.append(grad)
         self._engine.grad_out(p, grad)
         st.copied.add(id(p))
-        st.seen[id(p)] = (source, _version(source)) if is_param_grad else _PENDING
+        st.seen[id(p)] = (source, tensor_version(source)) if is_param_grad else _PENDING
         st.remaining[b] -= 1
         if st.remaining[b] == 0 and from_hook:
             self._close_bucket(st, b, during_backward=True)
@@ -731,7 +747,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if id(p) in st.copied:
                 rec = st.seen.get(id(p))
                 if (rec is None or rec is _PENDING or p.grad is not rec[0]
-                        or not 0 <= rec[1] == _version(p.grad)):
+                        or not 0 <= rec[1] == tensor_version(p.grad)):
                     return False
             elif p.grad is not None and b in st.landed:
                 return False
@@ -748,7 +764,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         with st.ready_lock:
             queued = {e[0] for e in st.ready}
             invalid = {b for b in range(len(self._buckets)) if not self._still_valid(st, b)}
-            if not _same_hypers(st.hypers, hypers):
+            if not same_hyperparameters(st.hypers, hypers):
                 invalid |= {b for b in st.updates if b not in queued}
                 st.hypers = hypers  # for the updates not started yet
             st.invalid |= invalid
@@ -822,7 +838,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # so the next backward does no early work; untouched ones: early work resumes
             self._early = not st.invalid and all(
                 w is not None and w[1] is not _PENDING and w[0].grad is w[1]
-                and 0 <= w[2] == _version(w[1]) for w in st.watch.values())
+                and 0 <= w[2] == tensor_version(w[1]) for w in st.watch.values())
             self._flush(st)
             todo = [b for b in range(len(self._buckets)) if b not in st.updates]
             if self.max_grad_norm is not None:
@@ -903,6 +919,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "stream_staging_bytes": max([p.staging_bytes for p in self._parts] or [0]),
             "stream_bytes_to_device": sum(p.bytes_in for p in self._parts),
             "stream_bytes_to_host": sum(p.bytes_out for p in self._parts),
+            # chunks of the streamed part updated during backward, and those step() kept
+            "stream_early_chunks": sum(p.backward.started for p in self._parts if p.backward),
+            "stream_early_kept": sum(p.backward.kept for p in self._parts if p.backward),
         }
 
     def split_estimate(self) -> Optional[dict[str, Any]]:
@@ -976,6 +995,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if b in st.updates and st.updates[b] is f and b not in st.waited:
                 self._engine.fence_compute(ev)
         st.waited.update(st.updates)
+        for part in self._parts:  # its updates started in backward: dropped, never kept
+            if part.backward is not None:
+                part.backward.abandon()
         with st.ready_lock:
             spec, st.spec = st.spec, set()
         for b in spec:
@@ -1066,15 +1088,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._reset(st, b)
         self._flush(st)
         watched = [k for k, w in st.watch.items()
-                   if w is not None and w[1] is not _PENDING and w[0].grad is w[1] and w[2] == _version(w[1])]
+                   if w is not None and w[1] is not _PENDING and w[0].grad is w[1] and w[2] == tensor_version(w[1])]
         total, coef = self._clip(st, max_norm, norm_type)
         st.coefs.update((b, coef) for b in st.landed)
         for p in params:  # the copies scaled by coef on the CPU stand for the scaled .grad
             if isinstance(st.seen.get(id(p)), tuple) and p.grad is not None:
-                st.seen[id(p)] = (p.grad, _version(p.grad))
+                st.seen[id(p)] = (p.grad, tensor_version(p.grad))
         for k in watched:  # this scaling does not count as a change (see step)
             p, g, _ = st.watch[k]
-            st.watch[k] = (p, g, _version(g))
+            st.watch[k] = (p, g, tensor_version(g))
         return total
 
     def _clip(self, st: _Step, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1247,10 +1269,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for p in bucket.params:
                     g = p.grad
                     if st.seen.get(id(p)) is _PENDING:
-                        st.seen[id(p)] = None if g is None else (g, _version(g))
+                        st.seen[id(p)] = None if g is None else (g, tensor_version(g))
                     w = st.watch.get(id(p))
                     if w is not None and w[1] is _PENDING:
-                        st.watch[id(p)] = None if g is None else (p, g, _version(g))
+                        st.watch[id(p)] = None if g is None else (p, g, tensor_version(g))
 
 
 def _call(ref: "weakref.ref[HybridDeviceOptimizer]", name: str, *args: Any) -> None:

@@ -59,11 +59,11 @@ from .cpu_update import (
     ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_param_groups, chunk_state_dicts, master_dtype,
     part_param_groups, plan_chunks, sync_hyperparameters,
 )
-from .transfer import flat_bytes
+from .stream_backward import SLOTS, SMALL_STATE_BYTES, BackwardUpdates
+from .transfer import flat_bytes, pack_pinned
 
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
 MIN_STREAM_BUDGET_BYTES = 64 * 2**10  # two slots of at least 1024 elements each
-SLOTS = 2
 SLOT_ALIGN = 256  # bytes: every region of a slot starts aligned (vectorized device kernels)
 
 
@@ -102,6 +102,15 @@ class _Piece:
     # state's (kept in step with ``streamed``)
     master_bytes: Optional[torch.Tensor] = None
     streamed_bytes: dict = field(default_factory=dict)
+    # updates started in backward (``stream_backward``) write the other host copy of both
+    # (``spare_master``, ``spare``) and the new parameter values (``out``, pinned bytes);
+    # ``step()`` swaps the two copies (``flipped``) when it keeps such an update
+    spare_master: Optional[torch.Tensor] = None
+    spare: dict = field(default_factory=dict)
+    spare_previous: dict = field(default_factory=dict)  # before load_state_dict: reused if they fit
+    out: Optional[torch.Tensor] = None
+    param_bytes: Optional[torch.Tensor] = None  # the bytes of the parameter that ``out`` goes to
+    flipped: bool = False
 
     @property
     def numel(self) -> int:
@@ -134,8 +143,10 @@ class StreamedPart:
         state_elems: int = 2,
         elementwise: bool = True,
         overlapped: bool = False,
+        early: bool = False,
     ) -> None:
         self._device = device
+        self._early_sizing = early  # slots also hold what an update started in backward stages
         # overlapped (``overlap="next_forward"``): the update runs on its own stream and step()
         # returns before it is done; each module's next forward waits for its own chunks
         self.overlapped = overlapped
@@ -143,6 +154,7 @@ class StreamedPart:
         self._ready: dict[int, tuple[int, Event]] = {}  # param -> (chunk position, its update done)
         self._held_grads: dict[int, torch.Tensor] = {}  # gradients the queued update still reads
         self._held: list[torch.Tensor] = []  # slots and device state queued work still uses
+        self._early_grads: list[torch.Tensor] = []  # gradients read by the kept early updates
         self._updated: Optional[Event] = None  # the end of the last overlapped update
         self.params = list(params)
         self.group_of = list(group_ids)
@@ -157,7 +169,7 @@ class StreamedPart:
         for p in self.params:
             n = p.numel() * master_dtype(p.dtype).itemsize
             sizes += [n] * ((master_dtype(p.dtype) != p.dtype) + state_elems)
-        bufs = iter(_pack(device, sizes))
+        bufs = iter(pack_pinned(device, sizes))
         self.masters: list[Optional[torch.Tensor]] = []
         self._reserved: list[list[torch.Tensor]] = []  # per param: host buffers for its state
         for p in self.params:
@@ -184,10 +196,17 @@ class StreamedPart:
         self.bytes_out = 0
         self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, name) -> pinned host state
         self.state = KeyedState(lambda: self.keys, self.param_state)
+        # updates started during backward (``early``: backward-update modes without clipping
+        # inside step()), kept by step() when still valid
+        self.backward = BackwardUpdates(self) if early else None
 
     def _bytes_per_elem(self, i: int) -> int:
         p = self.params[i]
-        return (8 if self.masters[i] is not None else 0) + self._state_elems * master_dtype(p.dtype).itemsize
+        lowp = self.masters[i] is not None
+        n = (8 if lowp else 0) + self._state_elems * master_dtype(p.dtype).itemsize
+        if self._early_sizing:  # new values (low precision), or a staged own master
+            n += p.element_size() if lowp else master_dtype(p.dtype).itemsize
+        return n
 
     def _regroup(self, plan: list[list[tuple[int, int, int]]], slot: int) -> list[list[tuple[int, int, int]]]:
         """Cut ``plan``'s chunks further so that each fits a slot with its regions aligned
@@ -295,9 +314,10 @@ class StreamedPart:
         dev = self._device
         dev.wait_event(dev.current_stream(), self._updated)
         self._ready.clear()
-        for grad in self._held_grads.values():
+        for grad in list(self._held_grads.values()) + self._early_grads:
             dev.will_free(grad)
         self._held_grads.clear()
+        self._early_grads = []
 
     def finish(self) -> None:
         """(Overlapped.) ``order_params``, and the compute stream waits for the last copy out,
@@ -322,23 +342,40 @@ class StreamedPart:
         if self._last is not None:
             self._device.wait_host(self._last)
             self._last = None
+        for c in getattr(self, "chunks", ()):  # the host reads the first copy: bring kept early updates there
+            for pc in c.pieces:
+                if pc.flipped:
+                    if pc.spare_master is not None:
+                        pc.spare_master.copy_(pc.master_bytes)
+                    for name, flat in pc.streamed_bytes.items():
+                        pc.spare[name].copy_(flat)
+                    _flip(pc)
 
     # ------------------------------------------------------------------------------------------
     # the update
 
-    def _layout(self, pieces: list[_Piece]) -> tuple[list[tuple], int]:
-        """Per piece: (master offset | None, grad offset | None, {name: offset}); total bytes."""
+    def _layout(self, pieces: list[_Piece], early: bool = False) -> tuple[list[tuple], int]:
+        """Per piece: (master offset | None, grad offset | None, new values offset | None,
+        {name: offset}); total bytes. An update started in backward (``early``) also stages an
+        fp32/fp64 parameter's own master (not updated in place) and a low-precision one's new
+        values."""
         out, offset = [], 0
         for pc in pieces:
-            m_off = g_off = None
-            if self.masters[pc.index] is not None:
-                n = _aligned(pc.numel * self.masters[pc.index].element_size())
-                m_off, g_off, offset = offset, offset + n, offset + 2 * n
+            m_off = g_off = p_off = None
+            p = self.params[pc.index]
+            lowp = self.masters[pc.index] is not None
+            if lowp or early:
+                n = _aligned(pc.numel * master_dtype(p.dtype).itemsize)
+                m_off, offset = offset, offset + n
+                if lowp:
+                    g_off, offset = offset, offset + n
+                    if early:
+                        p_off, offset = offset, offset + _aligned(pc.numel * p.element_size())
             names = {}
             for name, host in pc.streamed.items():
                 names[name] = offset
                 offset += _aligned(host.numel() * host.element_size())
-            out.append((m_off, g_off, names))
+            out.append((m_off, g_off, p_off, names))
         return out, offset
 
     def _wait_slot(self, event: Event) -> None:
@@ -355,20 +392,24 @@ class StreamedPart:
         """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``;
         the host is not blocked). On the compute stream, done when step() returns; overlapped:
         on ``update_stream``, chunks in forward order (the reverse of gradient arrival), still
-        running when step() returns (see ``wait_params``, ``order_params``, ``finish``)."""
+        running when step() returns (see ``wait_params``, ``order_params``, ``finish``).
+        Chunks updated during backward whose inputs did not change since (``backward``) are
+        kept: only their new parameter values are copied in, first."""
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(
                     f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
                     "dense gradients (e.g. nn.Embedding(sparse=False))"
                 )
+        kept = self.backward.validate(hypers) if self.backward is not None else []
+        taken = {rec.chunk for rec in kept}
         live = []
-        for c in self.chunks:
+        for ci, c in enumerate(self.chunks):
             pieces = [pc for pc in c.pieces if self.params[pc.index].grad is not None]
-            if pieces:
+            if pieces and ci not in taken:
                 live.append((c, pieces, *self._layout(pieces)))
         self.finish()  # overlapped: the last update is ordered before this one
-        if not live:
+        if not live and not kept:
             return
         # no host wait: the previous step's copies out are ordered before ``start`` (the compute
         # stream waited for them), and the host reads no state here
@@ -377,7 +418,8 @@ class StreamedPart:
         ustream = self.update_stream or compute
         if self.overlapped:
             live.reverse()  # forward order: the next forward's first modules wait least
-        slot_bytes = max(total for *_, total in live)
+            kept.reverse()
+        slot_bytes = max([total for *_, total in live] or [0])
         slots = [dev.alloc_device(max(slot_bytes, 1), self.params[0].device)
                  for _ in range(min(SLOTS, len(live)))]
         self.staging_bytes = sum(s.numel() for s in slots)
@@ -388,12 +430,14 @@ class StreamedPart:
         keep: list[torch.Tensor] = []  # device state the optimizer created, read by copies out
         fresh = False  # this chunk's class created state on the device (a parameter's first step)
         try:
+            if kept:
+                self._commit(kept, ustream)
             for i, (chunk, pieces, layout, total) in enumerate(live):
                 slot = slots[i % SLOTS]
                 self._wait_slot(start if i < SLOTS else outs[i - SLOTS])
                 views = []
                 copies = []  # the chunk's copies in: queued together
-                for pc, (m_off, g_off, names) in zip(pieces, layout):
+                for pc, (m_off, g_off, _, names) in zip(pieces, layout):
                     m = g = None
                     if m_off is not None:
                         host = pc.master_bytes
@@ -409,7 +453,7 @@ class StreamedPart:
                         copies.append((raw, flat))
                         self.bytes_in += raw.numel()
                         st[name] = raw.view(host.dtype).view(host.shape)
-                    views.append((m, g, st))
+                    views.append((m, g, None, st))
                 dev.copy_many(self.h2d, copies)
                 self._wait_chunk(dev.record_event(self.h2d))
                 if self.overlapped:
@@ -418,7 +462,7 @@ class StreamedPart:
                                reads=grads + [slot], writes=[self._written(pc) for pc in pieces])
                     done = dev.record_event(ustream)
                     for pc, grad in zip(pieces, grads):
-                        self._ready[pc.index] = (i, done)
+                        self._ready[pc.index] = (len(kept) + i, done)
                         self._held_grads[pc.index] = grad
                 else:
                     self._chunk_update(chunk, pieces, views, slot[:total], hypers)
@@ -426,7 +470,7 @@ class StreamedPart:
                 dev.wait_event(self.d2h, done)
                 copies = []  # the chunk's copies out: queued together
                 try:
-                    for pc, (m, _, _) in zip(pieces, views):
+                    for pc, (m, _, _, _) in zip(pieces, views):
                         if m is not None:
                             copies.append((pc.master_bytes, m))
                             self.bytes_out += m.numel()
@@ -449,18 +493,51 @@ class StreamedPart:
                 dev.wait_event(compute, dev.record_event(ustream))
                 self._ready.clear()
                 self._held_grads.clear()
+            early, grads = self.backward.release() if self.backward is not None else ([], [])
+            if self.backward is not None:
+                dev.wait_event(compute, dev.record_event(self.backward.side))
             dev.wait_event(compute, dev.record_event(self.h2d))
             dev.wait_event(compute, dev.record_event(self.d2h))
             self._last = dev.record_event(self.d2h)
+            for t in early + grads:
+                dev.will_free(t)
             raise
-        self._last = outs[-1]
+        early, grads = self.backward.release() if self.backward is not None else ([], [])
+        self._last = dev.record_event(self.d2h)  # every copy out, early ones included
+        if self.backward is not None:
+            self.backward.prepare([pc for _, pieces, *_ in live for pc in pieces])
         if self.overlapped:  # freed once the compute stream waited for them (finish)
             self._updated = dev.record_event(ustream)
-            self._held = slots + keep
+            self._held = slots + keep + early
+            self._early_grads = grads  # dropped once the compute stream waited (order_params)
             return
-        dev.wait_event(compute, outs[-1])  # slots and new state may be freed; next step ordered
-        for t in slots + keep:
+        dev.wait_event(compute, self._last)  # slots and new state may be freed; next step ordered
+        if self.backward is not None:
+            dev.wait_event(compute, dev.record_event(self.backward.side))
+        for t in slots + keep + early + grads:
             dev.will_free(t)
+
+    def _commit(self, kept: list, stream: Any) -> None:
+        """Keep the updates started in backward of ``kept`` (``stream_backward._Early``, in the
+        order the next forward needs them): their pieces' host copies swap roles, and their new
+        parameter values are copied in on ``stream``, each chunk after its copies out."""
+        dev = self._device
+        for pos, rec in enumerate(kept):
+            self.backward._wait_out(stream, rec.copied)
+            pairs = []
+            for pc in self.chunks[rec.chunk].pieces:
+                _flip(pc)
+                if pc.param_bytes is None:
+                    pc.param_bytes = flat_bytes(self._written(pc))
+                pairs.append((pc.param_bytes, pc.out))
+                self.bytes_in += pc.out.numel()
+            dev.copy_many(stream, pairs)
+            done = dev.record_event(stream)
+            if self.overlapped:
+                for index, grad, *_ in rec.seen:
+                    self._ready[index] = (pos, done)
+                    self._held_grads[index] = grad
+        self.backward.committed(dev.record_event(stream))
 
     def _written(self, pc: _Piece) -> torch.Tensor:
         """The part of its parameter that piece ``pc``'s update writes."""
@@ -468,26 +545,34 @@ class StreamedPart:
         return p.view(-1)[pc.start:pc.stop] if pc.split else p
 
     def _chunk_update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple],
-                      staged: torch.Tensor, hypers: Sequence[dict]) -> None:
-        """One chunk's update, on the stream current now (its copy in waited for)."""
+                      staged: torch.Tensor, hypers: Sequence[dict], early: bool = False) -> None:
+        """One chunk's update, on the stream current now (its copy in waited for); ``early``:
+        the parameters are not written (see ``_update``)."""
         self._device.will_read(staged)
         sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
-        self._update(chunk, pieces, views)
+        self._update(chunk, pieces, views, early)
         for pc in pieces:  # copies out read flat storage: made contiguous on this stream
             st = chunk.optimizer.state.get(pc.key, {})
             for name, v in st.items():
                 if torch.is_tensor(v) and not v.is_contiguous():
                     st[name] = v.contiguous()
 
-    def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple]) -> None:
+    def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple], early: bool = False) -> None:
+        """Step ``chunk``'s optimizer over its slot views ``views`` (per piece: master, fp32
+        gradient, new values, {state name: view}) and write the new parameter values: into the
+        parameters, or, ``early``, into the slot (new values of a low-precision parameter; an
+        fp32/fp64 parameter is its own master, staged in the slot from the parameter first)."""
         opt = chunk.optimizer
         try:
-            for pc, (m, g, st) in zip(pieces, views):
+            for pc, (m, g, _, st) in zip(pieces, views):
                 p = self.params[pc.index]
                 grad = p.grad.detach()
                 grad = grad.reshape(-1)[pc.start:pc.stop] if pc.split else grad
                 if m is not None:
+                    if g is None:  # early, own master: stepped in the slot, not in place
+                        m.copy_(flat_bytes(self._written(pc)))
                     pc.key.set_(m.view(pc.key.dtype).view((pc.numel,) if pc.split else p.shape))
+                if g is not None:
                     gm = g.view(pc.key.dtype).view(pc.key.shape)
                     gm.copy_(grad.view(pc.key.shape))
                     pc.key.grad = gm
@@ -497,11 +582,13 @@ class StreamedPart:
                     opt.state[pc.key] = {**pc.kept, **st}
             opt.step()
             with torch.no_grad():
-                for pc in pieces:
-                    if self.masters[pc.index] is not None:
-                        p = self.params[pc.index].detach()
-                        (p.view(-1)[pc.start:pc.stop] if pc.split else p).copy_(pc.key.view(
-                            (pc.numel,) if pc.split else p.shape))
+                for pc, (_, g, new, _) in zip(pieces, views):
+                    if g is None:  # own master: updated where it is
+                        continue
+                    p = self.params[pc.index]
+                    shape = (pc.numel,) if pc.split else p.shape
+                    dst = new.view(p.dtype).view(shape) if early else self._written(pc)
+                    dst.copy_(pc.key.view(shape))
         finally:
             for pc in pieces:
                 pc.key.grad = None
@@ -598,7 +685,7 @@ class StreamedPart:
                                                 state_dict, shapes):
             for pc in c.pieces:
                 pc.previous, pc.streamed, pc.kept = pc.streamed, {}, {}
-                pc.streamed_bytes = {}
+                pc.streamed_bytes, pc.spare, pc.spare_previous = {}, {}, pc.spare
                 if self.masters[pc.index] is not None:  # shape and device for load's casts
                     pc.key.set_(torch.empty((pc.numel,) if pc.split else self.params[pc.index].shape,
                                             dtype=pc.key.dtype, device=pc.key.device))
@@ -615,26 +702,13 @@ class StreamedPart:
                 dev.will_free(t)
 
 
-HOST_BLOCK_BYTES = 2**30
 IO_BYTES = 16 * 2**20  # pinned buffer for reading/writing low-precision parameters (load, reload)
-SMALL_STATE_BYTES = 64  # host bytes reserved per small (non per-element) state tensor
 
 
-def _pack(device: OffloadDevice, sizes: Sequence[int], block: int = HOST_BLOCK_BYTES) -> list[torch.Tensor]:
-    """Pinned host buffers of ``sizes`` bytes (in order), carved from blocks of ``block`` bytes
-    (a size over ``block`` gets its own allocation; the last block only what it holds)."""
-    plan, used, cur = [], [], None  # plan: (block, offset) per size; used: bytes per block
-    for n in sizes:
-        n_al = _aligned(n)
-        if n_al > block:
-            plan.append((len(used), 0))
-            used.append(n_al)
-            continue
-        if cur is None or used[cur] + n_al > block:
-            cur = len(used)
-            used.append(0)
-        plan.append((cur, used[cur]))
-        used[cur] += n_al
-    blocks = [device.alloc_host(block if i != cur and u <= block else u) for i, u in enumerate(used)]
-    return [blocks[b][off: off + n] for (b, off), n in zip(plan, sizes)]
-
+def _flip(pc: _Piece) -> None:
+    """Swap piece ``pc``'s two host copies of master and state (the spare becomes current)."""
+    if pc.spare_master is not None:
+        pc.master_bytes, pc.spare_master = pc.spare_master, pc.master_bytes
+    for name in pc.spare:
+        pc.streamed_bytes[name], pc.spare[name] = pc.spare[name], pc.streamed_bytes[name]
+    pc.flipped = not pc.flipped

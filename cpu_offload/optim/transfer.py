@@ -117,3 +117,26 @@ class TransferEngine:
         """Make the compute stream wait for ``event`` (device side)."""
         if event is not None:
             self.device.wait_event(self.device.current_stream(), event)
+
+
+HOST_BLOCK_BYTES = 2**30
+PIN_ALIGN = 256  # bytes: every buffer ``pack_pinned`` carves starts aligned
+
+
+def pack_pinned(device: OffloadDevice, sizes: Sequence[int], block: int = HOST_BLOCK_BYTES) -> list[torch.Tensor]:
+    """Pinned host buffers of ``sizes`` bytes (in order), carved from blocks of ``block`` bytes
+    (a size over ``block`` gets its own allocation; the last block only what it holds)."""
+    plan, used, cur = [], [], None  # plan: (block, offset) per size; used: bytes per block
+    for n in sizes:
+        n_al = -(-n // PIN_ALIGN) * PIN_ALIGN
+        if n_al > block:
+            plan.append((len(used), 0))
+            used.append(n_al)
+            continue
+        if cur is None or used[cur] + n_al > block:
+            cur = len(used)
+            used.append(0)
+        plan.append((cur, used[cur]))
+        used[cur] += n_al
+    blocks = [device.alloc_host(block if i != cur and u <= block else u) for i, u in enumerate(used)]
+    return [blocks[b][off: off + n] for (b, off), n in zip(plan, sizes)]

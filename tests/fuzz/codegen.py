@@ -146,6 +146,8 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
               lr=0.01, weight_decay=opt.weight_decay)
     if opt.max_grad_norm is not None:
         kw.update(max_grad_norm=opt.max_grad_norm)
+    if opt.stream_during_backward:
+        kw.update(stream_during_backward=True)
     if bf16:
         kw.update(param_update_in_fp32=True)
     kw.update(device="dev" if opt.shared_device else "opt_dev")
@@ -413,6 +415,9 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
             lines.append(f"params[{edit[1]}].grad = None")
         else:
             lines.append(f"opt.zero_grad(set_to_none={edit[1]})")
+    if lines and opt.edit_steps is not None:
+        lines = [f"if step in {set(opt.edit_steps) or '()'}:"] + ["    " + l for line in lines
+                                                                   for l in line.split("\n")]
     if opt.max_grad_norm is not None:  # the hybrid optimizer clips inside step()
         lines.append(f"if not offload:\n    torch.nn.utils.clip_grad_norm_(params, {opt.max_grad_norm})")
     lines.append("opt.step()")

@@ -57,6 +57,8 @@ class OptSpec:
     weight_decay: float = 0.0
     shared_device: bool = True  # the optimizer uses the activation offloading's device
     stream_fraction: Any = 0.0  # share of the offloaded parameters streamed ("auto" or [0, 1])
+    edit_steps: Optional[tuple] = None  # the steps whose gradients are edited (None: every step)
+    stream_during_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,12 +152,16 @@ def feature_counts(spec: ProgramSpec) -> Counter:
     if opt is not None:
         f.update(["optimizer", f"overlap={opt.overlap}"])
         f.update(f"edit={e[0]}" for e in opt.edits)
+        if opt.edits and opt.edit_steps is not None:
+            f["edit_some_steps"] += 1
         if opt.max_grad_norm is not None:
             f["max_grad_norm"] += 1
         if opt.stream_fraction != 0.0 and opt.fraction > 0:
             f["stream"] += 1
             if opt.overlap == "next_forward":  # the streamed update overlaps the next forward
                 f["stream_overlapped"] += 1
+            if opt.stream_during_backward:
+                f["stream_during_backward"] += 1
     return f
 
 
@@ -385,4 +391,19 @@ def generate(seed: int) -> ProgramSpec:
         optimizer=_optimizer(rng) if rng.random() < 0.4 else None,
         batch_bytes=rng.choice((None, None, 0, 512)),  # drawn last: earlier seeds' fields stay
     )
+    # drawn after every field above: optimizer programs with more steps, and gradient edits on
+    # some steps only, so that updates started in backward are kept on some steps and redone on
+    # others (the streamed part starts them from its second step on, while no step edits)
+    more = rng.choice((0, 0, 1, 3))
+    some = rng.random() < 0.5
+    chosen = tuple(i for i in range(len(spec.backwards) + more) if rng.random() < 0.5)
+    during = rng.random() < 0.6
+    if spec.optimizer is not None:
+        opt = spec.optimizer
+        if some and opt.edits:
+            opt = replace(opt, edit_steps=chosen)
+        if (during and opt.stream_fraction != 0.0 and opt.max_grad_norm is None
+                and opt.overlap in ("backward_update", "next_forward")):
+            opt = replace(opt, stream_during_backward=True)
+        spec = replace(spec, backwards=spec.backwards + (("backward",),) * more, optimizer=opt)
     return normalize(spec)

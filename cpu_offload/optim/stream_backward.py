@@ -1,0 +1,318 @@
+"""Updates of the streamed part started in backward, and kept by ``step()`` if still valid.
+
+``StreamedPart`` (``stream_update``) updates its chunks from ``step()`` on: their link time
+(12 B/param each way for bf16 AdamW) then sits between backward's end and the next forward's use
+of those parameters. ``BackwardUpdates`` starts a chunk's update as soon as backward has made the
+gradients of all its parameters final (post-accumulate-grad hooks), so that it overlaps the
+rest of backward:
+
+- the chunk's masters and state are copied in (``h2d``) into one of two staging slots of its
+  own, the device optimizer class steps over them on a side stream (``update_stream`` under
+  ``next_forward``), and the new masters and state are copied out (``d2h``) into each piece's
+  *spare* host copy, the new parameter values into pinned ``out`` buffers. The parameters and
+  the current host copy are not touched: code that reads them before ``step()`` sees the last
+  step's values, as with any torch optimizer.
+- ``step()`` keeps an early update (``validate``) if every gradient it read is still ``.grad``
+  and unchanged (``_version``), no second gradient arrived for its parameters, the
+  hyperparameters are the same, and no fp32/fp64 parameter (its own master) was changed in
+  place. Then the pieces' two host copies swap roles and the new values are copied into the
+  parameters (``StreamedPart._commit``). Otherwise ``StreamedPart.step`` updates the chunk again
+  from the current host copy, as without early updates.
+
+So the result is bit for bit that of the update inside ``step()``. The costs: a second pinned
+host copy of the streamed masters and state plus the new values (14 B/param for bf16 AdamW,
+allocated after the first step), two staging slots from the first early update of a backward to
+the end of the update (``stream_budget_bytes``), and the new values' copies (2 B/param each
+way). Only for ``Adam``, ``AdamW`` and ``SGD`` (``cpu_update.ELEMENTWISE``) with all their state
+on the device (fused AdamW, the default). After a step that changed gradients (e.g.
+``clip_grad_norm_``), the next backward starts nothing early, as on the CPU path; early updates
+resume after a step whose gradients stayed as backward left them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..compat import set_versions
+from ..core.device import Event
+from .cpu_update import ELEMENTWISE, master_dtype, same_hyperparameters, tensor_version
+from .transfer import flat_bytes, pack_pinned
+
+SLOTS = 2  # staging slots (of the streamed part, and of its early updates)
+SMALL_STATE_BYTES = 64  # host bytes reserved per small (non per-element) state tensor
+
+
+@dataclass
+class _Early:
+    """One chunk's update started in backward."""
+
+    chunk: int
+    seen: list  # per parameter: (index, gradient, its version, parameter version | None)
+    hypers: Sequence[dict]
+    copied: Event  # its copies out (state, masters, new values) have landed
+
+
+class BackwardUpdates:
+    """The early updates of one ``StreamedPart`` (see the module docstring)."""
+
+    def __init__(self, part: Any) -> None:  # a ``stream_update.StreamedPart``
+        self.part = part
+        self.enabled = True  # off after a step whose gradients changed after backward
+        self.side = part.update_stream or part._device.new_stream()
+        self._chunks_of: dict[int, list[int]] = {}
+        for ci, c in enumerate(part.chunks):
+            for pc in c.pieces:
+                chunks = self._chunks_of.setdefault(pc.index, [])
+                if ci not in chunks:
+                    chunks.append(ci)
+        self._needed = [len({pc.index for pc in c.pieces}) for c in part.chunks]
+        self._committed: Optional[Event] = None  # the last commit's copies, which read ``out``
+        self.started = self.kept = 0  # early updates of the last step, and how many it kept
+        self._reserve()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._landed: dict[int, Optional[tuple]] = {}  # param -> (grad, version, param version)
+        self._waiting: Optional[list[int]] = None  # per chunk: parameters still to land
+        self._done: dict[int, _Early] = {}
+        self._slots: list[torch.Tensor] = []
+        self._free: list[Event] = []  # per slot: its last copy out
+        self._launched = 0
+        self._held: list[torch.Tensor] = []  # device buffers queued early work uses
+        self._grads: list[torch.Tensor] = []  # the gradients it reads
+
+    # ------------------------------------------------------------------------------------------
+    # backward
+
+    def on_grad(self, index: int, grad: torch.Tensor, hypers: Sequence[dict]) -> None:
+        """Parameter ``index``'s gradient is final (its post-accumulate-grad hook): start the
+        update of every chunk whose parameters have all landed now."""
+        part = self.part
+        if self._waiting is None:
+            self._waiting = list(self._needed)
+        if index in self._landed:  # a second gradient before step(): early work on it is stale
+            self._landed[index] = None
+            return
+        own = part.masters[index] is None
+        self._landed[index] = (grad, tensor_version(grad),
+                               tensor_version(part.params[index]) if own else None)
+        for ci in self._chunks_of[index]:
+            self._waiting[ci] -= 1
+            if self._waiting[ci] == 0 and self.enabled and self._eligible(ci):
+                self._launch(ci, hypers)
+
+    def _eligible(self, ci: int) -> bool:
+        c = self.part.chunks[ci]
+        return type(c.optimizer) in ELEMENTWISE and all(
+            pc.out is not None and not pc.kept and self._landed.get(pc.index) is not None
+            for pc in c.pieces)
+
+    def _launch(self, ci: int, hypers: Sequence[dict]) -> None:
+        part = self.part
+        dev = part._device
+        chunk = part.chunks[ci]
+        pieces = chunk.pieces
+        ready = dev.record_event(dev.current_stream())  # gradients final, parameters read
+        if not self._slots:
+            size = max(part._layout(c.pieces, early=True)[1] for c in part.chunks)
+            self._slots = [dev.alloc_device(max(size, 1), part.params[0].device) for _ in range(SLOTS)]
+            self._free = [ready] * SLOTS
+            if part._last is not None:  # the last step's copies out wrote what is read here
+                dev.wait_event(part.h2d, part._last)
+        k = self._launched % SLOTS
+        self._launched += 1
+        slot = self._slots[k]
+        layout, total = part._layout(pieces, early=True)
+        dev.wait_event(part.h2d, self._free[k])  # the slot's last copy out has read it
+        copies, views = [], []
+        for pc, (m_off, g_off, p_off, names) in zip(pieces, layout):
+            p = part.params[pc.index]
+            m = slot[m_off: m_off + pc.numel * master_dtype(p.dtype).itemsize]
+            g = new = None
+            if g_off is not None:
+                copies.append((m, pc.master_bytes))
+                g = slot[g_off: g_off + m.numel()]
+                new = slot[p_off: p_off + pc.numel * p.element_size()]
+            st = {}
+            for name, off in names.items():
+                host, flat = pc.streamed[name], pc.streamed_bytes[name]
+                raw = slot[off: off + flat.numel()]
+                copies.append((raw, flat))
+                st[name] = raw.view(host.dtype).view(host.shape)
+            views.append((m, g, new, st))
+        dev.copy_many(part.h2d, copies)
+        part.bytes_in += sum(dst.numel() for dst, _ in copies)
+        self._wait_in(self.side, dev.record_event(part.h2d))
+        dev.wait_event(self.side, ready)
+        grads = [part.params[pc.index].grad for pc in pieces]
+        own = [part._written(pc) for pc, v in zip(pieces, views) if v[1] is None]
+        # an own master's key is an alias of its parameter: binding it to the slot and stepping
+        # it there count as changes of the parameter, undone below (it did not change)
+        versions = [tensor_version(t) for t in own]
+        created: list[torch.Tensor] = []
+        self._grads += grads
+        try:
+            dev.run_on(self.side, lambda: part._chunk_update(chunk, pieces, views, slot[:total], hypers,
+                                                             early=True),
+                       reads=grads + own + [slot])
+            copies = self._copies_out(chunk, views, created)
+        finally:
+            for pc in pieces:
+                chunk.optimizer.state.pop(pc.key, None)
+                pc.key.set_() if part.masters[pc.index] is not None else pc.key.set_(part._written(pc))
+            if own:
+                set_versions(own, versions)
+        self._held += created
+        if copies is None:  # the class changed its state's layout: step() updates the chunk
+            return
+        dev.wait_event(part.d2h, dev.record_event(self.side))
+        if self._committed is not None:
+            dev.wait_event(part.d2h, self._committed)  # the last commit has read ``out``
+        dev.copy_many(part.d2h, copies)
+        part.bytes_out += sum(dst.numel() for dst, _ in copies)
+        copied = self._free[k] = dev.record_event(part.d2h)
+        indices = list(dict.fromkeys(pc.index for pc in pieces))
+        self._done[ci] = _Early(ci, [(i, *self._landed[i]) for i in indices], hypers, copied)
+
+    def _wait_in(self, stream: Any, event: Event) -> None:
+        """The update waits for its chunk's copy in (tests remove it: a hazard)."""
+        self.part._device.wait_event(stream, event)
+
+    def _wait_out(self, stream: Any, event: Event) -> None:
+        """A kept update's new values are copied into the parameters after its copies out
+        (tests remove it: a hazard)."""
+        self.part._device.wait_event(stream, event)
+
+    def _copies_out(self, chunk: Any, views: list[tuple], created: list) -> Optional[list]:
+        """``(host, device)`` byte pairs of a chunk's early update: new state and masters into
+        the spare copies, new values into ``out``; None if the state is not what the spares
+        were made for."""
+        copies = []
+        for pc, (m, g, new, _) in zip(chunk.pieces, views):
+            st = chunk.optimizer.state.get(pc.key) or {}
+            if set(st) != set(pc.spare) or not all(torch.is_tensor(v) for v in st.values()):
+                return None
+            copies += [(pc.spare_master, m), (pc.out, new)] if g is not None else [(pc.out, m)]
+            for name, v in st.items():
+                created.append(v)
+                copies.append((pc.spare[name], flat_bytes(v)))
+        return copies
+
+    # ------------------------------------------------------------------------------------------
+    # step
+
+    def validate(self, hypers: Sequence[dict]) -> list[_Early]:
+        """The early updates ``step()`` keeps (in chunk order); decides whether the next
+        backward starts any."""
+        params = self.part.params
+        unchanged = all(
+            v is not None and params[i].grad is v[0] and 0 <= v[1] == tensor_version(v[0])
+            and (v[2] is None or v[2] == tensor_version(params[i]))
+            for i, v in self._landed.items())
+        kept = [rec for _, rec in sorted(self._done.items())
+                if same_hyperparameters(rec.hypers, hypers) and self._valid(rec)]
+        self.started, self.kept = len(self._done), len(kept)
+        self.enabled = unchanged
+        return kept
+
+    def _valid(self, rec: _Early) -> bool:
+        params = self.part.params
+        for i, grad, version, pversion in rec.seen:
+            if self._landed.get(i) is None or params[i].grad is not grad:
+                return False
+            if not 0 <= version == tensor_version(grad):
+                return False
+            if pversion is not None and pversion != tensor_version(params[i]):
+                return False
+        return True
+
+    def committed(self, event: Event) -> None:
+        """The commit's copies of ``out`` into the parameters are queued (``event``)."""
+        self._committed = event
+
+    def release(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """End of the step: what the early work used, (device buffers: slots and state; the
+        gradients it read), for the part to drop once the compute stream has waited for
+        ``side`` and the copies; forget the rest."""
+        held = (self._slots + self._held, self._grads)
+        self._reset()
+        return held
+
+    def abandon(self) -> None:
+        """A backward that never reached ``step()`` (``zero_grad``, an error): drop its early
+        updates, after the compute stream has waited for them."""
+        if not self._slots and not self._grads:
+            self._reset()
+            return
+        part, dev = self.part, self.part._device
+        compute = dev.current_stream()
+        for stream in (self.side, part.h2d, part.d2h):
+            dev.wait_event(compute, dev.record_event(stream))
+        part._last = dev.record_event(part.d2h)  # ``sync`` waits for its copies into the spares
+        buffers, grads = self.release()
+        for t in buffers + grads:
+            dev.will_free(t)
+
+    def _reserve(self) -> None:
+        """Pinned host memory for the spare copies and the new values, allocated with the part
+        (allocating pinned memory later would stall a step): per parameter its new values, a
+        spare master (low precision) and one spare per per-element state tensor; small state
+        (AdamW's ``step``) from a pool."""
+        part = self.part
+        sizes = []
+        for p, m in zip(part.params, part.masters):
+            item = master_dtype(p.dtype).itemsize
+            sizes += [p.numel() * p.element_size()] + [p.numel() * item] * ((m is not None) + part._state_elems)
+        bufs = iter(pack_pinned(part._device, sizes))
+        self._out_full, self._master_full, self._state_free = [], [], []
+        for m in part.masters:
+            self._out_full.append(next(bufs))
+            self._master_full.append(next(bufs) if m is not None else None)
+            self._state_free.append([next(bufs) for _ in range(part._state_elems)])
+        self._state_full: dict[tuple[int, str], torch.Tensor] = {}
+        pieces = sum(len(c.pieces) for c in part.chunks)
+        pool = part._device.alloc_host(pieces * 2 * SMALL_STATE_BYTES) if pieces else None
+        self._small = [pool[k: k + SMALL_STATE_BYTES] for k in range(0, pieces * 2 * SMALL_STATE_BYTES,
+                                                                      SMALL_STATE_BYTES)]
+
+    def prepare(self, pieces: Sequence[Any]) -> None:
+        """After ``pieces`` were updated in ``step()`` (so their state exists): give them the
+        spare copies and ``out`` buffers they lack, from the memory reserved at construction
+        (reused after ``load_state_dict``)."""
+        part = self.part
+        for pc in pieces:
+            if pc.kept:
+                continue
+            p = part.params[pc.index]
+            if pc.out is None:
+                size = p.element_size()
+                pc.out = self._out_full[pc.index][pc.start * size: pc.stop * size]
+            if part.masters[pc.index] is not None and pc.spare_master is None:
+                size = part.masters[pc.index].element_size()
+                pc.spare_master = self._master_full[pc.index][pc.start * size: pc.stop * size]
+            for name, flat in pc.streamed_bytes.items():
+                if name not in pc.spare:
+                    pc.spare[name] = self._spare_state(pc, name, flat.numel())
+
+    def _spare_state(self, pc: Any, name: str, nbytes: int) -> torch.Tensor:
+        part = self.part
+        if (pc.index, name) in part._full:  # per-element state: a slice of one spare per parameter
+            size = part._full[(pc.index, name)].element_size()
+            full = self._state_full.get((pc.index, name))
+            total = part.params[pc.index].numel() * size
+            if full is None or full.numel() != total:
+                free = self._state_free[pc.index]
+                fits = [b for b in free if b.numel() == total]
+                if fits:
+                    free.remove(fits[0])
+                full = self._state_full[(pc.index, name)] = (
+                    fits[0] if fits else part._device.alloc_host(total))
+            return full[pc.start * size: pc.stop * size]
+        old = pc.spare_previous.pop(name, None)
+        if old is not None and old.numel() == nbytes:
+            return old
+        if self._small and nbytes <= self._small[-1].numel():
+            return self._small.pop()[:nbytes]
+        return part._device.alloc_host(nbytes)

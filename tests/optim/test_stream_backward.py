@@ -1,0 +1,268 @@
+"""Updates of the streamed part started in backward (``stream_backward``): a chunk's update
+starts when its gradients land, and ``step()`` keeps it only if nothing it read changed since.
+
+On the simulated device: the result equals the wrapped class bit for bit whether the early
+updates are kept or redone (clipping, scaling, a changed learning rate, an fp32 parameter changed
+in place, a second backward, an abandoned backward, an error during backward); parameters read
+between backward and ``step()`` still hold the last step's values; a missing wait is a
+``SimulatedHazard``; nothing stays queued or allocated. GPU (``-m gpu``): kept early updates
+equal plain fused AdamW on CUDA, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload import OffloadConfigError
+from cpu_offload.core.simulated import SimulatedHazard
+from cpu_offload.optim.stream_backward import BackwardUpdates
+from cpu_offload.optim.stream_update import StreamedPart
+
+from test_stream_update import DTYPES, _cuda, _Tracking, assert_same, loss_of, model, reference, train
+from test_stream_update import hybrid as plain_hybrid
+
+MODES = ["backward_update", "next_forward"]
+
+
+def hybrid(*args, **kw):
+    return plain_hybrid(*args, stream_during_backward=True, **kw)
+
+
+def early_stats(opt):
+    s = opt.last_step_stats
+    return s["stream_early_chunks"], s["stream_early_kept"]
+
+
+def chunks(opt):
+    return sum(len(p.chunks) for p in opt._parts)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [0.5, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_updates_started_in_backward_are_kept_and_exact(dtype, stream, mode):
+    ref, ref_opt = reference(dtype)
+    ref_losses = train(ref, ref_opt, 4, edit=None)
+    m = model(dtype)
+    opt = hybrid(m, 1.0, stream, mode)
+    assert train(m, opt, 4, edit=None) == ref_losses
+    assert early_stats(opt) == (chunks(opt), chunks(opt))  # every chunk, kept
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameters_read_before_step_hold_the_last_steps_values(mode):
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, mode)
+    train(m, opt, 2, edit=None)  # the second step's backward already updated early
+    before = [p.detach().clone() for p in m.parameters()]
+    loss_of(m, 2).backward()
+    assert opt._parts[0].backward._done  # updates started, not visible yet
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    opt.step()
+    opt.wait_params()
+    assert not any(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    opt.close()
+
+
+EDITS = {
+    "clip": lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05),
+    "scale_one": lambda m, opt: next(m.parameters()).grad.mul_(0.5),
+    "drop_one": lambda m, opt: setattr(list(m.parameters())[-1], "grad", None),
+    "lr": None,  # the learning rate changed (below)
+    "param_in_place": lambda m, opt: torch.no_grad()(lambda: list(m.parameters())[2].mul_(0.9))(),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_changes_before_step_redo_the_early_updates(edit, mode):
+    """What the early updates read changes between backward and step(): step() updates those
+    chunks again from the gradients as they are then; the result is the wrapped class's."""
+    dtype = torch.float32  # fp32: the parameter is its own master (read by the early update)
+    ref, ref_opt = reference(dtype)
+    m = model(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode)
+    for i in range(4):
+        for mm, o, h in ((ref, ref_opt, None), (m, opt, opt)):
+            loss_of(mm, i).backward()
+            if i >= 1:
+                if edit == "lr":
+                    o.param_groups[0]["lr"] = 3e-3 * i
+                else:
+                    EDITS[edit](mm, h)
+            o.step()
+            o.zero_grad()
+        if i == 1:  # the first early updates (step 1) were redone, at least in part
+            started, kept = early_stats(opt) if mode != "next_forward" else (None, None)
+            if started is not None:
+                assert started == chunks(opt) and kept < started
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+def test_after_a_changed_step_the_next_backward_waits_then_resumes():
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, "backward_update")
+    n = chunks(opt)
+    train(m, opt, 2, edit=None)
+    assert early_stats(opt) == (n, n)
+    train(m, opt, 1, start=2)  # clipped: every early update redone
+    assert early_stats(opt) == (n, 0)
+    train(m, opt, 1, start=3, edit=None)  # nothing started early (gradients changed last time)
+    assert early_stats(opt) == (0, 0)
+    train(m, opt, 1, start=4, edit=None)  # resumed
+    assert early_stats(opt) == (n, n)
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_backward_before_step_is_exact(mode):
+    """Accumulation without no_sync(): the early updates of the first backward are stale."""
+    ref, ref_opt = reference(torch.float32)
+    m = model()
+    opt = hybrid(m, 1.0, 1.0, mode)
+    n = chunks(opt)
+    for i in range(4):
+        for mm, o in ((ref, ref_opt), (m, opt)):
+            loss_of(mm, i).backward()
+            if i == 2:  # early updates started (steps 0 and 1 kept them): now stale
+                assert mm is ref or len(opt._parts[0].backward._done) == n
+                loss_of(mm, i + 10).backward()
+            o.step()
+            o.zero_grad()
+            if mm is m and mode == "backward_update" and i == 2:
+                assert early_stats(opt) == (n, 0)
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_abandoned_backward_leaves_nothing_and_changes_nothing(mode):
+    dev = _Tracking()
+    ref, ref_opt = reference(torch.bfloat16)
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
+    for i in range(4):
+        for mm, o in ((ref, ref_opt), (m, opt)):
+            loss_of(mm, i).backward()
+            if i == 2:  # abandoned: its early updates must not survive
+                o.zero_grad()
+                continue
+            o.step()
+            o.zero_grad()
+    sd = opt.state_dict()  # the host reads the state: early copies are done and in place
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    assert sd["state"]
+    opt.close()
+    assert dev.pending_ops() == 0 and dev.live_device_buffers() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_error_in_an_early_update_raises_from_backward_and_leaves_nothing(monkeypatch, mode):
+    dev = _Tracking()
+    ref, ref_opt = reference(torch.float32)
+    m = model()
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
+    train(m, opt, 2, edit=None)
+    train(ref, ref_opt, 2, edit=None)
+    update = StreamedPart._update
+
+    def failing(self, chunk, pieces, views, early=False):
+        if early:
+            raise RuntimeError("early update failed")
+        update(self, chunk, pieces, views, early)
+
+    monkeypatch.setattr(StreamedPart, "_update", failing)
+    with pytest.raises(RuntimeError, match="early update failed"):
+        loss_of(m, 2).backward()
+    monkeypatch.setattr(StreamedPart, "_update", update)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    assert all(k.numel() == 0 or k.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+               for part in opt._parts for c in part.chunks for pc in c.pieces
+               for k, p in [(pc.key, part.params[pc.index])])  # no key left bound to a slot
+    train(m, opt, 2, start=3, edit=None)
+    train(ref, ref_opt, 2, start=3, edit=None)
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+    assert dev.pending_ops() == 0 and dev.live_device_buffers() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("state_dict_between", [False, True])
+def test_checkpoints_after_kept_early_updates(mode, state_dict_between):
+    """state_dict() after steps that kept early updates (the host copies swapped roles) reads
+    the current state; loading it back continues exactly."""
+    ref, ref_opt = reference(torch.bfloat16)
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 0.5, mode)
+    for start in range(0, 6, 2):
+        train(ref, ref_opt, 2, start=start, edit=None)
+        train(m, opt, 2, start=start, edit=None)
+        if state_dict_between:
+            opt.load_state_dict(opt.state_dict())
+        assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+def test_off_by_default():
+    opt = plain_hybrid(model(), 1.0, 1.0, "next_forward")
+    assert opt._parts and all(part.backward is None for part in opt._parts)
+    opt.close()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="none"), "overlap='backward_update' or 'next_forward', not 'none'"),
+    (dict(mode="backward_copies"), "not 'backward_copies'"),
+    (dict(mode="backward_update", max_grad_norm=1.0), "cannot be combined with max_grad_norm"),
+    (dict(mode="backward_update", stream=0), r"needs a streamed part: stream_fraction > 0"),
+    (dict(mode="backward_update", flag="yes"), "stream_during_backward"),
+])
+def test_bad_configurations_name_the_fix(kw, match):
+    stream = kw.pop("stream", 1.0)
+    flag = kw.pop("flag", True)
+    with pytest.raises(OffloadConfigError, match=match):
+        plain_hybrid(model(), 1.0, stream, kw.pop("mode"), stream_during_backward=flag, **kw)
+
+
+def test_a_missing_wait_for_the_copy_in_is_a_hazard(monkeypatch):
+    monkeypatch.setattr(BackwardUpdates, "_wait_in", lambda self, stream, event: None)
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, "backward_update")
+    with pytest.raises(SimulatedHazard):
+        train(m, opt, 3, edit=None)
+
+
+def test_a_missing_wait_for_the_copies_out_gives_wrong_parameters(monkeypatch):
+    """Without it the new values are copied into the parameters before they have landed in
+    ``out`` (the simulation runs each stream's queue in order): the last step's values."""
+    ref, ref_opt = reference(torch.bfloat16)
+    train(ref, ref_opt, 3, edit=None)
+    monkeypatch.setattr(BackwardUpdates, "_wait_out", lambda self, stream, event: None)
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, "backward_update")
+    train(m, opt, 3, edit=None)
+    assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+    opt.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_kept_early_updates_are_bit_identical_to_fused_adamw_on_cuda(dtype, mode):
+    ref, ref_opt = reference(dtype, "cuda")
+    ref_losses = train(ref, ref_opt, 4, edit=None)
+    m = model(dtype, "cuda")
+    opt = hybrid(m, 1.0, 1.0, mode, device=_cuda(), budget=2**20)
+    assert train(m, opt, 4, edit=None) == ref_losses
+    assert early_stats(opt) == (chunks(opt), chunks(opt))
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
