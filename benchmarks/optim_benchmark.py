@@ -124,12 +124,14 @@ class Row:
 
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
                     device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
-                    stream: Any = 0, bind: bool = False, budget_mib: Optional[float] = None) -> Any:
+                    stream: Any = 0, bind: bool = False, budget_mib: Optional[float] = None,
+                    during_backward: bool = False) -> Any:
     if fraction is None:
         return MasterWeightOptimizer(model.parameters(), **KW)
     opt = HybridDeviceOptimizer(
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
         stream_fraction=stream, bind_cpu_cores=bind,
+        **({"stream_during_backward": True} if during_backward and stream != 0 else {}),
         **({} if budget_mib is None else {"stream_budget_bytes": int(budget_mib * 2**20)}),
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
         cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
@@ -160,7 +162,8 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         row.params = sum(p.numel() for p in model.parameters())
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
         opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib,
-                              stream, args.bind_cores, args.stream_budget_mib)
+                              stream, args.bind_cores, args.stream_budget_mib,
+                              args.stream_during_backward)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -413,6 +416,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--bind-cores", action="store_true",
                    help="HybridDeviceOptimizer(bind_cpu_cores=True) for the rows and the microbench: "
                         "the CPU worker on physical cores (of the GPU's NUMA node)")
+    p.add_argument("--stream-during-backward", action="store_true",
+                   help="HybridDeviceOptimizer(stream_during_backward=True) for the 'split' rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
