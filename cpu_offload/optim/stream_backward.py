@@ -126,24 +126,8 @@ class BackwardUpdates:
         slot = self._slots[k]
         layout, total = part._layout(pieces, early=True)
         dev.wait_event(part.h2d, self._free[k])  # the slot's last copy out has read it
-        copies, views = [], []
-        for pc, (m_off, g_off, p_off, names) in zip(pieces, layout):
-            p = part.params[pc.index]
-            m = slot[m_off: m_off + pc.numel * master_dtype(p.dtype).itemsize]
-            g = new = None
-            if g_off is not None:
-                copies.append((m, pc.master_bytes))
-                g = slot[g_off: g_off + m.numel()]
-                new = slot[p_off: p_off + pc.numel * p.element_size()]
-            st = {}
-            for name, off in names.items():
-                host, flat = pc.streamed[name], pc.streamed_bytes[name]
-                raw = slot[off: off + flat.numel()]
-                copies.append((raw, flat))
-                st[name] = raw.view(host.dtype).view(host.shape)
-            views.append((m, g, new, st))
+        copies, views = part._stage_in(pieces, layout, slot)
         dev.copy_many(part.h2d, copies)
-        part.bytes_in += sum(dst.numel() for dst, _ in copies)
         self._wait_in(self.side, dev.record_event(part.h2d))
         dev.wait_event(self.side, ready)
         grads = [part.params[pc.index].grad for pc in pieces]

@@ -435,25 +435,7 @@ class StreamedPart:
             for i, (chunk, pieces, layout, total) in enumerate(live):
                 slot = slots[i % SLOTS]
                 self._wait_slot(start if i < SLOTS else outs[i - SLOTS])
-                views = []
-                copies = []  # the chunk's copies in: queued together
-                for pc, (m_off, g_off, _, names) in zip(pieces, layout):
-                    m = g = None
-                    if m_off is not None:
-                        host = pc.master_bytes
-                        m = slot[m_off: m_off + host.numel()]
-                        g = slot[g_off: g_off + m.numel()]
-                        copies.append((m, host))
-                        self.bytes_in += m.numel()
-                    st = {}
-                    for name, off in names.items():
-                        host = pc.streamed[name]
-                        flat = pc.streamed_bytes[name]
-                        raw = slot[off: off + flat.numel()]
-                        copies.append((raw, flat))
-                        self.bytes_in += raw.numel()
-                        st[name] = raw.view(host.dtype).view(host.shape)
-                    views.append((m, g, None, st))
+                copies, views = self._stage_in(pieces, layout, slot)
                 dev.copy_many(self.h2d, copies)
                 self._wait_chunk(dev.record_event(self.h2d))
                 if self.overlapped:
@@ -516,6 +498,32 @@ class StreamedPart:
             dev.wait_event(compute, dev.record_event(self.backward.side))
         for t in slots + keep + early + grads:
             dev.will_free(t)
+
+    def _stage_in(self, pieces: list[_Piece], layout: list[tuple], slot: torch.Tensor) -> tuple[list, list]:
+        """A chunk's slot views (per piece: master, fp32 gradient, new values, {state name:
+        view}; ``None`` where ``layout`` has no region) and the ``(slot, host)`` byte pairs of
+        its copies in: the current host copy of masters and state. An own master's region (an
+        update started in backward) is filled from the parameter by the update itself."""
+        copies, views = [], []
+        for pc, (m_off, g_off, p_off, names) in zip(pieces, layout):
+            p = self.params[pc.index]
+            m = g = new = None
+            if m_off is not None:
+                m = slot[m_off: m_off + pc.numel * master_dtype(p.dtype).itemsize]
+            if g_off is not None:
+                copies.append((m, pc.master_bytes))
+                g = slot[g_off: g_off + m.numel()]
+            if p_off is not None:
+                new = slot[p_off: p_off + pc.numel * p.element_size()]
+            st = {}
+            for name, off in names.items():
+                host, flat = pc.streamed[name], pc.streamed_bytes[name]
+                raw = slot[off: off + flat.numel()]
+                copies.append((raw, flat))
+                st[name] = raw.view(host.dtype).view(host.shape)
+            views.append((m, g, new, st))
+        self.bytes_in += sum(dst.numel() for dst, _ in copies)
+        return copies, views
 
     def _commit(self, kept: list, stream: Any) -> None:
         """Keep the updates started in backward of ``kept`` (``stream_backward._Early``, in the
