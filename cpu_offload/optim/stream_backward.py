@@ -191,26 +191,16 @@ class BackwardUpdates:
         """The early updates ``step()`` keeps (in chunk order); decides whether the next
         backward starts any."""
         params = self.part.params
-        unchanged = all(
-            v is not None and params[i].grad is v[0] and 0 <= v[1] == tensor_version(v[0])
-            and (v[2] is None or v[2] == tensor_version(params[i]))
-            for i, v in self._landed.items())
+        # per parameter: the gradient an early update read (``_landed``, also in its ``seen``)
+        # is still ``.grad``, unchanged, and no second one came; an own master is unchanged
+        ok = {i: v is not None and params[i].grad is v[0] and 0 <= v[1] == tensor_version(v[0])
+              and (v[2] is None or v[2] == tensor_version(params[i]))
+              for i, v in self._landed.items()}
         kept = [rec for _, rec in sorted(self._done.items())
-                if same_hyperparameters(rec.hypers, hypers) and self._valid(rec)]
+                if same_hyperparameters(rec.hypers, hypers) and all(ok[i] for i, *_ in rec.seen)]
         self.started, self.kept = len(self._done), len(kept)
-        self.enabled = unchanged
+        self.enabled = all(ok.values())
         return kept
-
-    def _valid(self, rec: _Early) -> bool:
-        params = self.part.params
-        for i, grad, version, pversion in rec.seen:
-            if self._landed.get(i) is None or params[i].grad is not grad:
-                return False
-            if not 0 <= version == tensor_version(grad):
-                return False
-            if pversion is not None and pversion != tensor_version(params[i]):
-                return False
-        return True
 
     def committed(self, event: Event) -> None:
         """The commit's copies of ``out`` into the parameters are queued (``event``)."""
