@@ -10,7 +10,10 @@ Rules every implementation follows:
   fenced with events, never with ``record_stream``, so freed memory is reusable at once.
 - Nothing here blocks the host, except ``synchronize`` and ``wait_host`` (which only CPU consumers
   of copied data call, e.g. the optimizer's CPU worker thread).
-- Copies move flat ``uint8`` views of whole storages: one DMA per storage, no kernels.
+- Copies move flat ``uint8`` views of whole storages: one DMA per storage, no kernels. A batch
+  (``copy_after_compute`` and the calls built on it) may name a device storage itself as a
+  source (``bytes_of``), and may be queued without telling torch's pinned allocator
+  (``CudaDevice`` calls the driver): its host buffers stay referenced until the copies are done.
 - During CUDA graph capture, a captured stream never waits for a stream that has no work in the
   capture (``wait_stream`` skips it): CUDA refuses such a dependency
   (``cudaErrorStreamCaptureIsolation``), and the graph could not replay it anyway.
@@ -23,6 +26,8 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from .driver import driver_copy_async
 
 Stream = Any
 Event = Any
@@ -177,10 +182,16 @@ class OffloadDevice(abc.ABC):
 
     def copy_after_compute(self, stream: Stream, pairs: list) -> None:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, after everything
-        queued on the current (compute) stream so far: one stream wait for the whole batch."""
+        queued on the current (compute) stream so far: one stream wait for the whole batch.
+
+        ``dst`` is a flat uint8 tensor; ``src`` one of the same size, or a device
+        ``UntypedStorage`` of that many bytes (``bytes_of``: V2's copies out name the saved
+        storage itself, which saves a view per storage). The pinned host buffer of each pair
+        must stay referenced until the copy is done: an implementation may queue these copies
+        without telling torch's pinned allocator (``CudaDevice`` does, through the driver)."""
         self.wait_stream(stream, self.current_stream())
         for dst, src in pairs:
-            self.copy(stream, dst, src)
+            self.copy(stream, dst, bytes_of(src))
 
     def copy_batch(self, stream: Stream, pairs: list, event: Optional[Event] = None,
                    milestone: Optional[tuple] = None) -> Event:
@@ -238,8 +249,9 @@ class OffloadDevice(abc.ABC):
         Never blocks (statistics are read lazily)."""
         return None
 
-    def will_free(self, t: torch.Tensor) -> None:
-        """The scheduler is about to drop its last reference to device buffer ``t``.
+    def will_free(self, t: Any) -> None:
+        """The scheduler is about to drop its last reference to device buffer ``t`` (a tensor,
+        or an ``UntypedStorage``).
 
         A real device needs nothing; the simulation checks that no queued copy still reads it.
         """
@@ -440,7 +452,17 @@ class CudaDevice(OffloadDevice):
     def copy_after_compute(self, stream: Stream, pairs: list) -> None:
         previous = self.current_stream()
         self.wait_stream(stream, previous)
-        _copies_on(stream, pairs, previous)
+        raw = driver_copy_async()
+        if raw is not None:
+            handle = stream.cuda_stream
+            for i, (dst, src) in enumerate(pairs):
+                if raw(dst.data_ptr(), src.data_ptr(), dst.nbytes, handle):
+                    # Not queued (no current driver context on this thread, say): torch's
+                    # copies for this pair and the rest, and its error if it has one.
+                    _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs[i:]], previous)
+                    return
+            return
+        _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs], previous)
 
     def run_on(self, stream: Stream, fn: Callable[[], Any], reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> Any:
@@ -466,6 +488,22 @@ class CudaDevice(OffloadDevice):
         finally:
             torch.cuda.set_stream(previous)
         return events
+
+
+def bytes_of(src: Any) -> torch.Tensor:
+    """``src`` as a flat uint8 tensor: itself if it is a tensor, else (an ``UntypedStorage``) a
+    flat view over all its bytes.
+
+    Example::
+
+        >>> import torch
+        >>> from cpu_offload.core.device import bytes_of
+        >>> bytes_of(torch.zeros(2, dtype=torch.float32).untyped_storage()).shape
+        torch.Size([8])
+    """
+    if isinstance(src, torch.Tensor):
+        return src
+    return torch.empty(0, dtype=torch.uint8, device=src.device).set_(src)
 
 
 def _copies_on(stream: Stream, pairs: list, previous: Stream) -> None:

@@ -9,11 +9,17 @@ With ``retain`` (CUDA graphs), buffers are bound to a stable key (layer, slot) a
 a captured graph replays copies into fixed addresses. A keyed buffer serves one saved storage at a
 time: a second forward pass started while the first one's graph still holds its buffers is
 refused (sharing them would overwrite the first step's activations).
+
+Buffers are let go (``trim``, or the pool's end) only after ``fence`` has waited for the copies
+that may still use them: the device may queue copies without telling torch's pinned allocator
+(``OffloadDevice.copy_after_compute``), which would otherwise hand the block out again while a
+copy still reads or writes it.
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
@@ -24,11 +30,16 @@ from .errors import OffloadUsageError
 class PinnedPool:
     """Exact-size free lists of host buffers, trimmed to the last step's working set."""
 
-    def __init__(self, device: OffloadDevice) -> None:
+    def __init__(self, device: OffloadDevice, fence: Optional[Callable[[], None]] = None) -> None:
         self._device = device
+        # Blocks the host until no queued copy uses a buffer of this pool (called before buffers
+        # are let go); None: torch's pinned allocator knows of every copy.
+        self._fence = fence
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._used: dict[int, int] = defaultdict(int)  # buffers of each size acquired since trim
         self._retained: dict[Hashable, torch.Tensor] = {}
+        if fence is not None:  # at the pool's end, its buffers go only after the fence
+            weakref.finalize(self, _fenced_drop, fence, self._free, self._retained).atexit = False
         self._retained_in_use: set = set()
         self.allocations = 0
         self.in_use_bytes = 0  # handed out and not given back
@@ -98,7 +109,11 @@ class PinnedPool:
             self._retained_in_use.discard(key)
 
     def trim(self) -> None:
-        """Free cached buffers beyond what the last step used, size by size."""
+        """Free cached buffers beyond what the last step used, size by size (after the fence,
+        if any is let go)."""
+        if self._fence is not None and any(
+                len(free) > self._used.get(nbytes, 0) for nbytes, free in self._free.items()):
+            self._fence()
         for nbytes in list(self._free):
             keep = self._used.get(nbytes, 0)
             free = self._free[nbytes]
@@ -126,3 +141,14 @@ class PinnedPool:
             ) from exc
         self.allocations += 1
         return buf
+
+
+def _fenced_drop(fence: Callable[[], None], *holders: dict) -> None:
+    """The pool's end: wait for its copies, then let its buffers go (a failing fence, at
+    shutdown say, still lets them go: nothing is left to wait for then)."""
+    try:
+        fence()
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        pass
+    for holder in holders:
+        holder.clear()

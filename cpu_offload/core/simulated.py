@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from ..compat import storage_use_count
-from .device import OffloadDevice
+from .device import OffloadDevice, bytes_of
 
 POISON = 0xA5
 
@@ -192,32 +192,76 @@ class SimulatedDevice(OffloadDevice):
         return torch.full((nbytes,), POISON, dtype=torch.uint8)
 
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.numel() != src.numel():
-            raise SimulatedHazard(f"copy of {src.numel()} bytes into {dst.numel()}")
+        self._copy(stream, dst, src, False)
+
+    def copy_after_compute(self, stream: SimStream, pairs: list) -> None:
+        # As ``CudaDevice`` queues them (through the driver): the copy holds neither buffer. A
+        # device storage named as the source is held weakly (freed before the copy ran: the
+        # copy reads garbage), and torch's pinned allocator is not told, so each pinned host
+        # buffer must stay referenced until its copy is done (else: a hazard).
+        with self._lock:
+            self.wait_stream(stream, self.current_stream())
+            for dst, src in pairs:
+                self._copy(stream, dst, src, True)
+
+    def _copy(self, stream: SimStream, dst: torch.Tensor, src: object,
+              unguarded: bool) -> None:
+        """``copy``; ``unguarded``: as the driver queues it (``copy_after_compute``), and
+        ``src`` may be a device ``UntypedStorage``."""
+        weak_src = None
+        if not isinstance(src, torch.Tensor):
+            weak_src = weakref.ref(src)
+            src_bytes, src_ptr = src.nbytes(), src.data_ptr()
+            src = None
+        else:
+            src_bytes, src_ptr = src.numel(), src.data_ptr()
+        if dst.numel() != src_bytes:
+            raise SimulatedHazard(f"copy of {src_bytes} bytes into {dst.numel()}")
         root = dst._base if dst._base is not None else dst
         to_host = self._host_bufs.get(root.data_ptr()) is root
         direction = "d2h" if to_host else "h2d"
         nbytes = dst.numel()
+        unguarded_host = (
+            "a queued {} copy of {} bytes on {} uses a pinned host buffer that was let go before "
+            "the copy was done; a batch of copies is queued without telling torch's pinned "
+            "allocator (CudaDevice calls the driver), so keep the buffer until then (PinnedPool "
+            "waits for the copy stream first)")
 
         def run() -> None:
             # On a real device a queued copy does not keep a device destination alive: the
             # caching allocator may hand that memory out again as soon as it is dropped. Here the
             # queue holds it; if nothing else does (no other reference to this tensor object, no
             # other tensor on its memory), that memory would have been freed and possibly reused.
-            # A pinned host destination is different: torch's pinned (host caching) allocator
-            # records an event on the copy's stream and reuses the block only once the copy is
-            # done, so dropping it early is safe, as it is here.
-            if not to_host and sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1:
+            # A pinned host buffer copied with ``copy`` is different: torch's pinned (host
+            # caching) allocator records an event on the copy's stream and reuses the block only
+            # once the copy is done, so dropping it early is safe, as it is here. Copies queued
+            # ``unguarded`` tell it nothing: there the host buffer must stay referenced too.
+            if sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1 and (
+                    not to_host or unguarded):
                 raise SimulatedHazard(
+                    unguarded_host.format(direction, nbytes, stream.name) if to_host else
                     f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
                     "buffer that was dropped before the copy was waited for"
                 )
-            dst.copy_(src)
+            if weak_src is None:
+                if unguarded and not to_host and sys.getrefcount(src) <= 2 and (
+                        storage_use_count(src) <= 1):
+                    raise SimulatedHazard(unguarded_host.format(direction, nbytes, stream.name))
+                dst.copy_(src)
+                return
+            storage = weak_src()
+            if storage is None:
+                # Freed before the copy ran (an abandoned forward drops its storages; a release
+                # checks ``will_free`` first): a real copy would read whatever the allocator put
+                # there since, so the host copy is garbage, and any use of it shows.
+                dst.fill_(POISON)
+                return
+            dst.copy_(bytes_of(storage))
 
         with self._lock:
-            self.log.append(("copy", stream.name, src.numel(), direction))
+            self.log.append(("copy", stream.name, src_bytes, direction))
             start = dst.data_ptr()
-            self._enqueue(stream, run, [src.data_ptr()], (start, start + nbytes))
+            self._enqueue(stream, run, [src_ptr], (start, start + nbytes))
 
     # The batched calls of ``OffloadDevice``, run as one operation under the lock: each copy,
     # wait and allocation in them is checked as when made one by one.
@@ -236,7 +280,7 @@ class SimulatedDevice(OffloadDevice):
         with self._lock:
             super().compute_wait(event, waits, milestone)
 
-    def will_free(self, t: torch.Tensor) -> None:
+    def will_free(self, t: object) -> None:
         ptr = t.data_ptr()
         with self._lock:
             for s in self.streams:

@@ -20,7 +20,8 @@ saved tensor or storage, so they make only the calls they must and spell out sma
   (identity and size) and the geometry. Small storages are copied together (one pinned buffer,
   ``HostSlab``, a slice each) at the layer's end or once they add up to ``BATCH_BYTES``; a large
   one at once, or with the next batch while the link is busy (``OffloadDevice.link_busy``). One
-  device call per batch for its copies (the layer's last also records its event: ``copy_batch``).
+  device call per batch for its copies (the layer's last also records its event: ``copy_batch``),
+  which name the saved storages themselves as sources: no view is made of them.
 - release: one device call for the layer's wait (``compute_wait``), then per storage one use
   count. A storage that nobody else references needs no in-place watch after release (nothing
   can change it any more): its aliases are simply dropped. One that something else holds keeps
@@ -173,7 +174,7 @@ class Entry:
         entry.key = storage._cdata  # the storage's identity while we hold it
         entry.version = version  # of the saved tensors' version counters when saved
         entry.storage = storage  # the device storage, until release
-        entry.gpu = None  # flat uint8 over ``storage``, made when its copy is queued
+        entry.gpu = None  # flat uint8 over ``storage``, made only where needed (``flat``)
         entry.aliases = [alias]  # a detached alias per saved tensor, until release
         entry.nrefs = 1  # aliases made (SavedRef.index counts them)
         entry.owner = None  # after a release that freed nothing: the storage, weakly
@@ -267,9 +268,9 @@ class Entry:
         ``recheck``: the holder may be about to let go (released inside a layer's call, whose
         caller still holds its input): ``recount`` looks again when backward starts."""
         storage, aliases = self.storage, self.aliases
-        # Ours: the flat tensor, the storage object and one alias per saved tensor.
+        # Ours: the storage object, one alias per saved tensor and the flat tensor, if made.
         count = _storage_use_count
-        held = count is None or count(storage._cdata) > self.nrefs + 2
+        held = count is None or count(storage._cdata) > self.nrefs + 1 + (self.gpu is not None)
         changed = False
         if not held:
             for alias in aliases:
@@ -286,7 +287,7 @@ class Entry:
             self.recheck = recheck
         else:
             if self.rt.checks_frees:
-                self.rt.device.will_free(self.gpu)
+                self.rt.device.will_free(storage)
             self.lstats.freed_bytes += self.nbytes
         self.gpu = self.storage = None
 
@@ -746,12 +747,12 @@ class LayerState:
             self.flushed = i
         verify = rt.verify
         for entry in pending:
-            # ``Entry.flat``, spelled out: a flat uint8 tensor over the storage, to copy
-            entry.gpu = flat = entry.aliases[0].new_empty(0, dtype=_uint8).set_(entry.storage)
             if verify:
-                entry.checksum = checksum(flat)
+                entry.checksum = checksum(entry.flat())
             entry.lstats.copied_out_bytes += entry.nbytes
-        pairs = [(e.cpu, e.gpu) for e in pending]
+        # The storage itself is the source (``OffloadDevice.copy_after_compute``): no view of
+        # it is made, which was most of the pack hook's host time beyond the floor's.
+        pairs = [(e.cpu, e.storage) for e in pending]
         if end:
             self._end_copies(pairs)
         elif large and not rt.retain:
@@ -811,7 +812,8 @@ class LayerState:
         for entry in on_device:
             # ``Entry.release``, spelled out for a storage that nobody else references and
             # that is unchanged since it was saved: its aliases are simply dropped.
-            if count is None or count(entry.storage._cdata) > entry.nrefs + 2:
+            if count is None or count(entry.storage._cdata) > (
+                    entry.nrefs + 1 + (entry.gpu is not None)):
                 entry.release(recheck)  # held elsewhere
                 continue
             version = entry.version
@@ -821,7 +823,7 @@ class LayerState:
             else:
                 entry.aliases = None
                 if checks_frees:
-                    dev.will_free(entry.gpu)
+                    dev.will_free(entry.storage)
                 entry.lstats.freed_bytes += entry.nbytes
                 entry.gpu = entry.storage = None
                 continue

@@ -298,8 +298,9 @@ class OffloadSynchronizer:
         self.schedule = schedule
         self.policy = policy
         self.rt = Runtime(
-            device, stream, PinnedPool(device), retain_pinned_cpu_buffers, verify, max_host_bytes,
-            policy.min_tensor_size_to_offload, policy,
+            device, stream, PinnedPool(device, partial(_wait_for_copies, device, stream)),
+            retain_pinned_cpu_buffers, verify, max_host_bytes, policy.min_tensor_size_to_offload,
+            policy,
         )
         self.step: Optional[Step] = None
         self.current: Optional[LayerState] = None
@@ -586,6 +587,12 @@ class OffloadSynchronizer:
     def held_host_bytes(self) -> int:
         layers = self.step.layers if self.step else []
         return sum(l.held_host_bytes() for l in layers if l is not None)
+
+
+def _wait_for_copies(device: OffloadDevice, stream: Any) -> None:
+    """Block the host until the copies queued on ``stream`` so far are done (the pinned pool
+    calls it before it lets buffers go)."""
+    device.wait_host(device.record_event(stream))
 
 
 class ManualOffloadSynchronizer:
