@@ -247,9 +247,13 @@ def tensor_on_storage(
     return _empty(dtype, device, like).set_(storage, storage_offset, size, stride)
 
 
-def bytes_on_storage(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+def bytes_on_storage(storage: torch.UntypedStorage,
+                     like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A flat ``uint8`` tensor over all of ``storage``, which lives on ``like``'s device
-    (``set_`` with a storage alone views all of it, contiguously, from offset 0)."""
+    (``set_`` with a storage alone views all of it, contiguously, from offset 0). Without
+    ``like``, the storage's own device."""
+    if like is None:
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     return _empty(torch.uint8, None if type(like) is _Tensor else like.device, like).set_(storage)
 
 

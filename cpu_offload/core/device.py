@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..compat import bytes_on_storage
 from .driver import driver_copy_async
 
 Stream = Any
@@ -453,16 +454,15 @@ class CudaDevice(OffloadDevice):
         previous = self.current_stream()
         self.wait_stream(stream, previous)
         raw = driver_copy_async()
+        queued = 0
         if raw is not None:
             handle = stream.cuda_stream
-            for i, (dst, src) in enumerate(pairs):
+            for dst, src in pairs:
                 if raw(dst.data_ptr(), src.data_ptr(), dst.nbytes, handle):
-                    # Not queued (no current driver context on this thread, say): torch's
-                    # copies for this pair and the rest, and its error if it has one.
-                    _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs[i:]], previous)
-                    return
-            return
-        _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs], previous)
+                    break  # not queued (no current driver context on this thread, say)
+                queued += 1
+        if queued < len(pairs):  # torch's copies for the rest, and its error if it has one
+            _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs[queued:]], previous)
 
     def run_on(self, stream: Stream, fn: Callable[[], Any], reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> Any:
@@ -501,9 +501,7 @@ def bytes_of(src: Any) -> torch.Tensor:
         >>> bytes_of(torch.zeros(2, dtype=torch.float32).untyped_storage()).shape
         torch.Size([8])
     """
-    if isinstance(src, torch.Tensor):
-        return src
-    return torch.empty(0, dtype=torch.uint8, device=src.device).set_(src)
+    return src if isinstance(src, torch.Tensor) else bytes_on_storage(src)
 
 
 def _copies_on(stream: Stream, pairs: list, previous: Stream) -> None:

@@ -29,6 +29,12 @@ from ..compat import storage_use_count
 from .device import OffloadDevice, bytes_of
 
 POISON = 0xA5
+# A pinned buffer let go while a copy queued through ``copy_after_compute`` still used it.
+_UNGUARDED_HOST = (
+    "a queued {} copy of {} bytes on {} uses a pinned host buffer that was let go before the copy "
+    "was done; a batch of copies is queued without telling torch's pinned allocator (CudaDevice "
+    "calls the driver), so keep the buffer until then (PinnedPool waits for the copy stream "
+    "first)")
 
 
 class SimulatedHazard(AssertionError):
@@ -221,11 +227,6 @@ class SimulatedDevice(OffloadDevice):
         to_host = self._host_bufs.get(root.data_ptr()) is root
         direction = "d2h" if to_host else "h2d"
         nbytes = dst.numel()
-        unguarded_host = (
-            "a queued {} copy of {} bytes on {} uses a pinned host buffer that was let go before "
-            "the copy was done; a batch of copies is queued without telling torch's pinned "
-            "allocator (CudaDevice calls the driver), so keep the buffer until then (PinnedPool "
-            "waits for the copy stream first)")
 
         def run() -> None:
             # On a real device a queued copy does not keep a device destination alive: the
@@ -239,14 +240,14 @@ class SimulatedDevice(OffloadDevice):
             if sys.getrefcount(dst) <= 2 and storage_use_count(dst) <= 1 and (
                     not to_host or unguarded):
                 raise SimulatedHazard(
-                    unguarded_host.format(direction, nbytes, stream.name) if to_host else
+                    _UNGUARDED_HOST.format(direction, nbytes, stream.name) if to_host else
                     f"a queued {direction} copy of {nbytes} bytes on {stream.name} writes into a "
                     "buffer that was dropped before the copy was waited for"
                 )
             if weak_src is None:
                 if unguarded and not to_host and sys.getrefcount(src) <= 2 and (
                         storage_use_count(src) <= 1):
-                    raise SimulatedHazard(unguarded_host.format(direction, nbytes, stream.name))
+                    raise SimulatedHazard(_UNGUARDED_HOST.format(direction, nbytes, stream.name))
                 dst.copy_(src)
                 return
             storage = weak_src()

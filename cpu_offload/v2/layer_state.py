@@ -39,6 +39,7 @@ from typing import Any, Hashable, Optional
 import torch
 
 from ..compat import (
+    bytes_on_storage,
     is_parameter,
     is_traceable_wrapper_subclass,
     never_compiled,
@@ -56,6 +57,7 @@ from ..core.storage import (
     checksum,
     forget_aliases,
     restore_view,
+    storage_bytes,
 )
 from .stats import LayerStats, StepStats
 
@@ -63,7 +65,6 @@ _new = object.__new__
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
-_uint8 = torch.uint8
 _storage_use_count = storage_use_counter()  # by a storage's _cdata; None where torch lacks it
 
 # Copies of storages smaller than this are batched: the device-to-host copies of a layer's small
@@ -192,7 +193,7 @@ class Entry:
         """A flat ``uint8`` tensor over the device storage (made once, when first needed)."""
         gpu = self.gpu
         if gpu is None:
-            gpu = self.gpu = self.aliases[0].new_empty(0, dtype=_uint8).set_(self.storage)
+            gpu = self.gpu = storage_bytes(self.aliases[0], self.storage)
             if self.rt.verify:
                 self.checksum = checksum(gpu)
         return gpu
@@ -207,7 +208,7 @@ class Entry:
         for alias in self.aliases or ():
             if alias._version != self.version:
                 return None  # changed in place (unpacking it raises anyway)
-        return torch.empty(0, dtype=_uint8, device=self.device).set_(storage)
+        return bytes_on_storage(storage)
 
     def device_bytes_for_unpack(self) -> torch.Tensor:
         """The device bytes to rebuild a saved tensor from, waiting (device-side) for them."""
