@@ -410,6 +410,8 @@ class StreamedPart:
                 live.append((c, pieces, *self._layout(pieces)))
         self.finish()  # overlapped: the last update is ordered before this one
         if not live and not kept:
+            if self.backward is not None:  # updates started in backward, none kept: dropped
+                self.backward.abandon()
             return
         # no host wait: the previous step's copies out are ordered before ``start`` (the compute
         # stream waited for them), and the host reads no state here

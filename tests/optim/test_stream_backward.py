@@ -162,6 +162,32 @@ def test_an_abandoned_backward_leaves_nothing_and_changes_nothing(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_step_that_keeps_and_updates_nothing_holds_nothing(mode):
+    """Every gradient is dropped between backward and step(): no early update is kept and no
+    chunk is updated, and step() still lets go of what the early updates held (their staging,
+    the gradients they read), as after an update."""
+    dev = _Tracking()
+    ref, ref_opt = reference(torch.bfloat16)
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
+    for i in range(3):
+        for mm, o in ((ref, ref_opt), (m, opt)):
+            loss_of(mm, i).backward()
+            if i == 2:
+                assert mm is ref or opt._parts[0].backward._done  # started early
+                for p in mm.parameters():
+                    p.grad = None
+            o.step()
+            o.zero_grad()
+        if i == 2:
+            assert dev.live_device_buffers() == 0
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+    assert dev.pending_ops() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_an_error_in_an_early_update_raises_from_backward_and_leaves_nothing(monkeypatch, mode):
     dev = _Tracking()
     ref, ref_opt = reference(torch.float32)
