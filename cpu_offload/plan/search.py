@@ -341,10 +341,12 @@ def plan(
         raise err
     fits = [c for _, c in _fitting(candidates, limit)]
     others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
-    families = [c for c in fits if family_of(c) is not None]
-    if families:  # the fastest simple family, which verification measures too
-        fastest = min(families, key=lambda c: (c.step_ms, c.peak_bytes))
-        others += [fastest] if fastest not in others else []
+    fastest_family: dict = {}  # family kind -> its fastest fitting layout (see ``shortlist``)
+    for c in sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes)):
+        family = family_of(c)
+        if family is not None:
+            fastest_family.setdefault(family.split()[0], c)
+    others += [c for c in fastest_family.values() if c not in others]
     fastest_near: dict = {}  # family kind -> its fastest layout just over the budget
     if limit is not None:  # see Plan.near_budget
         slowest = candidates[best_params].step_ms * (1 + NEAR_TIME)
@@ -659,14 +661,15 @@ def plan_offloading(
             such a plan; pass ``False`` for V1.
         verify_candidates: how many of the model's best plans to measure in the real step
             (the prediction ranks, the measurement decides): the fastest predicted plans that
-            fit the budget, the last place going to the fastest simple family (``ckpt k``,
-            ``off k``, ``sel k``) when none of the others is one. Each is applied with
+            fit the budget, plus the fastest fitting plan of each simple family (``ckpt k``,
+            ``off k``, ``sel k``) not among them that the model predicts less than 10% slower
+            than its best (``search.shortlist``): up to 3 more. Each is applied with
             ``apply_offloading``, run ``repeats`` times (one untimed step, one timed, taking
             turns with the others) and removed; the fastest (lower quartile) whose measured
             peak fits the budget (CUDA) is returned, and ``Plan.verified`` holds every
-            candidate's times. ``None`` (default): 3 on CUDA (with ``repeats=3``, 18 more
-            steps), 0 on other devices, whose times are the host's own and vary by more than
-            the candidates differ. 0: return the model's best without measuring it.
+            candidate's times. ``None`` (default): 3 on CUDA (with ``repeats=3``, 18 to 36
+            more steps), 0 on other devices, whose times are the host's own and vary by more
+            than the candidates differ. 0: return the model's best without measuring it.
 
     Returns:
         A ``Plan``: ``num_layers`` (and ``offloaded``, if spread), ``recompute``,
@@ -745,20 +748,24 @@ def plan_offloading(
 
 
 def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:
-    """The ``count`` plans verification measures: ``best`` and its ``alternatives`` in the
-    model's order (each layout once), the last place going to the fastest simple family
-    (``family_of``) when none of the others is one. Where verification measures peaks
-    (``peaks_measured``: CUDA), ``best.near_budget`` take the last places but two (the best
-    plan and another that fits in the model stay, so that a measured peak over the budget
-    leaves a choice). None for a plan with no alternatives (nothing to offload).
+    """The plans verification measures: ``best`` and its ``alternatives`` in the model's order
+    (each layout once), ``count`` of them, then the fastest fitting plan of each simple family
+    (``family_of``: ``ckpt k``, ``off k``, ``sel k``) not among them that the model predicts
+    slower than ``best`` by less than its error on times (``NEAR_TIME``), so that a simple
+    configuration the model ranks a few percent too slow is still measured against the mixed
+    plans. Where verification measures peaks (``peaks_measured``: CUDA), ``best.near_budget``
+    take the last of the ``count`` places but two (the best plan and another that fits in the
+    model stay, so that a measured peak over the budget leaves a choice). None for a plan with
+    no alternatives (nothing to offload) or ``count == 0``.
 
     Example::
 
         >>> a = Plan(3, recompute=(3,), model_layers=8, step_ms=10.0)
         >>> b = Plan(4, recompute=(4,), model_layers=8, step_ms=10.5)
-        >>> c = Plan(0, recompute=(0, 1), model_layers=8, step_ms=12.0)   # "ckpt 2"
-        >>> [p.layout for p in shortlist(replace(a, alternatives=[a, b, c]), 2)]
-        ['offload 0-2, recompute 3', 'offload none, recompute 0-1']
+        >>> c = Plan(0, recompute=(0, 1), model_layers=8, step_ms=10.8)   # "ckpt 2"
+        >>> d = Plan(2, model_layers=8, step_ms=12.0)                     # "off 2": 20% slower
+        >>> [p.layout for p in shortlist(replace(a, alternatives=[a, b, c, d]), 2)]
+        ['offload 0-2, recompute 3', 'offload 0-3, recompute 4', 'offload none, recompute 0-1']
     """
     if count == 0 or not best.alternatives:
         return []
@@ -767,14 +774,16 @@ def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:
         if all(p.layout != q.layout for q in ranked):
             ranked.append(p)
     top = ranked[:count]
-    family = next((p for p in ranked if family_of(p) is not None), None)
-    if family is not None and family not in top and len(top) == count > 1:
-        top[-1] = family
     near = [p for p in best.near_budget if all(p.layout != q.layout for q in top)]
     places = min(len(near), count - 2)  # two plans that fit stay: the model's best and another
     if peaks_measured and places > 0:
-        keep = top[:count - places]
-        if family is not None and family in top and family not in keep:
-            keep[-1] = family  # the fitting family keeps its place
-        top = keep + near[:places]
+        top = top[:count - places] + near[:places]
+    kinds: set = set()
+    for p in ranked:  # fitting plans, fastest predicted first
+        family = family_of(p)
+        if family is None or family.split()[0] in kinds:
+            continue
+        kinds.add(family.split()[0])
+        if p.step_ms <= best.step_ms * (1 + NEAR_TIME) and all(p.layout != q.layout for q in top):
+            top.append(p)
     return top
