@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -253,6 +254,24 @@ def within_noise(diff: float, *ranges: Optional[float]) -> bool:
     max - min) of the configurations it compares: then it claims nothing."""
     widths = [r for r in ranges if r is not None]
     return bool(widths) and abs(diff) <= max(widths)
+
+
+def ratio_interval(a: Sequence[float], b: Sequence[float], level: float = 0.9,
+                   resamples: int = 2000, seed: int = 0) -> tuple:
+    """``(ratio, low, high)``: the median of ``a`` over the median of ``b`` (per-step times of
+    two configurations measured in turns), and a bootstrap interval for it at ``level``
+    (resampling each side's steps, seeded: the same samples give the same interval).
+
+    >>> ratio_interval([10.0] * 5, [10.0] * 5)
+    (1.0, 1.0, 1.0)
+    """
+    rng = random.Random(seed)
+    ratio = statistics.median(a) / statistics.median(b)
+    boot = sorted(
+        statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+        for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return ratio, boot[int(tail * (resamples - 1))], boot[int((1 - tail) * (resamples - 1))]
 
 
 def environment_info(device: BenchDevice) -> dict:

@@ -36,7 +36,7 @@ minute to minute on a shared host). A comparison (the targets; "plan @B slower t
 lower peak") whose difference is within the wider per-round range of the two rows is marked
 "within spread: not significant".
 
-GPU (about 2 minutes on an H100: 3 interleaved rounds, 3 verified candidates per plan)::
+GPU (about 2 minutes on an H100: 3 interleaved rounds, plans verified as ``plan_offloading`` does)::
 
     python benchmarks/hf_llama_benchmark.py --out bench_out
 
@@ -214,11 +214,21 @@ def time_steps(
     """Time of ``args.iters`` steps after ``args.warmup`` untimed ones, their median or (with
     ``--stat lq``) lower quartile; with ``peaks``, append each step's peak memory above what it
     starts with (CUDA only)."""
-    for _ in range(args.warmup):
+    times = step_times(wl, device, args.warmup, args.iters, peaks)
+    if getattr(args, "stat", "median") == "lq":
+        return quantile(times, 0.25)
+    return median(times)
+
+
+def step_times(wl: Any, device: BenchDevice, warmup: int, iters: int,
+               peaks: Optional[list] = None) -> list:
+    """Each of ``iters`` steps' time (ms) after ``warmup`` untimed ones; with ``peaks``, append
+    each step's peak memory above what it starts with (CUDA only)."""
+    for _ in range(warmup):
         wl.step()
     times = []
     with gc_paused():
-        for _ in range(args.iters):
+        for _ in range(iters):
             device.synchronize()
             before = device.memory_allocated()
             device.reset_peak()
@@ -229,9 +239,7 @@ def time_steps(
             times.append(device.elapsed_ms(start, end))
             if peaks is not None and device.is_cuda:
                 peaks.append(device.max_memory_allocated() - before)
-    if getattr(args, "stat", "median") == "lq":
-        return quantile(times, 0.25)
-    return median(times)
+    return times
 
 
 def interleaved_rounds(

@@ -150,6 +150,45 @@ def test_frontier_marks_a_claim_within_the_spread():
     assert "within spread" not in table[3]
 
 
+def test_frontier_ranks_by_the_drift_corrected_ratio_not_the_raw_time():
+    """A configuration measured while the machine ran slow has the larger raw step time but
+    the smaller ratio to the ``none`` measured around it: the ratio, which the tables show,
+    decides which is fastest."""
+    bench = _benchmark_module("frontier")
+    P = bench.Point
+    early = P("off 2", names={"off": "off 2"}, step_ms=76.0, time_ratio=1.002, peak_ratio=0.786)
+    late = P("plan k=2", names={"plan": "plan k=2"}, step_ms=77.0, time_ratio=0.992,
+             peak_ratio=0.786)
+    rows = bench.frontier([early, late], [0.8], {0.8: late}, list(bench.METHODS))
+    assert rows[0]["winner"] == "plan k=2" and rows[0]["pick_minus_winner"] == 0.0
+
+
+def test_frontier_times_the_pick_head_to_head_with_the_winner():
+    """Where the pick is not the winner, both are timed in turns (``--confirm`` blocks of
+    ``--iters`` steps each) and the row holds the ratio of their median steps with its
+    interval; a pair shared by two budgets is timed once; the pick that wins is not timed."""
+    bench = _benchmark_module("frontier")
+    args = bench.parse_args(["--device", "sim", "--layers", "2", "--confirm", "3",
+                             "--iters", "2", "--warmup", "0"])
+    device = bench.BenchDevice.from_flag("sim")
+    wl, _, min_size = bench.build_workload("gpt", args, device)
+    P = bench.Point
+    off1 = P("off 1", num_layers=1, names={"off": "off 1"})
+    ckpt1 = P("ckpt 1", recompute=(0,), names={"ckpt": "ckpt 1"})
+    rows = [{"budget": b, "_pick": ckpt1, "_winner": off1, "pick_minus_winner": 0.01,
+             "within_spread": True} for b in (0.8, 0.7)]
+    rows.append({"budget": 0.6, "_pick": off1, "_winner": off1, "pick_minus_winner": 0.0,
+                 "within_spread": False})
+    notes: list = []
+    bench.head_to_heads(rows, wl, device, args, min_size, notes)
+    h = rows[0]["head_to_head"]
+    assert h is rows[1]["head_to_head"] and h["steps"] == 3 * 2  # one pair, timed once
+    assert h["low"] <= h["ratio"] <= h["high"] and rows[2]["head_to_head"] is None
+    assert len(notes) == 2 and notes[0].startswith("@0.8: head to head, ckpt 1 / off 1 = ")
+    assert "; head to head " in bench._gap_cell(rows[0])
+    assert bench.ratio_interval([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == (2.0, 1.0, 3.0)
+
+
 def test_hf_llama_benchmark_smoke_sim(tmp_path, capsys):
     """Every row 3 times interleaved with none, its spread, the plan rows verified."""
     pytest.importorskip("transformers")
