@@ -630,7 +630,7 @@ def plan_offloading(
     Args:
         step_fn: runs one training step (forward and backward; no optimizer step needed). It
             is called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
-            with ``selective`` (see ``profile_step``), plus ``2 * repeats`` per verified
+            with ``selective`` (see ``profile_step``), plus ``3 * repeats`` per verified
             candidate; the gradients it accumulates are left as they are (zero them
             afterwards).
         layers: the model's layers, as for ``apply_offloading``.
@@ -664,10 +664,10 @@ def plan_offloading(
             fit the budget, plus the fastest fitting plan of each simple family (``ckpt k``,
             ``off k``, ``sel k``) not among them that the model predicts less than 10% slower
             than its best (``search.shortlist``): up to 3 more. Each is applied with
-            ``apply_offloading``, run ``repeats`` times (one untimed step, one timed, taking
-            turns with the others) and removed; the fastest (lower quartile) whose measured
+            ``apply_offloading``, run ``repeats`` times (one untimed step, two timed, taking
+            turns with the others) and removed; the fastest (median step) whose measured
             peak fits the budget (CUDA) is returned, and ``Plan.verified`` holds every
-            candidate's times. ``None`` (default): 3 on CUDA (with ``repeats=3``, 18 to 36
+            candidate's times. ``None`` (default): 3 on CUDA (with ``repeats=3``, 27 to 54
             more steps), 0 on other devices, whose times are the host's own and vary by more
             than the candidates differ. 0: return the model's best without measuring it.
 
