@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field, replace
 from itertools import product
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import nn
 
@@ -339,23 +339,17 @@ def plan(
         )
         err.lowest_peak_bytes = lowest  # what a budget needs (with peak_margin=0) to fit a plan
         raise err
-    fits = [c for _, c in _fitting(candidates, limit)]
-    others = sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes))[:5]
-    fastest_family: dict = {}  # family kind -> its fastest fitting layout (see ``shortlist``)
-    for c in sorted(fits, key=lambda c: (c.step_ms, c.peak_bytes)):
-        family = family_of(c)
-        if family is not None:
-            fastest_family.setdefault(family.split()[0], c)
-    others += [c for c in fastest_family.values() if c not in others]
-    fastest_near: dict = {}  # family kind -> its fastest layout just over the budget
-    if limit is not None:  # see Plan.near_budget
+    by_time = lambda c: (c.step_ms, c.peak_bytes)  # noqa: E731
+    fits = sorted((c for _, c in _fitting(candidates, limit)), key=by_time)
+    others = fits[:5]  # and the fastest fitting plan of each family (see ``shortlist``)
+    others += [c for c in fastest_of_each_family(fits).values() if c not in others]
+    near: list = []  # the fastest layout of each family just over the budget (Plan.near_budget)
+    if limit is not None:
         slowest = candidates[best_params].step_ms * (1 + NEAR_TIME)
         slack = memory_budget_bytes + int(NEAR_BUDGET * base_peak)
-        for c in sorted(candidates.values(), key=lambda c: (c.step_ms, c.peak_bytes)):
-            family = family_of(c) if limit < c.peak_bytes <= slack and c.step_ms < slowest else None
-            if family is not None:
-                fastest_near.setdefault(family.split()[0], c)
-    near = list(fastest_near.values())[:2]  # in order of time, as inserted
+        near = list(fastest_of_each_family(
+            c for c in sorted(candidates.values(), key=by_time)
+            if limit < c.peak_bytes <= slack and c.step_ms < slowest).values())[:2]
     complete = dict(  # what apply_offloading and describe() read
         memory_budget_bytes=memory_budget_bytes,
         min_tensor_size_to_offload=profile.min_tensor_size_to_offload,
@@ -507,6 +501,25 @@ def family_of(plan: "Plan") -> Optional[str]:
     if not plan.recompute and 0 < k < n:
         return f"off {k}"
     return None
+
+
+def fastest_of_each_family(plans: Iterable["Plan"]) -> dict:
+    """Family kind (``"ckpt"``, ``"off"``, ``"sel"``: ``family_of``) -> the first plan of that
+    kind in ``plans``, in the order met (give them fastest first).
+
+    Example::
+
+        >>> plans = [Plan(2, model_layers=4), Plan(0, recompute=(0,), model_layers=4),
+        ...          Plan(1, model_layers=4)]
+        >>> {kind: p.layout for kind, p in fastest_of_each_family(plans).items()}
+        {'off': 'offload 0-1', 'ckpt': 'offload none, recompute 0'}
+    """
+    out: dict = {}
+    for p in plans:
+        family = family_of(p)
+        if family is not None:
+            out.setdefault(family.split()[0], p)
+    return out
 
 
 def _neighbours(params: tuple, n: int, partial: bool, selective: bool, stride: int):
@@ -778,12 +791,7 @@ def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:
     places = min(len(near), count - 2)  # two plans that fit stay: the model's best and another
     if peaks_measured and places > 0:
         top = top[:count - places] + near[:places]
-    kinds: set = set()
-    for p in ranked:  # fitting plans, fastest predicted first
-        family = family_of(p)
-        if family is None or family.split()[0] in kinds:
-            continue
-        kinds.add(family.split()[0])
+    for p in fastest_of_each_family(ranked).values():  # fitting plans, fastest predicted first
         if p.step_ms <= best.step_ms * (1 + NEAR_TIME) and all(p.layout != q.layout for q in top):
             top.append(p)
     return top
