@@ -605,19 +605,27 @@ def measure_all(
     return points + [end], chosen
 
 
+@contextlib.contextmanager
+def installed(point: Point, wl: Any, device: BenchDevice, min_size: int) -> Iterator[None]:
+    """``point`` installed on ``wl``'s layers for the block; then removed, and its copies and
+    memory let go, whatever happens."""
+    handle = install(point, wl.layers, device, min_size)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+        device.take_copy_count()
+        device.free_memory()
+
+
 def retime(point: Point, wl: Any, device: BenchDevice, args: argparse.Namespace,
            min_size: int) -> Optional[float]:
     """One more timing of ``point`` (installed, warmed up, timed, removed): its median step
     time, also appended to ``round_ms``; None (and ``error`` set) if it fails."""
     try:
-        handle = install(point, wl.layers, device, min_size)
-        try:
+        with installed(point, wl, device, min_size):
             ms = hf_bench.time_steps(wl, device, args)
-        finally:
-            if handle is not None:
-                handle.remove()
-            device.take_copy_count()
-            device.free_memory()
     except Exception as exc:  # one failing configuration must not lose the others
         point.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         return None
@@ -635,14 +643,8 @@ def head_to_head(a: Point, b: Point, wl: Any, device: BenchDevice, args: argpars
     try:
         for block in range(args.confirm):
             for p in ((a, b) if block % 2 == 0 else (b, a)):
-                handle = install(p, wl.layers, device, min_size)
-                try:
+                with installed(p, wl, device, min_size):
                     times[id(p)] += hf_bench.step_times(wl, device, args.warmup, args.iters)
-                finally:
-                    if handle is not None:
-                        handle.remove()
-                    device.take_copy_count()
-                    device.free_memory()
     except Exception:  # noqa: BLE001 - the rounds' comparison stands alone then
         return None
     ratio, low, high = ratio_interval(times[id(a)], times[id(b)])
