@@ -159,8 +159,10 @@ class OffloadDevice(abc.ABC):
 
     def copy_many(self, stream: Stream, pairs: list) -> None:
         """Queue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``, in order, with no
-        stream wait: ``copy`` for each pair, in one call (``CudaDevice`` switches streams once).
-        The streamed optimizer queues a chunk's copies in, and its copies out, this way.
+        stream wait: ``copy`` for each pair, in one call. The streamed optimizer queues a chunk's
+        copies in, and its copies out, this way. As with ``copy_after_compute``, the pinned host
+        buffer of each pair must stay referenced until the copy is done (``CudaDevice`` queues
+        the copies through the driver, which does not tell torch's pinned allocator).
 
         Args:
             stream: a side stream of this device.
@@ -448,21 +450,12 @@ class CudaDevice(OffloadDevice):
             torch.cuda.set_stream(previous)
 
     def copy_many(self, stream: Stream, pairs: list) -> None:
-        _copies_on(stream, pairs, self.current_stream())
+        _driver_copies(stream, pairs, self.current_stream())
 
     def copy_after_compute(self, stream: Stream, pairs: list) -> None:
         previous = self.current_stream()
         self.wait_stream(stream, previous)
-        raw = driver_copy_async()
-        queued = 0
-        if raw is not None:
-            handle = stream.cuda_stream
-            for dst, src in pairs:
-                if raw(dst.data_ptr(), src.data_ptr(), dst.nbytes, handle):
-                    break  # not queued (no current driver context on this thread, say)
-                queued += 1
-        if queued < len(pairs):  # torch's copies for the rest, and its error if it has one
-            _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs[queued:]], previous)
+        _driver_copies(stream, pairs, previous)
 
     def run_on(self, stream: Stream, fn: Callable[[], Any], reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> Any:
@@ -502,6 +495,22 @@ def bytes_of(src: Any) -> torch.Tensor:
         torch.Size([8])
     """
     return src if isinstance(src, torch.Tensor) else bytes_on_storage(src)
+
+
+def _driver_copies(stream: Stream, pairs: list, previous: Stream) -> None:
+    """``(dst, src)`` copies queued on CUDA ``stream`` through the driver, one call on two
+    addresses each (``src`` a tensor or a device storage); where the driver is unavailable or
+    refuses one, torch's copies for the rest (and torch's error, if it has one)."""
+    raw = driver_copy_async()
+    queued = 0
+    if raw is not None:
+        handle = stream.cuda_stream
+        for dst, src in pairs:
+            if raw(dst.data_ptr(), src.data_ptr(), dst.nbytes, handle):
+                break  # not queued (no current driver context on this thread, say)
+            queued += 1
+    if queued < len(pairs):
+        _copies_on(stream, [(d, bytes_of(s)) for d, s in pairs[queued:]], previous)
 
 
 def _copies_on(stream: Stream, pairs: list, previous: Stream) -> None:

@@ -200,6 +200,13 @@ class SimulatedDevice(OffloadDevice):
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copy(stream, dst, src, False)
 
+    def copy_many(self, stream: SimStream, pairs: list) -> None:
+        # As ``CudaDevice`` queues them: through the driver, so each pinned host buffer must
+        # stay referenced until its copy is done (else: a hazard).
+        with self._lock:
+            for dst, src in pairs:
+                self._copy(stream, dst, src, True)
+
     def copy_after_compute(self, stream: SimStream, pairs: list) -> None:
         # As ``CudaDevice`` queues them (through the driver): the copy holds neither buffer. A
         # device storage named as the source is held weakly (freed before the copy ran: the

@@ -230,8 +230,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             soon as its gradients are final, into a second pinned host copy of their state
             (``cpu_offload.optim.stream_backward``); ``step()`` keeps those whose gradients,
             hyperparameters and (fp32) parameters did not change since, and redoes the others.
-            Costs 14 B/param more pinned host memory (bf16 AdamW), 2 B/param more each way
-            over the link, and the staging during backward. Needs ``overlap`` of
+            Costs 12 B/param more pinned host memory (bf16 AdamW), the staging during
+            backward, and on the device the new parameter values of the chunks updated early,
+            held from their update to ``step()`` (2 B/param of the streamed part for bf16: the
+            step's peak grows by about that). Needs ``overlap`` of
             ``"backward_update"`` or ``"next_forward"`` and no ``max_grad_norm``. Off by default:
             it helps when the streamed part's link time, not the CPU, bounds the step (see
             docs/optimizer.md).

@@ -9,24 +9,29 @@ rest of backward:
 - the chunk's masters and state are copied in (``h2d``) into one of two staging slots of its
   own, the device optimizer class steps over them on a side stream (``update_stream`` under
   ``next_forward``), and the new masters and state are copied out (``d2h``) into each piece's
-  *spare* host copy, the new parameter values into pinned ``out`` buffers. The parameters and
-  the current host copy are not touched: code that reads them before ``step()`` sees the last
-  step's values, as with any torch optimizer.
+  *spare* host copy. The new parameter values wait on the device, in a buffer of the chunk's
+  own. The parameters and the current host copy are not touched: code that reads them before
+  ``step()`` sees the last step's values, as with any torch optimizer.
 - ``step()`` keeps an early update (``validate``) if every gradient it read is still ``.grad``
   and unchanged (``_version``), no second gradient arrived for its parameters, the
   hyperparameters are the same, and no fp32/fp64 parameter (its own master) was changed in
   place. Then the pieces' two host copies swap roles and the new values are copied into the
-  parameters (``StreamedPart._commit``). Otherwise ``StreamedPart.step`` updates the chunk again
-  from the current host copy, as without early updates.
+  parameters, device to device (``StreamedPart._commit``). Otherwise ``StreamedPart.step``
+  updates the chunk again from the current host copy, as without early updates.
 
 So the result is bit for bit that of the update inside ``step()``. The costs: a second pinned
-host copy of the streamed masters and state plus the new values (14 B/param for bf16 AdamW,
-allocated after the first step), two staging slots from the first early update of a backward to
-the end of the update (``stream_budget_bytes``), and the new values' copies (2 B/param each
-way). Only for ``Adam``, ``AdamW`` and ``SGD`` (``cpu_update.ELEMENTWISE``) with all their state
-on the device (fused AdamW, the default). After a step that changed gradients (e.g.
-``clip_grad_norm_``), the next backward starts nothing early, as on the CPU path; early updates
-resume after a step whose gradients stayed as backward left them.
+host copy of the streamed masters and state (12 B/param for bf16 AdamW, allocated with the
+part), two staging slots from the first early update of a backward to the end of the update
+(``stream_budget_bytes``), and on the device the new values of the chunks updated early (the
+parameters' size: 2 B/param for bf16), from their update to ``step()`` (``next_forward``: to
+the next forward of their modules). They are alive with every gradient at the end of backward,
+so the step's peak grows by about their size (``benchmarks/optim_benchmark.py`` reports the
+peak). In exchange the link moves only what the update inside ``step()`` moves (12 B/param
+each way), not the new values out and back as well. Only for
+``Adam``, ``AdamW`` and ``SGD`` (``cpu_update.ELEMENTWISE``) with all their state on the device
+(fused AdamW, the default). After a step that changed gradients (e.g. ``clip_grad_norm_``), the
+next backward starts nothing early, as on the CPU path; early updates resume after a step whose
+gradients stayed as backward left them.
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ class _Early:
     chunk: int
     seen: list  # per parameter: (index, gradient, its version, parameter version | None)
     hypers: Sequence[dict]
-    copied: Event  # its copies out (state, masters, new values) have landed
+    updated: Event  # its update is done (the new values are in ``new``)
+    new: list  # per piece: its parameter's new bytes, on the device until ``step()``
 
 
 class BackwardUpdates:
@@ -68,7 +74,6 @@ class BackwardUpdates:
                 if ci not in chunks:
                     chunks.append(ci)
         self._needed = [len({pc.index for pc in c.pieces}) for c in part.chunks]
-        self._committed: Optional[Event] = None  # the last commit's copies, which read ``out``
         self.started = self.kept = 0  # early updates of the last step, and how many it kept
         self._reserve()
         self._reset()
@@ -106,7 +111,7 @@ class BackwardUpdates:
     def _eligible(self, ci: int) -> bool:
         c = self.part.chunks[ci]
         return type(c.optimizer) in ELEMENTWISE and all(
-            pc.out is not None and not pc.kept and self._landed.get(pc.index) is not None
+            pc.prepared and not pc.kept and self._landed.get(pc.index) is not None
             for pc in c.pieces)
 
     def _launch(self, ci: int, hypers: Sequence[dict]) -> None:
@@ -116,7 +121,7 @@ class BackwardUpdates:
         pieces = chunk.pieces
         ready = dev.record_event(dev.current_stream())  # gradients final, parameters read
         if not self._slots:
-            size = max(part._layout(c.pieces, early=True)[1] for c in part.chunks)
+            size = max(part._layout(c.pieces)[1] for c in part.chunks)
             self._slots = [dev.alloc_device(max(size, 1), part.params[0].device) for _ in range(SLOTS)]
             self._free = [ready] * SLOTS
             if part._last is not None:  # the last step's copies out wrote what is read here
@@ -124,9 +129,10 @@ class BackwardUpdates:
         k = self._launched % SLOTS
         self._launched += 1
         slot = self._slots[k]
-        layout, total = part._layout(pieces, early=True)
+        layout, total = part._layout(pieces)
+        buffer, new = self._new_values(pieces)
         dev.wait_event(part.h2d, self._free[k])  # the slot's last copy out has read it
-        copies, views = part._stage_in(pieces, layout, slot)
+        copies, views = part._stage_in(pieces, layout, slot, new)
         dev.copy_many(part.h2d, copies)
         self._wait_in(self.side, dev.record_event(part.h2d))
         dev.wait_event(self.side, ready)
@@ -140,7 +146,7 @@ class BackwardUpdates:
         try:
             dev.run_on(self.side, lambda: part._chunk_update(chunk, pieces, views, slot[:total], hypers,
                                                              early=True),
-                       reads=grads + own + [slot])
+                       reads=grads + own + [slot], writes=new)
             copies = self._copies_out(chunk, views, created)
         finally:
             for pc in pieces:
@@ -148,37 +154,47 @@ class BackwardUpdates:
                 pc.key.set_() if part.masters[pc.index] is not None else pc.key.set_(part._written(pc))
             if own:
                 set_versions(own, versions)
-        self._held += created
+        self._held += created + [buffer]
         if copies is None:  # the class changed its state's layout: step() updates the chunk
             return
-        dev.wait_event(part.d2h, dev.record_event(self.side))
-        if self._committed is not None:
-            dev.wait_event(part.d2h, self._committed)  # the last commit has read ``out``
+        updated = dev.record_event(self.side)
+        dev.wait_event(part.d2h, updated)
         dev.copy_many(part.d2h, copies)
         part.bytes_out += sum(dst.numel() for dst, _ in copies)
-        copied = self._free[k] = dev.record_event(part.d2h)
+        self._free[k] = dev.record_event(part.d2h)
         indices = list(dict.fromkeys(pc.index for pc in pieces))
-        self._done[ci] = _Early(ci, [(i, *self._landed[i]) for i in indices], hypers, copied)
+        self._done[ci] = _Early(ci, [(i, *self._landed[i]) for i in indices], hypers, updated, new)
+
+    def _new_values(self, pieces: Sequence[Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A device buffer for the new values of a chunk's parameters, which wait there until
+        ``step()`` keeps them (allocated on the compute stream), and its view per piece."""
+        part = self.part
+        sizes = [pc.numel * part.params[pc.index].element_size() for pc in pieces]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // 256) * 256)
+        buf = part._device.alloc_device(max(starts[-1], 1), part.params[0].device)
+        return buf, [buf[a: a + n] for a, n in zip(starts, sizes)]
 
     def _wait_in(self, stream: Any, event: Event) -> None:
         """The update waits for its chunk's copy in (tests remove it: a hazard)."""
         self.part._device.wait_event(stream, event)
 
     def _wait_out(self, stream: Any, event: Event) -> None:
-        """A kept update's new values are copied into the parameters after its copies out
-        (tests remove it: a hazard)."""
+        """A kept update's new values are copied into the parameters after its update (tests
+        remove it: a hazard)."""
         self.part._device.wait_event(stream, event)
 
     def _copies_out(self, chunk: Any, views: list[tuple], created: list) -> Optional[list]:
         """``(host, device)`` byte pairs of a chunk's early update: new state and masters into
-        the spare copies, new values into ``out``; None if the state is not what the spares
-        were made for."""
+        the spare copies; None if the state is not what the spares were made for."""
         copies = []
-        for pc, (m, g, new, _) in zip(chunk.pieces, views):
+        for pc, (m, g, _, _) in zip(chunk.pieces, views):
             st = chunk.optimizer.state.get(pc.key) or {}
             if set(st) != set(pc.spare) or not all(torch.is_tensor(v) for v in st.values()):
                 return None
-            copies += [(pc.spare_master, m), (pc.out, new)] if g is not None else [(pc.out, m)]
+            if g is not None:
+                copies.append((pc.spare_master, m))
             for name, v in st.items():
                 created.append(v)
                 copies.append((pc.spare[name], flat_bytes(v)))
@@ -201,10 +217,6 @@ class BackwardUpdates:
         self.started, self.kept = len(self._done), len(kept)
         self.enabled = all(ok.values())
         return kept
-
-    def committed(self, event: Event) -> None:
-        """The commit's copies of ``out`` into the parameters are queued (``event``)."""
-        self._committed = event
 
     def release(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """End of the step: what the early work used, (device buffers: slots and state; the
@@ -230,19 +242,16 @@ class BackwardUpdates:
             dev.will_free(t)
 
     def _reserve(self) -> None:
-        """Pinned host memory for the spare copies and the new values, allocated with the part
-        (allocating pinned memory later would stall a step): per parameter its new values, a
-        spare master (low precision) and one spare per per-element state tensor; small state
-        (AdamW's ``step``) from a pool."""
+        """Pinned host memory for the spare copies, allocated with the part (allocating pinned
+        memory later would stall a step): per parameter a spare master (low precision) and one
+        spare per per-element state tensor; small state (AdamW's ``step``) from a pool."""
         part = self.part
         sizes = []
         for p, m in zip(part.params, part.masters):
-            item = master_dtype(p.dtype).itemsize
-            sizes += [p.numel() * p.element_size()] + [p.numel() * item] * ((m is not None) + part._state_elems)
+            sizes += [p.numel() * master_dtype(p.dtype).itemsize] * ((m is not None) + part._state_elems)
         bufs = iter(pack_pinned(part._device, sizes))
-        self._out_full, self._master_full, self._state_free = [], [], []
+        self._master_full, self._state_free = [], []
         for m in part.masters:
-            self._out_full.append(next(bufs))
             self._master_full.append(next(bufs) if m is not None else None)
             self._state_free.append([next(bufs) for _ in range(part._state_elems)])
         self._state_full: dict[tuple[int, str], torch.Tensor] = {}
@@ -253,16 +262,13 @@ class BackwardUpdates:
 
     def prepare(self, pieces: Sequence[Any]) -> None:
         """After ``pieces`` were updated in ``step()`` (so their state exists): give them the
-        spare copies and ``out`` buffers they lack, from the memory reserved at construction
-        (reused after ``load_state_dict``)."""
+        spare copies they lack, from the memory reserved at construction (reused after
+        ``load_state_dict``)."""
         part = self.part
         for pc in pieces:
             if pc.kept:
                 continue
-            p = part.params[pc.index]
-            if pc.out is None:
-                size = p.element_size()
-                pc.out = self._out_full[pc.index][pc.start * size: pc.stop * size]
+            pc.prepared = True
             if part.masters[pc.index] is not None and pc.spare_master is None:
                 size = part.masters[pc.index].element_size()
                 pc.spare_master = self._master_full[pc.index][pc.start * size: pc.stop * size]

@@ -48,6 +48,7 @@ the next chunk's update, so that step holds at most one chunk's new state beyond
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -103,13 +104,13 @@ class _Piece:
     master_bytes: Optional[torch.Tensor] = None
     streamed_bytes: dict = field(default_factory=dict)
     # updates started in backward (``stream_backward``) write the other host copy of both
-    # (``spare_master``, ``spare``) and the new parameter values (``out``, pinned bytes);
-    # ``step()`` swaps the two copies (``flipped``) when it keeps such an update
+    # (``spare_master``, ``spare``), and keep the new parameter values on the device until
+    # ``step()``, which swaps the two copies (``flipped``) when it keeps such an update
     spare_master: Optional[torch.Tensor] = None
     spare: dict = field(default_factory=dict)
     spare_previous: dict = field(default_factory=dict)  # before load_state_dict: reused if they fit
-    out: Optional[torch.Tensor] = None
-    param_bytes: Optional[torch.Tensor] = None  # the bytes of the parameter that ``out`` goes to
+    prepared: bool = False  # given its spares once (updated in step() before)
+    param_bytes: Optional[torch.Tensor] = None  # the bytes of the parameter the new values go to
     flipped: bool = False
 
     @property
@@ -146,7 +147,6 @@ class StreamedPart:
         early: bool = False,
     ) -> None:
         self._device = device
-        self._early_sizing = early  # slots also hold what an update started in backward stages
         # overlapped (``overlap="next_forward"``): the update runs on its own stream and step()
         # returns before it is done; each module's next forward waits for its own chunks
         self.overlapped = overlapped
@@ -199,14 +199,14 @@ class StreamedPart:
         # updates started during backward (``early``: backward-update modes without clipping
         # inside step()), kept by step() when still valid
         self.backward = BackwardUpdates(self) if early else None
+        # the copies go through the driver (``OffloadDevice.copy_many``), which does not tell
+        # torch's pinned allocator: at the part's end its pinned buffers go only after them
+        weakref.finalize(self, _fence, device).atexit = False
 
     def _bytes_per_elem(self, i: int) -> int:
         p = self.params[i]
         lowp = self.masters[i] is not None
-        n = (8 if lowp else 0) + self._state_elems * master_dtype(p.dtype).itemsize
-        if self._early_sizing:  # new values (low precision), or a staged own master
-            n += p.element_size() if lowp else master_dtype(p.dtype).itemsize
-        return n
+        return (8 if lowp else 0) + self._state_elems * master_dtype(p.dtype).itemsize
 
     def _regroup(self, plan: list[list[tuple[int, int, int]]], slot: int) -> list[list[tuple[int, int, int]]]:
         """Cut ``plan``'s chunks further so that each fits a slot with its regions aligned
@@ -354,28 +354,22 @@ class StreamedPart:
     # ------------------------------------------------------------------------------------------
     # the update
 
-    def _layout(self, pieces: list[_Piece], early: bool = False) -> tuple[list[tuple], int]:
-        """Per piece: (master offset | None, grad offset | None, new values offset | None,
-        {name: offset}); total bytes. An update started in backward (``early``) also stages an
-        fp32/fp64 parameter's own master (not updated in place) and a low-precision one's new
-        values."""
+    def _layout(self, pieces: list[_Piece]) -> tuple[list[tuple], int]:
+        """Per piece: (master offset | None, grad offset | None, {name: offset}) in a slot (a
+        low-precision parameter's master and fp32 gradient, and the streamed state); total
+        bytes."""
         out, offset = [], 0
         for pc in pieces:
-            m_off = g_off = p_off = None
+            m_off = g_off = None
             p = self.params[pc.index]
-            lowp = self.masters[pc.index] is not None
-            if lowp or early:
+            if self.masters[pc.index] is not None:
                 n = _aligned(pc.numel * master_dtype(p.dtype).itemsize)
-                m_off, offset = offset, offset + n
-                if lowp:
-                    g_off, offset = offset, offset + n
-                    if early:
-                        p_off, offset = offset, offset + _aligned(pc.numel * p.element_size())
+                m_off, g_off, offset = offset, offset + n, offset + 2 * n
             names = {}
             for name, host in pc.streamed.items():
                 names[name] = offset
                 offset += _aligned(host.numel() * host.element_size())
-            out.append((m_off, g_off, p_off, names))
+            out.append((m_off, g_off, names))
         return out, offset
 
     def _wait_slot(self, event: Event) -> None:
@@ -501,22 +495,26 @@ class StreamedPart:
         for t in slots + keep + early + grads:
             dev.will_free(t)
 
-    def _stage_in(self, pieces: list[_Piece], layout: list[tuple], slot: torch.Tensor) -> tuple[list, list]:
-        """A chunk's slot views (per piece: master, fp32 gradient, new values, {state name:
-        view}; ``None`` where ``layout`` has no region) and the ``(slot, host)`` byte pairs of
-        its copies in: the current host copy of masters and state. An own master's region (an
-        update started in backward) is filled from the parameter by the update itself."""
+    def _stage_in(self, pieces: list[_Piece], layout: list[tuple], slot: torch.Tensor,
+                  pending: Optional[list[torch.Tensor]] = None) -> tuple[list, list]:
+        """A chunk's views (per piece: master, fp32 gradient, new values, {state name: view};
+        ``None`` where there is no region) and the ``(slot, host)`` byte pairs of its copies in:
+        the current host copy of masters and state. An update started in backward also gets
+        ``pending``, per piece its parameter's bytes on the device: a low-precision parameter's
+        new values go there, and an fp32/fp64 parameter (its own master, not updated in place
+        then) is staged there from the parameter by the update itself."""
         copies, views = [], []
-        for pc, (m_off, g_off, p_off, names) in zip(pieces, layout):
+        for k, (pc, (m_off, g_off, names)) in enumerate(zip(pieces, layout)):
             p = self.params[pc.index]
             m = g = new = None
             if m_off is not None:
                 m = slot[m_off: m_off + pc.numel * master_dtype(p.dtype).itemsize]
-            if g_off is not None:
                 copies.append((m, pc.master_bytes))
                 g = slot[g_off: g_off + m.numel()]
-            if p_off is not None:
-                new = slot[p_off: p_off + pc.numel * p.element_size()]
+                if pending is not None:
+                    new = pending[k]
+            elif pending is not None:
+                m = pending[k]
             st = {}
             for name, off in names.items():
                 host, flat = pc.streamed[name], pc.streamed_bytes[name]
@@ -530,24 +528,29 @@ class StreamedPart:
     def _commit(self, kept: list, stream: Any) -> None:
         """Keep the updates started in backward of ``kept`` (``stream_backward._Early``, in the
         order the next forward needs them): their pieces' host copies swap roles, and their new
-        parameter values are copied in on ``stream``, each chunk after its copies out."""
+        parameter values, waiting on the device, are copied into the parameters on ``stream``,
+        each chunk after its update."""
         dev = self._device
         for pos, rec in enumerate(kept):
-            self.backward._wait_out(stream, rec.copied)
-            pairs = []
+            self.backward._wait_out(stream, rec.updated)
+            dsts = []
             for pc in self.chunks[rec.chunk].pieces:
                 _flip(pc)
                 if pc.param_bytes is None:
                     pc.param_bytes = flat_bytes(self._written(pc))
-                pairs.append((pc.param_bytes, pc.out))
-                self.bytes_in += pc.out.numel()
-            dev.copy_many(stream, pairs)
+                dsts.append(pc.param_bytes)
+            dev.run_on(stream, lambda: self._copy_new(dsts, rec.new), reads=rec.new, writes=dsts)
             done = dev.record_event(stream)
             if self.overlapped:
                 for index, grad, *_ in rec.seen:
                     self._ready[index] = (pos, done)
                     self._held_grads[index] = grad
-        self.backward.committed(dev.record_event(stream))
+
+    def _copy_new(self, dsts: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+        """A kept chunk's new values into its parameters (on the stream current now)."""
+        for t in new:
+            self._device.will_read(t)
+        copy_all(dsts, new)
 
     def _written(self, pc: _Piece) -> torch.Tensor:
         """The part of its parameter that piece ``pc``'s update writes."""
@@ -570,10 +573,12 @@ class StreamedPart:
     def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple], early: bool = False) -> None:
         """Step ``chunk``'s optimizer over its slot views ``views`` (per piece: master, fp32
         gradient, new values, {state name: view}) and write the new parameter values: into the
-        parameters, or, ``early``, into the slot (new values of a low-precision parameter; an
-        fp32/fp64 parameter is its own master, staged in the slot from the parameter first)."""
+        parameters, or, ``early``, into the device buffer that holds them until ``step()`` (new
+        values of a low-precision parameter; an fp32/fp64 parameter is its own master, staged
+        there from the parameter first and stepped in place)."""
         opt = chunk.optimizer
         try:
+            dsts, srcs = [], []  # gradients into the slot, converted to the master dtype
             for pc, (m, g, _, st) in zip(pieces, views):
                 p = self.params[pc.index]
                 grad = p.grad.detach()
@@ -584,21 +589,25 @@ class StreamedPart:
                     pc.key.set_(m.view(pc.key.dtype).view((pc.numel,) if pc.split else p.shape))
                 if g is not None:
                     gm = g.view(pc.key.dtype).view(pc.key.shape)
-                    gm.copy_(grad.view(pc.key.shape))
+                    dsts.append(gm)
+                    srcs.append(grad.view(pc.key.shape))
                     pc.key.grad = gm
                 else:
                     pc.key.grad = grad
                 if pc.streamed or pc.kept:
                     opt.state[pc.key] = {**pc.kept, **st}
+            copy_all(dsts, srcs)
             opt.step()
             with torch.no_grad():
+                dsts, srcs = [], []  # new values, cast to the parameters' dtype
                 for pc, (_, g, new, _) in zip(pieces, views):
                     if g is None:  # own master: updated where it is
                         continue
                     p = self.params[pc.index]
                     shape = (pc.numel,) if pc.split else p.shape
-                    dst = new.view(p.dtype).view(shape) if early else self._written(pc)
-                    dst.copy_(pc.key.view(shape))
+                    dsts.append(new.view(p.dtype).view(shape) if early else self._written(pc))
+                    srcs.append(pc.key.view(shape))
+                copy_all(dsts, srcs)
         finally:
             for pc in pieces:
                 pc.key.grad = None
@@ -713,6 +722,23 @@ class StreamedPart:
 
 
 IO_BYTES = 16 * 2**20  # pinned buffer for reading/writing low-precision parameters (load, reload)
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair, casting as ``copy_`` does, in one call (one kernel
+    launch per dtype pair on CUDA instead of one per tensor: a chunk's update costs the host
+    less)."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _fence(device: OffloadDevice) -> None:
+    """The part's end: wait for every queued copy before its pinned buffers go (a failing
+    wait, at shutdown say, lets them go: nothing is left to wait for then)."""
+    try:
+        device.synchronize()
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        pass
 
 
 def _flip(pc: _Piece) -> None:

@@ -693,3 +693,34 @@ def test_no_pinned_allocation_after_construction_with_checkpoints(dtype):
     train(m, opt, 1, start=2)
     assert dev.host_allocs == allocs
     opt.close()
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fenced", "unfenced"])
+def test_dropping_the_optimizer_waits_for_its_queued_copies(monkeypatch, fence):
+    """The streamed part's copies go through the driver on CUDA (``copy_many``), which does not
+    tell torch's pinned allocator; so an optimizer dropped (without ``close``) while its copies
+    are still queued lets its pinned buffers go only after them. Without that wait the
+    simulated device catches a copy whose pinned buffer was let go."""
+    if not fence:
+        monkeypatch.setattr("cpu_offload.optim.stream_update._fence", lambda device: None)
+    import gc
+    dev = SimulatedDevice()
+    m = model(torch.bfloat16)
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, stream_fraction=1.0, overlap="next_forward",
+                                stream_budget_bytes=BUDGET, device=dev, **KW)
+    opt.register_forward_waits(m)
+    for i in range(3):  # the first step creates the state, chunk by chunk, waiting for each
+        loss_of(m, i).backward()
+        opt.step()  # returns with the update and its copies queued
+        opt.zero_grad()
+    assert dev.pending_ops() > 0
+    for h in opt._hooks + opt._module_hooks:
+        h.remove()
+    opt._worker.shutdown()
+    del opt
+    gc.collect()
+    if fence:
+        dev.synchronize()
+    else:
+        with pytest.raises(SimulatedHazard, match="pinned host buffer that was let go"):
+            dev.synchronize()
