@@ -47,6 +47,20 @@ from .transfer import flat_bytes, pack_pinned
 
 SLOTS = 2  # staging slots (of the streamed part, and of its early updates)
 SMALL_STATE_BYTES = 64  # host bytes reserved per small (non per-element) state tensor
+SLOT_ALIGN = 256  # bytes: every region of a device buffer starts aligned (vectorized kernels)
+
+
+def slot_aligned(n: int) -> int:
+    """``n`` bytes rounded up to ``SLOT_ALIGN``: where the next region of a slot (or of a
+    chunk's new values) may start.
+
+    Example::
+
+        >>> from cpu_offload.optim.stream_backward import slot_aligned
+        >>> slot_aligned(1), slot_aligned(256), slot_aligned(257)
+        (256, 256, 512)
+    """
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
 @dataclass
@@ -172,7 +186,7 @@ class BackwardUpdates:
         sizes = [pc.numel * part.params[pc.index].element_size() for pc in pieces]
         starts = [0]
         for n in sizes:
-            starts.append(starts[-1] + -(-n // 256) * 256)
+            starts.append(starts[-1] + slot_aligned(n))
         buf = part._device.alloc_device(max(starts[-1], 1), part.params[0].device)
         return buf, [buf[a: a + n] for a, n in zip(starts, sizes)]
 

@@ -60,16 +60,11 @@ from .cpu_update import (
     ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_param_groups, chunk_state_dicts, master_dtype,
     part_param_groups, plan_chunks, sync_hyperparameters,
 )
-from .stream_backward import SLOTS, SMALL_STATE_BYTES, BackwardUpdates
+from .stream_backward import SLOT_ALIGN, SLOTS, SMALL_STATE_BYTES, BackwardUpdates, slot_aligned
 from .transfer import flat_bytes, pack_pinned
 
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
 MIN_STREAM_BUDGET_BYTES = 64 * 2**10  # two slots of at least 1024 elements each
-SLOT_ALIGN = 256  # bytes: every region of a slot starts aligned (vectorized device kernels)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def state_elems_per_param(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> tuple[int, bool]:
@@ -363,12 +358,12 @@ class StreamedPart:
             m_off = g_off = None
             p = self.params[pc.index]
             if self.masters[pc.index] is not None:
-                n = _aligned(pc.numel * master_dtype(p.dtype).itemsize)
+                n = slot_aligned(pc.numel * master_dtype(p.dtype).itemsize)
                 m_off, g_off, offset = offset, offset + n, offset + 2 * n
             names = {}
             for name, host in pc.streamed.items():
                 names[name] = offset
-                offset += _aligned(host.numel() * host.element_size())
+                offset += slot_aligned(host.numel() * host.element_size())
             out.append((m_off, g_off, names))
         return out, offset
 
