@@ -7,7 +7,9 @@ so every schedule decision is testable without a GPU.
 Rules every implementation follows:
 
 - All device memory is allocated on the compute stream. Work on the side stream that touches it is
-  fenced with events, never with ``record_stream``, so freed memory is reusable at once.
+  fenced with events, never with ``record_stream``, so freed memory is reusable at once. A side
+  stream writes a fresh buffer only after waiting for a compute event recorded after its
+  allocation: the allocator may hand out memory that compute work queued earlier still uses.
 - Nothing here blocks the host, except ``synchronize`` and ``wait_host`` (which only CPU consumers
   of copied data call, e.g. the optimizer's CPU worker thread).
 - Copies move flat ``uint8`` views of whole storages: one DMA per storage, no kernels. A batch
@@ -29,6 +31,7 @@ import torch
 
 from ..compat import bytes_on_storage
 from .driver import driver_copy_async
+from .launcher import InlineLauncher, Launcher, ThreadLauncher
 
 Stream = Any
 Event = Any
@@ -259,6 +262,11 @@ class OffloadDevice(abc.ABC):
         A real device needs nothing; the simulation checks that no queued copy still reads it.
         """
 
+    def host_launcher(self, where: torch.device) -> Launcher:
+        """Where host work queued from backward's hooks runs (``launcher``): the default runs it
+        at once, in the hook. Work for ``where`` (a device of this kind)."""
+        return InlineLauncher()
+
     def nominal_rates(self) -> Optional[dict]:
         """Fixed rates to plan with instead of measured ones, or ``None`` (measure them).
 
@@ -362,6 +370,11 @@ class CudaDevice(OffloadDevice):
 
     def new_stream(self) -> Stream:
         return torch.cuda.Stream()
+
+    def host_launcher(self, where: torch.device) -> Launcher:
+        """A thread of its own: backward's device thread keeps queuing kernels meanwhile."""
+        return ThreadLauncher(setup=lambda: torch.cuda.set_device(where),
+                              make_current=torch.cuda.set_stream)
 
     def record_event(self, stream: Stream) -> Event:
         # Timed, so statistics can report copy waits; not while a CUDA graph is being captured

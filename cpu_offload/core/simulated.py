@@ -9,7 +9,10 @@ still writes into it (a late write into memory the allocator may have handed out
 when that copy runs, as the real device does not keep freed device memory alive. Pinned host
 buffers (``alloc_host``) may be dropped early: torch's pinned allocator records the copy's stream
 and reuses the block only after the copy, and so does the simulation. ``capture`` checks CUDA's
-graph-capture rules. Every call is appended to ``log`` for schedule assertions; copies are logged
+graph-capture rules. Device memory is handed out on the compute stream, and on a real device the
+caching allocator may hand out memory that compute work queued earlier still uses: a side
+stream that writes a fresh buffer must first wait for a compute event recorded after its
+allocation (else ``SimulatedHazard``). Every call is appended to ``log`` for schedule assertions; copies are logged
 as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
 optimizer's CPU worker); one lock serialises them.
 """
@@ -27,6 +30,7 @@ import torch
 
 from ..compat import storage_use_count
 from .device import OffloadDevice, bytes_of
+from .launcher import DeferredLauncher, InlineLauncher, Launcher
 
 POISON = 0xA5
 # A pinned buffer let go while a copy queued through ``copy_after_compute`` still used it.
@@ -50,6 +54,9 @@ class SimStream:
     pending: deque = field(default_factory=deque)  # (seq, fn, reads: list[int], writes)
     capture: Optional[object] = None  # the graph capture this stream is part of, if any
     joined_back: int = 0  # during a capture: its last op that a captured stream waited for
+    # the latest allocation (``SimulatedDevice._allocs``) this stream's work is ordered after:
+    # through a wait for a compute event recorded after it, directly or through another stream
+    allocs_seen: int = 0
 
     def __repr__(self) -> str:
         return f"SimStream({self.name})"
@@ -60,6 +67,7 @@ class SimEvent:
     stream: SimStream
     seq: int
     capture: Optional[object] = field(default=None, compare=False)  # recorded during it
+    allocs_seen: int = field(default=0, compare=False)  # its stream's ``allocs_seen`` then
 
 
 class SimulatedDevice(OffloadDevice):
@@ -78,6 +86,9 @@ class SimulatedDevice(OffloadDevice):
     Args:
         defer: ``True`` (default): side-stream work runs only when waited for (catches missing
             waits). ``False``: it runs at once.
+        defer_launches: ``True`` (default): host work queued from backward's hooks
+            (``host_launcher``; on CUDA a thread of its own) runs only when waited for, the
+            latest it could run. ``False``: at once, in the hook.
 
     Attributes:
         log: every call in order, e.g. ``("copy", stream, nbytes, "d2h" | "h2d")``,
@@ -115,8 +126,10 @@ class SimulatedDevice(OffloadDevice):
     tensor_device_type = "cpu"
     times_events = True  # with no clock: every wait reads as 0 ms once passed
 
-    def __init__(self, defer: bool = True) -> None:
+    def __init__(self, defer: bool = True, defer_launches: bool = True) -> None:
         self.defer = defer
+        self.defer_launches = defer_launches
+        self._allocs = 0  # device buffers handed out so far (each one's number: ``_alloc_no``)
         self.compute = SimStream("compute", eager=True)
         self.streams: list[SimStream] = [self.compute]
         self.log: list[tuple] = []
@@ -142,7 +155,8 @@ class SimulatedDevice(OffloadDevice):
 
     def record_event(self, stream: SimStream) -> SimEvent:
         with self._lock:
-            return SimEvent(stream, stream.queued, stream.capture)
+            seen = self._allocs if stream is self.compute else stream.allocs_seen
+            return SimEvent(stream, stream.queued, stream.capture, seen)
 
     def capturing(self, stream: SimStream) -> bool:
         return stream.capture is not None
@@ -153,6 +167,7 @@ class SimulatedDevice(OffloadDevice):
             if event.stream is stream:
                 return
             self._capture_rules(stream, event)
+            stream.allocs_seen = max(stream.allocs_seen, event.allocs_seen)
             if stream.eager:
                 self._run_until(event.stream, event.seq)
             else:
@@ -195,7 +210,29 @@ class SimulatedDevice(OffloadDevice):
 
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
         self.device_allocs += 1
-        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+        buf = torch.full((nbytes,), POISON, dtype=torch.uint8)
+        with self._lock:
+            self._allocs += 1
+            buf._alloc_no = self._allocs  # side streams write it once ordered after this
+        return buf
+
+    def host_launcher(self, where: torch.device) -> Launcher:
+        return DeferredLauncher() if self.defer_launches else InlineLauncher()
+
+    def _check_fresh(self, stream: SimStream, t: torch.Tensor, what: str) -> None:
+        """``stream`` (not compute) is about to write device tensor ``t``: if ``t`` is (a view
+        of) a buffer from ``alloc_device``, ``stream`` must be ordered after its allocation."""
+        if stream is self.compute:
+            return
+        root = t._base if t._base is not None else t
+        no = getattr(root, "_alloc_no", 0)
+        if no > stream.allocs_seen:
+            raise SimulatedHazard(
+                f"{what} on {stream.name} writes a device buffer allocated on the compute stream "
+                "before that stream waited for a compute event recorded after the allocation: "
+                "the caching allocator may have handed out memory that compute work queued "
+                "earlier still uses (record an event on the compute stream after allocating, "
+                "and make the stream wait for it)")
 
     def copy(self, stream: SimStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copy(stream, dst, src, False)
@@ -267,6 +304,8 @@ class SimulatedDevice(OffloadDevice):
             dst.copy_(bytes_of(storage))
 
         with self._lock:
+            if not to_host:
+                self._check_fresh(stream, dst, f"a {direction} copy")
             self.log.append(("copy", stream.name, src_bytes, direction))
             start = dst.data_ptr()
             self._enqueue(stream, run, [src_ptr], (start, start + nbytes))
@@ -324,6 +363,8 @@ class SimulatedDevice(OffloadDevice):
         ``stream`` raises in ``will_read``, ``will_write`` or ``will_free``."""
         with self._lock:
             self.log.append(("run_on", stream.name))
+            for t in writes:
+                self._check_fresh(stream, t, "work")
             self._run_until(stream, stream.queued)
             out = fn()
             ptrs = [t.data_ptr() for t in reads]

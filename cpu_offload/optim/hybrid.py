@@ -17,6 +17,7 @@ from torch import nn
 from ..core.checks import check_bool, check_int
 from ..core.device import Event, OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, OffloadUsageError
+from ..core.launcher import Launcher
 from . import balance, ddp
 from . import state as state_format
 from .cpu_update import (
@@ -230,7 +231,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             soon as its gradients are final, into a second pinned host copy of their state
             (``cpu_offload.optim.stream_backward``); ``step()`` keeps those whose gradients,
             hyperparameters and (fp32) parameters did not change since, and redoes the others.
-            Costs 12 B/param more pinned host memory (bf16 AdamW), the staging during
+            The updates are queued off backward's thread (on CUDA a thread of the optimizer's
+            own, ``OffloadDevice.host_launcher``); ``step()`` waits for it, and raises an error
+            one of them raised. Costs 12 B/param more pinned host memory (bf16 AdamW), the staging during
             backward, and on the device the new parameter values of the chunks updated early,
             held from their update to ``step()`` (2 B/param of the streamed part for bf16: the
             step's peak grows by about that). Needs ``overlap`` of
@@ -307,6 +310,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.stream_budget_bytes = stream_budget_bytes
         self.stream_fraction: Optional[float] = None  # the streamed share chosen (see _split)
         self._parts: list[StreamedPart] = []
+        self._launcher: Optional[Launcher] = None
         self._streamed: dict[int, tuple[StreamedPart, int]] = {}  # id(param) -> (part, index)
         self._rates: Optional[dict] = None
         self._state_probe: Optional[tuple[int, bool]] = None
@@ -430,7 +434,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._device, [params[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
                 lambda groups: self._gpu_cls(groups, **self._kwargs), self.stream_budget_bytes,
                 *self._state_probe, overlapped=self._mode.forward_waits,
-                early=self.stream_during_backward)
+                early=self.stream_during_backward, launcher=self._early_launcher(params[0].device))
             self._parts.append(part)
             self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
             if part.backward is not None:  # chunks start updating as their gradients land
@@ -462,6 +466,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if params[i].requires_grad:
                     self._hooks.append(params[i].register_post_accumulate_grad_hook(
                         lambda p, ref=ref: _call(ref, "_on_grad", p, p.grad)))
+
+    def _early_launcher(self, where: torch.device) -> Optional[Launcher]:
+        """The one launcher of every streamed part's updates started in backward (off
+        backward's thread on CUDA, see ``stream_backward``), made with the first part."""
+        if self.stream_during_backward and self._launcher is None:
+            self._launcher = self._device.host_launcher(where)
+        return self._launcher
 
     def _split(self, params: list[torch.Tensor], chosen: list[int],
                hypers: list[dict]) -> tuple[list[int], list[int]]:
@@ -571,6 +582,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 h.remove()
             self._hooks, self._module_hooks = [], []
             self._worker.shutdown()
+            if self._launcher is not None:
+                self._launcher.close()
 
     # ------------------------------------------------------------------------------------------
     # backward: gradient copies, CPU jobs

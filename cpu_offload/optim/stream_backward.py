@@ -6,6 +6,13 @@ of those parameters. ``BackwardUpdates`` starts a chunk's update as soon as back
 gradients of all its parameters final (post-accumulate-grad hooks), so that it overlaps the
 rest of backward:
 
+- the hook only notes the gradient; the chunk's update is queued by a ``launcher``
+  (``OffloadDevice.host_launcher``: on CUDA a thread of its own, so that its host time, about
+  1 ms per chunk, does not hold up backward's kernels). It takes the gradients as the hook saw
+  them and orders its device work after the compute stream's with an event recorded when it
+  runs, after its allocations. A chunk with an fp32/fp64 parameter (its own master, read from
+  the parameter) is updated in the hook itself, after the queued ones: user code may change
+  such a parameter once backward returns. ``step()`` waits for the launcher first.
 - the chunk's masters and state are copied in (``h2d``) into one of two staging slots of its
   own, the device optimizer class steps over them on a side stream (``update_stream`` under
   ``next_forward``), and the new masters and state are copied out (``d2h``) into each piece's
@@ -42,6 +49,7 @@ import torch
 
 from ..compat import set_versions
 from ..core.device import Event
+from ..core.launcher import Launcher
 from .cpu_update import ELEMENTWISE, master_dtype, same_hyperparameters, tensor_version
 from .transfer import flat_bytes, pack_pinned
 
@@ -77,8 +85,9 @@ class _Early:
 class BackwardUpdates:
     """The early updates of one ``StreamedPart`` (see the module docstring)."""
 
-    def __init__(self, part: Any) -> None:  # a ``stream_update.StreamedPart``
+    def __init__(self, part: Any, launcher: Launcher) -> None:  # a ``stream_update.StreamedPart``
         self.part = part
+        self.launcher = launcher
         self.enabled = True  # off after a step whose gradients changed after backward
         self.side = part.update_stream or part._device.new_stream()
         self._chunks_of: dict[int, list[int]] = {}
@@ -120,7 +129,20 @@ class BackwardUpdates:
         for ci in self._chunks_of[index]:
             self._waiting[ci] -= 1
             if self._waiting[ci] == 0 and self.enabled and self._eligible(ci):
-                self._launch(ci, hypers)
+                self._queue(ci, hypers)
+
+    def _queue(self, ci: int, hypers: Sequence[dict]) -> None:
+        """Hand chunk ``ci``'s update to the launcher, with what it reads as backward left it."""
+        part = self.part
+        pieces = part.chunks[ci].pieces
+        grads = [self._landed[pc.index][0] for pc in pieces]
+        seen = [(i, *self._landed[i]) for i in dict.fromkeys(pc.index for pc in pieces)]
+        if any(part.masters[pc.index] is None for pc in pieces):
+            self.launcher.join()  # its own master is the parameter: read it now, in order
+            self._launch(ci, hypers, grads, seen)
+            return
+        self.launcher.submit(lambda: self._launch(ci, hypers, grads, seen),
+                             part._device.current_stream())
 
     def _eligible(self, ci: int) -> bool:
         c = self.part.chunks[ci]
@@ -128,15 +150,17 @@ class BackwardUpdates:
             pc.prepared and not pc.kept and self._landed.get(pc.index) is not None
             for pc in c.pieces)
 
-    def _launch(self, ci: int, hypers: Sequence[dict]) -> None:
+    def _launch(self, ci: int, hypers: Sequence[dict], grads: list[torch.Tensor], seen: list) -> None:
+        """Queue chunk ``ci``'s update (on the launcher, or in the hook), from ``grads`` (per
+        piece) and ``seen`` (per parameter: index, gradient, versions) as the hook saw them."""
         part = self.part
         dev = part._device
         chunk = part.chunks[ci]
         pieces = chunk.pieces
-        ready = dev.record_event(dev.current_stream())  # gradients final, parameters read
-        if not self._slots:
-            size = max(part._layout(c.pieces)[1] for c in part.chunks)
-            self._slots = [dev.alloc_device(max(size, 1), part.params[0].device) for _ in range(SLOTS)]
+        first = not self._slots
+        buffer, new = self._allocate(pieces)
+        ready = self._ready()
+        if first:
             self._free = [ready] * SLOTS
             if part._last is not None:  # the last step's copies out wrote what is read here
                 dev.wait_event(part.h2d, part._last)
@@ -144,13 +168,11 @@ class BackwardUpdates:
         self._launched += 1
         slot = self._slots[k]
         layout, total = part._layout(pieces)
-        buffer, new = self._new_values(pieces)
         dev.wait_event(part.h2d, self._free[k])  # the slot's last copy out has read it
         copies, views = part._stage_in(pieces, layout, slot, new)
         dev.copy_many(part.h2d, copies)
         self._wait_in(self.side, dev.record_event(part.h2d))
         dev.wait_event(self.side, ready)
-        grads = [part.params[pc.index].grad for pc in pieces]
         own = [part._written(pc) for pc, v in zip(pieces, views) if v[1] is None]
         # an own master's key is an alias of its parameter: binding it to the slot and stepping
         # it there count as changes of the parameter, undone below (it did not change)
@@ -159,7 +181,7 @@ class BackwardUpdates:
         self._grads += grads
         try:
             dev.run_on(self.side, lambda: part._chunk_update(chunk, pieces, views, slot[:total], hypers,
-                                                             early=True),
+                                                             grads=grads),
                        reads=grads + own + [slot], writes=new)
             copies = self._copies_out(chunk, views, created)
         finally:
@@ -176,8 +198,26 @@ class BackwardUpdates:
         dev.copy_many(part.d2h, copies)
         part.bytes_out += sum(dst.numel() for dst, _ in copies)
         self._free[k] = dev.record_event(part.d2h)
-        indices = list(dict.fromkeys(pc.index for pc in pieces))
-        self._done[ci] = _Early(ci, [(i, *self._landed[i]) for i in indices], hypers, updated, new)
+        self._done[ci] = _Early(ci, seen, hypers, updated, new)
+
+    def _allocate(self, pieces: Sequence[Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The device memory of a chunk's update, from the compute stream's pool: at the first
+        update of a backward the two staging slots, and the chunk's new-values buffer
+        (``_new_values``)."""
+        part = self.part
+        if not self._slots:
+            size = max(part._layout(c.pieces)[1] for c in part.chunks)
+            self._slots = [part._device.alloc_device(max(size, 1), part.params[0].device)
+                           for _ in range(SLOTS)]
+        return self._new_values(pieces)
+
+    def _ready(self) -> Event:
+        """An event on the compute stream, recorded after ``_allocate``: the gradients are final
+        and the parameters read (the hook came before), and the compute work queued before
+        that may have used the memory just allocated is done once it has passed. The copies in
+        and the update wait for it (tests record it before the allocations: a hazard)."""
+        dev = self.part._device
+        return dev.record_event(dev.current_stream())
 
     def _new_values(self, pieces: Sequence[Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A device buffer for the new values of a chunk's parameters, which wait there until
@@ -217,6 +257,15 @@ class BackwardUpdates:
     # ------------------------------------------------------------------------------------------
     # step
 
+    def settle(self) -> None:
+        """Wait until every queued update is queued on the device (``step()``, ``sync()``); if
+        one failed, drop the early work (``abandon``) and raise its error."""
+        try:
+            self.launcher.join()
+        except BaseException:
+            self.abandon()
+            raise
+
     def validate(self, hypers: Sequence[dict]) -> list[_Early]:
         """The early updates ``step()`` keeps (in chunk order); decides whether the next
         backward starts any."""
@@ -242,7 +291,9 @@ class BackwardUpdates:
 
     def abandon(self) -> None:
         """A backward that never reached ``step()`` (``zero_grad``, an error): drop its early
-        updates, after the compute stream has waited for them."""
+        updates, after the compute stream has waited for them. Updates not launched yet are
+        dropped unlaunched (an error of one that ran is dropped with it: its work is)."""
+        self.launcher.cancel()
         if not self._slots and not self._grads:
             self._reset()
             return

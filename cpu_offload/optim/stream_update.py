@@ -56,6 +56,7 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
+from ..core.launcher import Launcher
 from .cpu_update import (
     ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_param_groups, chunk_state_dicts, master_dtype,
     part_param_groups, plan_chunks, sync_hyperparameters,
@@ -140,6 +141,7 @@ class StreamedPart:
         elementwise: bool = True,
         overlapped: bool = False,
         early: bool = False,
+        launcher: Optional[Launcher] = None,
     ) -> None:
         self._device = device
         # overlapped (``overlap="next_forward"``): the update runs on its own stream and step()
@@ -193,7 +195,8 @@ class StreamedPart:
         self.state = KeyedState(lambda: self.keys, self.param_state)
         # updates started during backward (``early``: backward-update modes without clipping
         # inside step()), kept by step() when still valid
-        self.backward = BackwardUpdates(self) if early else None
+        self.backward = BackwardUpdates(self, launcher or device.host_launcher(self.params[0].device)) \
+            if early else None
         # the copies go through the driver (``OffloadDevice.copy_many``), which does not tell
         # torch's pinned allocator: at the part's end its pinned buffers go only after them
         weakref.finalize(self, _fence, device).atexit = False
@@ -332,7 +335,10 @@ class StreamedPart:
     def sync(self) -> None:
         """Block until the last update's copies into host memory have landed (before the host
         reads masters or state: ``state_dict``, ``load_state_dict``); device work that reads
-        or writes the parameters after this is ordered after the update."""
+        or writes the parameters after this is ordered after the update. Updates queued in
+        backward are queued on the device first (``BackwardUpdates.settle``)."""
+        if getattr(self, "backward", None) is not None:
+            self.backward.settle()
         self.finish()
         if self._last is not None:
             self._device.wait_host(self._last)
@@ -390,6 +396,8 @@ class StreamedPart:
                     f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
                     "dense gradients (e.g. nn.Embedding(sparse=False))"
                 )
+        if self.backward is not None:
+            self.backward.settle()  # every update queued in backward is on the device now
         kept = self.backward.validate(hypers) if self.backward is not None else []
         taken = {rec.chunk for rec in kept}
         live = []
@@ -553,30 +561,35 @@ class StreamedPart:
         return p.view(-1)[pc.start:pc.stop] if pc.split else p
 
     def _chunk_update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple],
-                      staged: torch.Tensor, hypers: Sequence[dict], early: bool = False) -> None:
-        """One chunk's update, on the stream current now (its copy in waited for); ``early``:
-        the parameters are not written (see ``_update``)."""
+                      staged: torch.Tensor, hypers: Sequence[dict],
+                      grads: Optional[list[torch.Tensor]] = None) -> None:
+        """One chunk's update, on the stream current now (its copy in waited for); ``grads``:
+        an update started in backward, from these gradients (see ``_update``)."""
         self._device.will_read(staged)
         sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
-        self._update(chunk, pieces, views, early)
+        self._update(chunk, pieces, views, grads)
         for pc in pieces:  # copies out read flat storage: made contiguous on this stream
             st = chunk.optimizer.state.get(pc.key, {})
             for name, v in st.items():
                 if torch.is_tensor(v) and not v.is_contiguous():
                     st[name] = v.contiguous()
 
-    def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple], early: bool = False) -> None:
+    def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple],
+                grads: Optional[list[torch.Tensor]] = None) -> None:
         """Step ``chunk``'s optimizer over its slot views ``views`` (per piece: master, fp32
-        gradient, new values, {state name: view}) and write the new parameter values: into the
-        parameters, or, ``early``, into the device buffer that holds them until ``step()`` (new
-        values of a low-precision parameter; an fp32/fp64 parameter is its own master, staged
-        there from the parameter first and stepped in place)."""
+        gradient, new values, {state name: view}) from the parameters' ``.grad``, and write the
+        new parameter values into the parameters. With ``grads`` (per piece: its parameter's
+        gradient), an update started in backward: from those, and the new values go into the
+        device buffer that holds them until ``step()`` (new values of a low-precision
+        parameter; an fp32/fp64 parameter is its own master, staged there from the parameter
+        first and stepped in place)."""
         opt = chunk.optimizer
+        early = grads is not None
         try:
             dsts, srcs = [], []  # gradients into the slot, converted to the master dtype
-            for pc, (m, g, _, st) in zip(pieces, views):
+            for k, (pc, (m, g, _, st)) in enumerate(zip(pieces, views)):
                 p = self.params[pc.index]
-                grad = p.grad.detach()
+                grad = (grads[k] if early else p.grad).detach()
                 grad = grad.reshape(-1)[pc.start:pc.stop] if pc.split else grad
                 if m is not None:
                     if g is None:  # early, own master: stepped in the slot, not in place

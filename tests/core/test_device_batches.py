@@ -106,6 +106,7 @@ def test_a_single_copy_tells_the_pinned_allocator():
     side = sim.new_stream()
     host = sim.alloc_host(8).fill_(3)
     dev = sim.alloc_device(8, torch.device("cpu"))
+    sim.wait_stream(side, sim.current_stream())  # the fresh buffer: after compute got there
     sim.copy(side, dev, host)
     del host
     sim.synchronize()

@@ -137,6 +137,13 @@ def _entry_setup(spec: ProgramSpec, out: _Lines) -> None:
     out(3, f"handle = cpu_offload.apply_offloading(layers, {_kwargs(**kw)})")
 
 
+def _device_kwargs(spec: ProgramSpec) -> str:
+    """``TrackingDevice``'s arguments: updates started in backward run in its hooks
+    (``inline_launches``) or, by default, deferred until ``step()`` waits for them."""
+    inline = spec.optimizer is not None and spec.optimizer.inline_launches
+    return "defer_launches=False" if inline else ""
+
+
 def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
     opt = spec.optimizer
     bf16 = spec.dtype == "bfloat16"
@@ -152,7 +159,7 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
         kw.update(param_update_in_fp32=True)
     kw.update(device="dev" if opt.shared_device else "opt_dev")
     if not opt.shared_device:
-        out(2, "opt_dev = TrackingDevice()")
+        out(2, f"opt_dev = TrackingDevice({_device_kwargs(spec)})")
     out(2, "if offload:",
         f"    opt = HybridDeviceOptimizer(params, {_kwargs(**kw)})")
     if opt.overlap == "next_forward":
@@ -227,7 +234,7 @@ def program_source(spec: ProgramSpec) -> str:
     if spec.batch_bytes is not None:
         out(1, "from cpu_offload.v2 import layer_state",
             f"layer_state.BATCH_BYTES = {spec.batch_bytes}  # copies from this size queued early")
-    out(1, "layers = build()", "params = list(layers.parameters())", "dev = TrackingDevice()",
+    out(1, "layers = build()", "params = list(layers.parameters())", f"dev = TrackingDevice({_device_kwargs(spec)})",
         "watch = Watch(layers)", "handle = opt = None", "try:")
     _entry_setup(spec, out)
     if spec.optimizer is not None:

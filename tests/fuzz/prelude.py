@@ -18,8 +18,8 @@ from .layers import Boom
 class TrackingDevice(cpu_offload.SimulatedDevice):
     """The simulated device, remembering (weakly) every buffer it handed out."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kw):
+        super().__init__(**kw)
         self.host_refs, self.device_refs = [], []
         self.link_queries = 0
 

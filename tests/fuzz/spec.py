@@ -59,6 +59,7 @@ class OptSpec:
     stream_fraction: Any = 0.0  # share of the offloaded parameters streamed ("auto" or [0, 1])
     edit_steps: Optional[tuple] = None  # the steps whose gradients are edited (None: every step)
     stream_during_backward: bool = False
+    inline_launches: bool = False  # the early updates run in backward's hooks, not deferred
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ def feature_counts(spec: ProgramSpec) -> Counter:
                 f["stream_overlapped"] += 1
             if opt.stream_during_backward:
                 f["stream_during_backward"] += 1
+                f["inline_launches" if opt.inline_launches else "deferred_launches"] += 1
     return f
 
 
@@ -271,7 +273,8 @@ def normalize(spec: ProgramSpec) -> ProgramSpec:
         # bf16: the hybrid optimizer clips its CPU part in fp32 (documented), torch in bf16
         mgn = None if s.dtype == "bfloat16" else opt.max_grad_norm
         opt = replace(opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
-                      max_grad_norm=mgn)
+                      max_grad_norm=mgn,
+                      inline_launches=opt.inline_launches and opt.stream_during_backward)
     return replace(
         s, layers=layers, num_layers=k, min_size=None if v1 else s.min_size, sync_dict=sync,
         manual=manual, extra_model_layers=extra, recompute=recompute, spread=spread,
@@ -406,4 +409,6 @@ def generate(seed: int) -> ProgramSpec:
                 and opt.overlap in ("backward_update", "next_forward")):
             opt = replace(opt, stream_during_backward=True)
         spec = replace(spec, backwards=spec.backwards + (("backward",),) * more, optimizer=opt)
+    if spec.optimizer is not None and spec.optimizer.stream_during_backward and rng.random() < 0.3:
+        spec = replace(spec, optimizer=replace(spec.optimizer, inline_launches=True))
     return normalize(spec)

@@ -266,7 +266,10 @@ def test_sim_copy_into_a_dropped_pinned_host_buffer_is_safe_but_into_a_device_bu
     sim.synchronize()
     host = sim.alloc_host(src.numel())
     host.copy_(src)
-    sim.copy(side, sim.alloc_device(src.numel(), src.device), host)  # h2d into a dropped buffer
+    dst = sim.alloc_device(src.numel(), src.device)
+    sim.wait_stream(side, sim.current_stream())  # a fresh buffer: after compute got there
+    sim.copy(side, dst, host)
+    del dst  # h2d into a dropped buffer
     with pytest.raises(SimulatedHazard, match="h2d copy .* dropped"):
         sim.synchronize()
 

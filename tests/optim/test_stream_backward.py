@@ -5,26 +5,45 @@ On the simulated device: the result equals the wrapped class bit for bit whether
 updates are kept or redone (clipping, scaling, a changed learning rate, an fp32 parameter changed
 in place, a second backward, an abandoned backward, an error during backward); parameters read
 between backward and ``step()`` still hold the last step's values; a missing wait is a
-``SimulatedHazard``; nothing stays queued or allocated. GPU (``-m gpu``): kept early updates
-equal plain fused AdamW on CUDA, bit for bit."""
+``SimulatedHazard``; nothing stays queued or allocated. Each in both launch modes: the updates
+deferred until ``step()`` waits for them (the simulated device's default: the latest a launcher
+thread could run them) and run in the hooks. GPU (``-m gpu``): kept early updates equal plain
+fused AdamW on CUDA, bit for bit, queued by the launcher thread."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from cpu_offload import OffloadConfigError
+from cpu_offload import OffloadConfigError, SimulatedDevice
+from cpu_offload.core.launcher import ThreadLauncher
 from cpu_offload.core.simulated import SimulatedHazard
+from cpu_offload.optim.reference import MasterWeightOptimizer
 from cpu_offload.optim.stream_backward import BackwardUpdates
 from cpu_offload.optim.stream_update import StreamedPart
 
-from test_stream_update import DTYPES, _cuda, _Tracking, assert_same, loss_of, model, reference, train
+from test_stream_update import (
+    DTYPES, KW, _cuda, _Tracking, assert_same, loss_of, model, reference, train,
+)
 from test_stream_update import hybrid as plain_hybrid
 
 MODES = ["backward_update", "next_forward"]
+LAUNCHES = ["deferred", "inline"]
 
 
-def hybrid(*args, **kw):
-    return plain_hybrid(*args, stream_during_backward=True, **kw)
+def hybrid(*args, launches="deferred", device=None, **kw):
+    if device is None:
+        device = SimulatedDevice(defer_launches=launches == "deferred")
+    elif isinstance(device, SimulatedDevice):
+        device.defer_launches = launches == "deferred"
+    return plain_hybrid(*args, stream_during_backward=True, device=device, **kw)
+
+
+def queued(opt):
+    """Updates started in backward so far: launched, or waiting for the launcher."""
+    bw = opt._parts[0].backward
+    return len(bw._done) + getattr(bw.launcher, "pending", 0)
 
 
 def early_stats(opt):
@@ -36,27 +55,30 @@ def chunks(opt):
     return sum(len(p.chunks) for p in opt._parts)
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stream", [0.5, 1.0])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_updates_started_in_backward_are_kept_and_exact(dtype, stream, mode):
+def test_updates_started_in_backward_are_kept_and_exact(dtype, stream, mode, launches):
     ref, ref_opt = reference(dtype)
     ref_losses = train(ref, ref_opt, 4, edit=None)
     m = model(dtype)
-    opt = hybrid(m, 1.0, stream, mode)
+    opt = hybrid(m, 1.0, stream, mode, launches=launches)
     assert train(m, opt, 4, edit=None) == ref_losses
     assert early_stats(opt) == (chunks(opt), chunks(opt))  # every chunk, kept
     assert_same(m, opt, ref, ref_opt)
     opt.close()
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
-def test_parameters_read_before_step_hold_the_last_steps_values(mode):
+def test_parameters_read_before_step_hold_the_last_steps_values(mode, launches):
     m = model(torch.bfloat16)
-    opt = hybrid(m, 1.0, 1.0, mode)
+    opt = hybrid(m, 1.0, 1.0, mode, launches=launches)
     train(m, opt, 2, edit=None)  # the second step's backward already updated early
     before = [p.detach().clone() for p in m.parameters()]
     loss_of(m, 2).backward()
+    opt._parts[0].backward.launcher.join()  # as a launcher thread would, before step()
     assert opt._parts[0].backward._done  # updates started, not visible yet
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
     opt.step()
@@ -74,26 +96,31 @@ EDITS = {
 }
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("edit", sorted(EDITS))
-def test_changes_before_step_redo_the_early_updates(edit, mode):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_changes_before_step_redo_the_early_updates(dtype, edit, mode, launches):
     """What the early updates read changes between backward and step(): step() updates those
-    chunks again from the gradients as they are then; the result is the wrapped class's."""
-    dtype = torch.float32  # fp32: the parameter is its own master (read by the early update)
+    chunks again from the gradients as they are then; the result is the wrapped class's. fp32:
+    the parameter is its own master, read by the early update (in the hook); bf16: deferred
+    updates run after the change, from the gradients backward left."""
     ref, ref_opt = reference(dtype)
     m = model(dtype)
-    opt = hybrid(m, 1.0, 1.0, mode)
+    opt = hybrid(m, 1.0, 1.0, mode, launches=launches)
     for i in range(4):
         for mm, o, h in ((ref, ref_opt, None), (m, opt, opt)):
             loss_of(mm, i).backward()
             if i >= 1:
                 if edit == "lr":
-                    o.param_groups[0]["lr"] = 3e-3 * i
+                    getattr(o, "optimizer", o).param_groups[0]["lr"] = 3e-3 * i  # bf16: master-weight ref
                 else:
                     EDITS[edit](mm, h)
             o.step()
             o.zero_grad()
-        if i == 1:  # the first early updates (step 1) were redone, at least in part
+        # the first early updates (step 1) were redone, at least in part (a bf16 parameter's
+        # update reads its master, not the parameter: the step overwrites such a change)
+        if i == 1 and not (edit == "param_in_place" and dtype == torch.bfloat16):
             started, kept = early_stats(opt) if mode != "next_forward" else (None, None)
             if started is not None:
                 assert started == chunks(opt) and kept < started
@@ -117,18 +144,21 @@ def test_after_a_changed_step_the_next_backward_waits_then_resumes():
     opt.close()
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_second_backward_before_step_is_exact(mode):
-    """Accumulation without no_sync(): the early updates of the first backward are stale."""
-    ref, ref_opt = reference(torch.float32)
-    m = model()
-    opt = hybrid(m, 1.0, 1.0, mode)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_second_backward_before_step_is_exact(dtype, mode, launches):
+    """Accumulation without no_sync(): the early updates of the first backward are stale
+    (deferred: they run after the second backward accumulated into the gradients they read)."""
+    ref, ref_opt = reference(dtype)
+    m = model(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode, launches=launches)
     n = chunks(opt)
     for i in range(4):
         for mm, o in ((ref, ref_opt), (m, opt)):
             loss_of(mm, i).backward()
             if i == 2:  # early updates started (steps 0 and 1 kept them): now stale
-                assert mm is ref or len(opt._parts[0].backward._done) == n
+                assert mm is ref or queued(opt) == n
                 loss_of(mm, i + 10).backward()
             o.step()
             o.zero_grad()
@@ -139,12 +169,13 @@ def test_a_second_backward_before_step_is_exact(mode):
     opt.close()
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
-def test_an_abandoned_backward_leaves_nothing_and_changes_nothing(mode):
+def test_an_abandoned_backward_leaves_nothing_and_changes_nothing(mode, launches):
     dev = _Tracking()
     ref, ref_opt = reference(torch.bfloat16)
     m = model(torch.bfloat16)
-    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev, launches=launches)
     for i in range(4):
         for mm, o in ((ref, ref_opt), (m, opt)):
             loss_of(mm, i).backward()
@@ -161,20 +192,21 @@ def test_an_abandoned_backward_leaves_nothing_and_changes_nothing(mode):
     assert dev.pending_ops() == 0 and dev.live_device_buffers() == 0
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_step_that_keeps_and_updates_nothing_holds_nothing(mode):
+def test_a_step_that_keeps_and_updates_nothing_holds_nothing(mode, launches):
     """Every gradient is dropped between backward and step(): no early update is kept and no
     chunk is updated, and step() still lets go of what the early updates held (their staging,
     the gradients they read), as after an update."""
     dev = _Tracking()
     ref, ref_opt = reference(torch.bfloat16)
     m = model(torch.bfloat16)
-    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev, launches=launches)
     for i in range(3):
         for mm, o in ((ref, ref_opt), (m, opt)):
             loss_of(mm, i).backward()
             if i == 2:
-                assert mm is ref or opt._parts[0].backward._done  # started early
+                assert mm is ref or queued(opt)  # started early
                 for p in mm.parameters():
                     p.grad = None
             o.step()
@@ -187,24 +219,34 @@ def test_a_step_that_keeps_and_updates_nothing_holds_nothing(mode):
     assert dev.pending_ops() == 0
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
-def test_an_error_in_an_early_update_raises_from_backward_and_leaves_nothing(monkeypatch, mode):
+def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode, dtype, launches):
+    """From backward where the update runs in the hook (inline launches, or an fp32 parameter:
+    its own master), else from the step() that waits for it; either way the step's early work
+    is dropped and training goes on exactly."""
     dev = _Tracking()
-    ref, ref_opt = reference(torch.float32)
-    m = model()
-    opt = hybrid(m, 1.0, 1.0, mode, device=dev)
+    ref, ref_opt = reference(dtype)
+    m = model(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode, device=dev, launches=launches)
     train(m, opt, 2, edit=None)
     train(ref, ref_opt, 2, edit=None)
     update = StreamedPart._update
 
-    def failing(self, chunk, pieces, views, early=False):
-        if early:
+    def failing(self, chunk, pieces, views, grads=None):
+        if grads is not None:
             raise RuntimeError("early update failed")
-        update(self, chunk, pieces, views, early)
+        update(self, chunk, pieces, views, grads)
 
     monkeypatch.setattr(StreamedPart, "_update", failing)
-    with pytest.raises(RuntimeError, match="early update failed"):
+    if launches == "inline" or dtype == torch.float32:
+        with pytest.raises(RuntimeError, match="early update failed"):
+            loss_of(m, 2).backward()
+    else:
         loss_of(m, 2).backward()
+        with pytest.raises(RuntimeError, match="early update failed"):
+            opt.step()
     monkeypatch.setattr(StreamedPart, "_update", update)
     opt.zero_grad()
     ref_opt.zero_grad()
@@ -218,14 +260,15 @@ def test_an_error_in_an_early_update_raises_from_backward_and_leaves_nothing(mon
     assert dev.pending_ops() == 0 and dev.live_device_buffers() == 0
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("state_dict_between", [False, True])
-def test_checkpoints_after_kept_early_updates(mode, state_dict_between):
+def test_checkpoints_after_kept_early_updates(mode, state_dict_between, launches):
     """state_dict() after steps that kept early updates (the host copies swapped roles) reads
     the current state; loading it back continues exactly."""
     ref, ref_opt = reference(torch.bfloat16)
     m = model(torch.bfloat16)
-    opt = hybrid(m, 1.0, 0.5, mode)
+    opt = hybrid(m, 1.0, 0.5, mode, launches=launches)
     for start in range(0, 6, 2):
         train(ref, ref_opt, 2, start=start, edit=None)
         train(m, opt, 2, start=start, edit=None)
@@ -263,6 +306,26 @@ def test_a_missing_wait_for_the_copy_in_is_a_hazard(monkeypatch):
         train(m, opt, 3, edit=None)
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
+def test_waiting_only_for_an_event_from_before_the_allocations_is_a_hazard(monkeypatch, launches):
+    """The update's slots and new-values buffer come from the compute stream's pool, which may
+    hand out memory that compute work queued before still uses; on a launcher thread, backward
+    queued more since the hook. Waiting for an event recorded before allocating them (the
+    hook's, say) is not enough."""
+    allocate = BackwardUpdates._allocate
+
+    def event_first(self, pieces):
+        self.before = self.part._device.record_event(self.part._device.current_stream())
+        return allocate(self, pieces)
+
+    monkeypatch.setattr(BackwardUpdates, "_allocate", event_first)
+    monkeypatch.setattr(BackwardUpdates, "_ready", lambda self: self.before)
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, "backward_update", launches=launches)
+    with pytest.raises(SimulatedHazard, match="allocated on the compute stream"):
+        train(m, opt, 3, edit=None)
+
+
 def test_a_missing_wait_for_the_update_is_a_hazard(monkeypatch):
     """Without it a kept update's new values would be copied into the parameters before the
     update on the side stream has written them."""
@@ -285,7 +348,46 @@ def test_kept_early_updates_are_bit_identical_to_fused_adamw_on_cuda(dtype, mode
     ref_losses = train(ref, ref_opt, 4, edit=None)
     m = model(dtype, "cuda")
     opt = hybrid(m, 1.0, 1.0, mode, device=_cuda(), budget=2**20)
+    assert isinstance(opt._parts[0].backward.launcher, ThreadLauncher)
     assert train(m, opt, 4, edit=None) == ref_losses
     assert early_stats(opt) == (chunks(opt), chunks(opt))
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+def _wide(dtype):
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers).to(device="cuda", dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_launches_lagging_behind_backward_stay_exact_on_cuda(monkeypatch, dtype):
+    """The launcher thread queues the updates while backward goes on, freeing activations whose
+    memory the launcher's allocations may get. Each launch made 2 ms late, on a model with
+    16 MiB activations: the kept updates still equal plain fused AdamW, bit for bit."""
+    launch = BackwardUpdates._launch
+
+    def late(self, *args):
+        time.sleep(0.002)
+        launch(self, *args)
+
+    monkeypatch.setattr(BackwardUpdates, "_launch", late)
+    ref = _wide(dtype)
+    ref_opt = (MasterWeightOptimizer(ref.parameters(), **KW) if dtype == torch.bfloat16
+               else torch.optim.AdamW(ref.parameters(), fused=True, **KW))
+    m = _wide(dtype)
+    opt = hybrid(m, 1.0, 1.0, "next_forward", device=_cuda(), budget=2**20)
+    for i in range(4):
+        gen = torch.Generator().manual_seed(100 + i)
+        x = torch.randn(8192, 512, generator=gen).to(device="cuda", dtype=dtype)
+        for mm, o in ((ref, ref_opt), (m, opt)):
+            mm(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert early_stats(opt) == (chunks(opt), chunks(opt))
+    opt.wait_params()
     assert_same(m, opt, ref, ref_opt)
     opt.close()
