@@ -118,12 +118,14 @@ class _Shared:
 
 
 def _serve(shared: _Shared) -> None:
-    """The launcher thread: run queued work in order until closed."""
+    """The launcher thread: run queued work in order until closed. If ``setup`` failed, no
+    work runs, and the join after each submission raises its error (work on a thread not set
+    up, e.g. on another device, would be wrong)."""
+    broken: Optional[BaseException] = None
     try:
         shared.setup()
-    except BaseException as exc:  # noqa: BLE001 - raised by the next join
-        with shared.cv:
-            shared.error = exc
+    except BaseException as exc:  # noqa: BLE001 - raised by every join from now on
+        broken = exc
     while True:
         with shared.cv:
             while not shared.queue and not shared.closed:
@@ -133,6 +135,8 @@ def _serve(shared: _Shared) -> None:
             work, stream = shared.queue.popleft()
             shared.running = True
         try:
+            if broken is not None:
+                raise broken
             if shared.error is None:
                 if stream is not None:
                     shared.make_current(stream)

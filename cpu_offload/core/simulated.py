@@ -12,8 +12,8 @@ and reuses the block only after the copy, and so does the simulation. ``capture`
 graph-capture rules. Device memory is handed out on the compute stream, and on a real device the
 caching allocator may hand out memory that compute work queued earlier still uses: a side
 stream that writes a fresh buffer must first wait for a compute event recorded after its
-allocation (else ``SimulatedHazard``). Every call is appended to ``log`` for schedule assertions; copies are logged
-as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
+allocation (else ``SimulatedHazard``). Every call is appended to ``log`` for schedule
+assertions; copies are logged as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
 optimizer's CPU worker); one lock serialises them.
 """
 from __future__ import annotations

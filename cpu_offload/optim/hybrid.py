@@ -233,10 +233,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             hyperparameters and (fp32) parameters did not change since, and redoes the others.
             The updates are queued off backward's thread (on CUDA a thread of the optimizer's
             own, ``OffloadDevice.host_launcher``); ``step()`` waits for it, and raises an error
-            one of them raised. Costs 12 B/param more pinned host memory (bf16 AdamW), the staging during
-            backward, and on the device the new parameter values of the chunks updated early,
-            held from their update to ``step()`` (2 B/param of the streamed part for bf16: the
-            step's peak grows by about that). Needs ``overlap`` of
+            one of them raised. Costs 12 B/param more pinned host memory (bf16 AdamW), the
+            staging during backward, and on the device the new parameter values of the chunks
+            updated early, held from their update to ``step()`` (2 B/param of the streamed part
+            for bf16: the step's peak grows by about that). Needs ``overlap`` of
             ``"backward_update"`` or ``"next_forward"`` and no ``max_grad_norm``. Off by default:
             it helps when the streamed part's link time, not the CPU, bounds the step (see
             docs/optimizer.md).

@@ -195,8 +195,9 @@ class StreamedPart:
         self.state = KeyedState(lambda: self.keys, self.param_state)
         # updates started during backward (``early``: backward-update modes without clipping
         # inside step()), kept by step() when still valid
-        self.backward = BackwardUpdates(self, launcher or device.host_launcher(self.params[0].device)) \
-            if early else None
+        self.backward: Optional[BackwardUpdates] = None
+        if early:
+            self.backward = BackwardUpdates(self, launcher or device.host_launcher(self.params[0].device))
         # the copies go through the driver (``OffloadDevice.copy_many``), which does not tell
         # torch's pinned allocator: at the part's end its pinned buffers go only after them
         weakref.finalize(self, _fence, device).atexit = False
@@ -396,9 +397,10 @@ class StreamedPart:
                     f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
                     "dense gradients (e.g. nn.Embedding(sparse=False))"
                 )
+        kept = []
         if self.backward is not None:
             self.backward.settle()  # every update queued in backward is on the device now
-        kept = self.backward.validate(hypers) if self.backward is not None else []
+            kept = self.backward.validate(hypers)
         taken = {rec.chunk for rec in kept}
         live = []
         for ci, c in enumerate(self.chunks):

@@ -64,6 +64,19 @@ def test_thread_work_runs_off_the_submitting_thread_with_its_stream_current():
     launcher.close()
 
 
+def test_a_failed_setup_runs_no_work_and_every_join_after_a_submit_raises_it():
+    def setup():
+        raise RuntimeError("no device")
+
+    launcher, ran = ThreadLauncher(setup=setup), []
+    for _ in range(2):  # not only the first time: the thread is still not set up
+        launcher.submit(lambda: ran.append(1))
+        with pytest.raises(RuntimeError, match="no device"):
+            launcher.join()
+    assert ran == []
+    launcher.close()
+
+
 def test_cancel_drops_the_work_not_started_and_discards_the_error():
     launcher, ran = ThreadLauncher(), []
     started, release = threading.Event(), threading.Event()
