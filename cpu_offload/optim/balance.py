@@ -20,7 +20,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.device import OffloadDevice
-from ..core.errors import OffloadConfigError
 from .cpu_update import CpuBucket, master_dtype
 from .partition import choose_offloaded
 
@@ -28,20 +27,11 @@ _log = logging.getLogger("cpu_offload")
 
 PROBE_ELEMS = 2**22  # CPU update probe: 4 Mi parameters
 PROBE_LINK_BYTES = 64 * 2**20
-
-
-def check_stream_fraction(value: Any) -> Union[str, float]:
-    """``"auto"`` or a float in [0, 1]; else an ``OffloadConfigError`` naming the fix."""
-    if value == "auto" and isinstance(value, str):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not (
-            0.0 <= float(value) <= 1.0):
-        raise OffloadConfigError(
-            f"stream_fraction must be 'auto' or a number in [0, 1], got {value!r}: it is the "
-            "share of the offloaded parameters (by elements) updated on the device from "
-            "streamed state; 0 updates them all on the CPU"
-        )
-    return float(value)
+# What stream_fraction="auto" plans with where the device has no nominal rates of its own: a
+# model, not a timing, so that every run and every rank choose the same split. The figures are
+# an H100 host's measured together (CPU path under DMA, pinned link under CPU load; see
+# docs/optimizer.md); "measure" times the host instead.
+MODEL_RATES = {"h2d_bytes_per_s": 35e9, "d2h_bytes_per_s": 35e9, "cpu_params_per_s": 1.5e9}
 
 
 def balanced_cpu_share(cpu_params_per_s: float, link_bytes_per_s: float, cpu_bytes: float,
@@ -162,11 +152,33 @@ def cpu_update_probe(dtype: torch.dtype, make_optimizer: Callable[[list[dict]], 
     return (lambda: bucket.update([grad], [out], scratch, [hypers], None)), elems
 
 
+def planning_rates(device: OffloadDevice) -> dict:
+    """The rates ``stream_fraction="auto"`` plans with: the device's nominal ones (simulations),
+    else ``MODEL_RATES``. No timing: the same on every run and rank."""
+    fixed = device.nominal_rates()
+    return dict(fixed if fixed is not None else MODEL_RATES)
+
+
+def agreed(rates: dict) -> dict:
+    """Rank 0's ``rates`` on every rank of the default process group (if one is running), so
+    that every replica chooses the same split."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # torch built without distributed
+        return rates
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rates
+    box = [rates]
+    dist.broadcast_object_list(box, src=0)
+    return dict(box[0])
+
+
 def rates(device: OffloadDevice, where: torch.device,
           make_cpu_probe: Callable[[], tuple[Callable[[], None], int]], threads: int) -> dict:
     """``device.nominal_rates()`` if it has them (simulations), else measured: the link both ways
-    at once, then the CPU update while that traffic keeps running (as in a step).
-    ``make_cpu_probe()`` returns ``cpu_update_probe``'s pair; it is called only to measure."""
+    at once, then the CPU update while that traffic keeps running (as in a step); rank 0's
+    measurement on every rank (``agreed``). ``make_cpu_probe()`` returns ``cpu_update_probe``'s
+    pair; it is called only to measure."""
     fixed = device.nominal_rates()
     if fixed is not None:
         return dict(fixed)
@@ -177,14 +189,14 @@ def rates(device: OffloadDevice, where: torch.device,
         cpu = measure_cpu_rate(cpu_probe, threads, elems, busy=link.round)  # under link traffic
     finally:
         link.close()
-    return {"h2d_bytes_per_s": rate, "d2h_bytes_per_s": rate, "cpu_params_per_s": cpu}
+    return agreed({"h2d_bytes_per_s": rate, "d2h_bytes_per_s": rate, "cpu_params_per_s": cpu})
 
 
 def stream_share(fraction: Union[str, float], rates_fn: Callable[[], dict], cpu_bytes: float,
                  stream_bytes: float) -> tuple[float, Optional[dict]]:
-    """The streamed share for ``fraction`` (``"auto"``: balanced from ``rates_fn()``), and the
-    rates used (``None`` for a fixed fraction)."""
-    if fraction != "auto":
+    """The streamed share for ``fraction`` (``"auto"``/``"measure"``: balanced from
+    ``rates_fn()``), and the rates used (``None`` for a fixed fraction)."""
+    if not isinstance(fraction, str):
         return float(fraction), None
     r = rates_fn()
     link = min(r["h2d_bytes_per_s"], r["d2h_bytes_per_s"])
@@ -211,15 +223,15 @@ def split(params: Sequence[torch.Tensor], fraction: Union[str, float], state_ele
         for n, p in zip(numels, params)) / total
     share, used = stream_share(fraction, rates_fn, cpu_bytes, stream_bytes)
     if used is not None and log:
-        _log.info("HybridDeviceOptimizer: stream_fraction='auto' chose %.3f of the offloaded "
+        _log.info("HybridDeviceOptimizer: stream_fraction=%r chose %.3f of the offloaded "
                   "parameters streamed (CPU update %.2f G params/s, link %.1f / %.1f GB/s "
                   "host->device / device->host; %.1f B/param streamed, %.1f on the CPU path)",
-                  share, used["cpu_params_per_s"] / 1e9, used["h2d_bytes_per_s"] / 1e9,
+                  fraction, share, used["cpu_params_per_s"] / 1e9, used["h2d_bytes_per_s"] / 1e9,
                   used["d2h_bytes_per_s"] / 1e9, stream_bytes, cpu_bytes)
     on_cpu = set(choose_offloaded(numels, list(range(len(params))), 1.0 - share))
     return on_cpu, {"stream_fraction": share, "cpu_bytes": cpu_bytes,
                     "stream_bytes": stream_bytes, "rates": used}
 
 
-__all__ = ["balanced_cpu_share", "balanced_seconds", "check_stream_fraction", "cpu_update_probe",
+__all__ = ["agreed", "balanced_cpu_share", "balanced_seconds", "cpu_update_probe", "planning_rates",
            "LinkProbe", "measure_cpu_rate", "measure_link", "rates", "split", "stream_share"]

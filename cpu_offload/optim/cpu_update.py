@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from .amp import LossScale, run_step
+
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # exact classes only
 ALIGN_ELEMS = 1024  # piece boundaries (elements): a multiple of every CPU vector width
@@ -219,10 +221,13 @@ class CpuBucket:
         hypers: Sequence[dict],
         clip_coef: Optional[torch.Tensor],
         keep_previous: bool = False,
+        scale: Optional[LossScale] = None,
     ) -> None:
         """One optimizer step: ``grads`` (model dtype, ``None`` = no gradient this step; converted
-        to the master dtype in ``scratch`` where it differs) into the masters, then new values (cast to the model dtype) into ``out``, chunk by chunk. If a
-        chunk's step raises, the chunks before it keep their update.
+        to the master dtype in ``scratch`` where it differs) into the masters, then new values
+        (cast to the model dtype) into ``out``, chunk by chunk, each chunk's optimizer run as
+        ``GradScaler`` would run it under ``scale`` (``amp.run_step``). If a chunk's step raises,
+        the chunks before it keep their update.
 
         ``keep_previous``: first copy what each chunk's step will change (the stepped masters,
         their optimizer state, the chunk optimizers' group entries), chunk by chunk while the
@@ -235,7 +240,7 @@ class CpuBucket:
         self._sync(hypers)
         views = self._views(grads, out, scratch)
         for ci, (chunk, chunk_views) in enumerate(zip(self.chunks, views)):
-            self._update_chunk(chunk, chunk_views, clip_coef, ci if keep_previous else None)
+            self._update_chunk(chunk, chunk_views, clip_coef, ci if keep_previous else None, scale)
 
     @property
     def restorable(self) -> bool:
@@ -326,7 +331,7 @@ class CpuBucket:
         return views
 
     def _update_chunk(self, chunk: _Chunk, views: list[tuple], clip_coef: Optional[torch.Tensor],
-                      keep: Optional[int] = None) -> None:
+                      keep: Optional[int] = None, scale: Optional[LossScale] = None) -> None:
         live = [v for v in views if v[1] is not None]
         if not live:
             return
@@ -337,7 +342,7 @@ class CpuBucket:
                 pc.key.grad = dst if dst is src else dst.copy_(src)
             if clip_coef is not None:
                 torch._foreach_mul_([dst for _, _, dst, _ in live], clip_coef)
-            chunk.optimizer.step()
+            run_step(chunk.optimizer, scale)
             for pc, _, _, o in live:
                 o.copy_(pc.key)
         finally:

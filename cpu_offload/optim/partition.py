@@ -11,6 +11,7 @@ gradients arrive last: nothing is left to overlap with.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -22,11 +23,11 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20  # model-dtype bytes per CPU update unit (one 
 
 def check_fraction(fraction: float) -> float:
     """``fraction`` as a float in [0, 1], or an ``OffloadConfigError`` naming the fix."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise OffloadConfigError(
             f"offload_fraction must be a number in [0, 1], got {fraction!r}"
         )
-    if not (0.0 <= float(fraction) <= 1.0) or math.isnan(fraction):
+    if math.isnan(float(fraction)) or not (0.0 <= float(fraction) <= 1.0):
         raise OffloadConfigError(
             f"offload_fraction={fraction} is outside [0, 1]: it is the share of parameter bytes "
             "updated on the CPU; use 0 (all on the GPU) to 1 (all on the CPU)"

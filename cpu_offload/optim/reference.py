@@ -9,14 +9,16 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from .cpu_update import master_dtype
+from .guards import merge_edited
 
 
 class MasterWeightOptimizer:
     """``optimizer_cls`` (default: fused AdamW) over master copies of ``params``: fp32 for
     bf16/fp16 parameters, the parameter's own dtype otherwise (``cpu_update.master_dtype``).
 
-    ``step()`` converts each gradient to the master dtype, steps, and copies the masters back
-    (rounded to the parameter dtype). ``optimizer`` is the wrapped optimizer (for LR schedulers).
+    ``step()`` takes edits of the parameters since the last step into the masters
+    (``guards.merge_edited``), converts each gradient to the master dtype, steps, and copies the
+    masters back (rounded to the parameter dtype). ``optimizer`` is the wrapped optimizer (for LR schedulers).
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
@@ -31,6 +33,8 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        for m, p in zip(self.masters, self.params):
+            merge_edited(m, p)  # a parameter edited since the last step: its master follows
         for m, p in zip(self.masters, self.params):
             m.grad = None if p.grad is None else p.grad.to(m.dtype)
         self.optimizer.step()

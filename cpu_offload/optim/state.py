@@ -1,12 +1,16 @@
 """``state_dict`` conversion between the hybrid optimizer and the optimizers it wraps.
 
-The hybrid format is torch's own optimizer format plus one key::
+The hybrid format is torch's own optimizer format, each master weight inside its parameter's
+state, plus one key::
 
-    {"state": {index: {...}},            # per parameter, indexed like torch.optim.Optimizer
+    {"state": {index: {..., "master_weight": tensor}},  # indexed like torch.optim.Optimizer;
+                                                        # a master where the parameter has one
      "param_groups": [{..., "params": [indices]}],
-     "hybrid": {"format": FORMAT, "offloaded": [bool per index],
-                "master_weights": {index: tensor}}}   # every parameter that has one
-                                                   # (fp32; fp64 for fp64 parameters)
+     "hybrid": {"format": FORMAT, "offloaded": [bool per index], "stream_fraction": float}}
+
+Masters live in the per-parameter state so that checkpoint tools that keep only ``state`` and
+``param_groups`` (``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``) keep them too:
+a resumed run continues from the same fp32 masters, not from the rounded parameters.
 
 Indices follow the wrapper's param groups, so a checkpoint does not depend on which parameters
 were offloaded: it loads into a hybrid optimizer with another ``offload_fraction``.
@@ -25,7 +29,9 @@ import torch
 
 from .cpu_update import IMPLEMENTATION_KEYS
 
-FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/1"
+FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
+FORMATS = (FORMAT, "cpu_offload.optim.HybridDeviceOptimizer/1")  # /1: masters under "hybrid"
+MASTER = "master_weight"
 
 
 @dataclass
@@ -55,13 +61,12 @@ def gather(param_groups: Sequence[dict], placements: Sequence[Placement],
     wrapper's own groups leave them out: each part keeps the implementation it was built with).
     """
     state: dict[int, dict] = {}
-    masters: dict[int, torch.Tensor] = {}
     for i, pl in enumerate(placements):
         s = pl.optimizer.state.get(pl.key) if pl.optimizer is not None else None
         if s:
             state[i] = dict(s)
         if pl.master is not None:
-            masters[i] = pl.master
+            state.setdefault(i, {})[MASTER] = pl.master
     groups, start = [], 0
     for g in param_groups:
         groups.append({**(implementation or {}), **hyperparameters(g),
@@ -70,8 +75,7 @@ def gather(param_groups: Sequence[dict], placements: Sequence[Placement],
     return {
         "state": state,
         "param_groups": groups,
-        "hybrid": {"format": FORMAT, "offloaded": [pl.offloaded for pl in placements],
-                   "master_weights": masters},
+        "hybrid": {"format": FORMAT, "offloaded": [pl.offloaded for pl in placements]},
     }
 
 
@@ -88,8 +92,8 @@ def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict: what ``HybridDeviceOptimizer.state_dict()`` returned.
 
     Returns:
-        ``{"state": ..., "param_groups": ...}`` without the ``"hybrid"`` entry (master
-        weights); state tensors stay where they were (CPU for offloaded parameters). Groups keep
+        ``{"state": ..., "param_groups": ...}`` without the ``"hybrid"`` entry and the master
+        weights; state tensors stay where they were (CPU for offloaded parameters). Groups keep
         every entry, the implementation choices (``fused``, ``foreach``, ``capturable``,
         ``differentiable``) included, so ``AdamW(fused=True)`` resumes fused, as from its own
         state dict.
@@ -110,7 +114,12 @@ def to_wrapped_format(state_dict: dict[str, Any]) -> dict[str, Any]:
         >>> plain.param_groups[0]["fused"]  # the hybrid optimizer's default class: fused AdamW
         True
     """
-    return {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
+    state = {}
+    for i, entry in state_dict["state"].items():
+        entry = {k: v for k, v in entry.items() if k != MASTER}
+        if entry:
+            state[i] = entry
+    return {"state": state, "param_groups": state_dict["param_groups"]}
 
 
 def check_compatible(param_groups: Sequence[dict], state_dict: dict[str, Any]) -> None:
@@ -128,7 +137,7 @@ def check_compatible(param_groups: Sequence[dict], state_dict: dict[str, Any]) -
                 f"{len(g['params'])}"
             )
     hybrid = state_dict.get("hybrid")
-    if hybrid is not None and hybrid.get("format") != FORMAT:
+    if hybrid is not None and hybrid.get("format") not in FORMATS:
         raise ValueError(f"unknown hybrid state format {hybrid.get('format')!r}, expected {FORMAT!r}")
 
 
@@ -147,8 +156,9 @@ def scatter(
     check_compatible(param_groups, state_dict)
     saved_groups = state_dict["param_groups"]
     saved_ids = [i for g in saved_groups for i in g["params"]]
-    saved_state = state_dict["state"]
-    masters = (state_dict.get("hybrid") or {}).get("master_weights", {})
+    saved_state = {i: {k: v for k, v in e.items() if k != MASTER} for i, e in state_dict["state"].items()}
+    masters = dict((state_dict.get("hybrid") or {}).get("master_weights", {}))
+    masters.update((i, e[MASTER]) for i, e in state_dict["state"].items() if MASTER in e)
     for g, s in zip(param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
     by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[int, int]]] = {}
@@ -165,7 +175,7 @@ def scatter(
             ids = []
             for key in group["params"]:
                 entry = saved_state.get(saved_ids[positions[id(key)]])
-                if entry is not None:
+                if entry:
                     state[local] = entry
                 ids.append(local)
                 local += 1

@@ -57,6 +57,7 @@ import torch
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
 from ..core.launcher import Launcher
+from .amp import LossScale, run_step
 from .cpu_update import (
     ALIGN_ELEMS, ELEMENTWISE, KeyedState, chunk_param_groups, chunk_state_dicts, master_dtype,
     part_param_groups, plan_chunks, sync_hyperparameters,
@@ -384,13 +385,15 @@ class StreamedPart:
         chunk's copy in (tests remove it: a hazard)."""
         self._device.wait_event(self.update_stream or self._device.current_stream(), event)
 
-    def step(self, hypers: Sequence[dict]) -> None:
+    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None) -> None:
         """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``;
         the host is not blocked). On the compute stream, done when step() returns; overlapped:
         on ``update_stream``, chunks in forward order (the reverse of gradient arrival), still
         running when step() returns (see ``wait_params``, ``order_params``, ``finish``).
         Chunks updated during backward whose inputs did not change since (``backward``) are
-        kept: only their new parameter values are copied in, first."""
+        kept: only their new parameter values are copied in, first. ``scale``: the loss scale
+        ``GradScaler`` handed to ``step()`` (each chunk's optimizer runs under it,
+        ``amp.run_step``)."""
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(
@@ -441,14 +444,15 @@ class StreamedPart:
                 self._wait_chunk(dev.record_event(self.h2d))
                 if self.overlapped:
                     grads = [self.params[pc.index].grad for pc in pieces]
-                    dev.run_on(ustream, lambda: self._chunk_update(chunk, pieces, views, slot[:total], hypers),
+                    dev.run_on(ustream, lambda: self._chunk_update(chunk, pieces, views, slot[:total], hypers,
+                                                                  scale=scale),
                                reads=grads + [slot], writes=[self._written(pc) for pc in pieces])
                     done = dev.record_event(ustream)
                     for pc, grad in zip(pieces, grads):
                         self._ready[pc.index] = (len(kept) + i, done)
                         self._held_grads[pc.index] = grad
                 else:
-                    self._chunk_update(chunk, pieces, views, slot[:total], hypers)
+                    self._chunk_update(chunk, pieces, views, slot[:total], hypers, scale=scale)
                     done = dev.record_event(compute)
                 dev.wait_event(self.d2h, done)
                 copies = []  # the chunk's copies out: queued together
@@ -564,12 +568,13 @@ class StreamedPart:
 
     def _chunk_update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple],
                       staged: torch.Tensor, hypers: Sequence[dict],
-                      grads: Optional[list[torch.Tensor]] = None) -> None:
+                      grads: Optional[list[torch.Tensor]] = None, *,
+                      scale: Optional[LossScale] = None) -> None:
         """One chunk's update, on the stream current now (its copy in waited for); ``grads``:
         an update started in backward, from these gradients (see ``_update``)."""
         self._device.will_read(staged)
         sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
-        self._update(chunk, pieces, views, grads)
+        self._update(chunk, pieces, views, grads, scale)
         for pc in pieces:  # copies out read flat storage: made contiguous on this stream
             st = chunk.optimizer.state.get(pc.key, {})
             for name, v in st.items():
@@ -577,7 +582,7 @@ class StreamedPart:
                     st[name] = v.contiguous()
 
     def _update(self, chunk: _Chunk, pieces: list[_Piece], views: list[tuple],
-                grads: Optional[list[torch.Tensor]] = None) -> None:
+                grads: Optional[list[torch.Tensor]] = None, scale: Optional[LossScale] = None) -> None:
         """Step ``chunk``'s optimizer over its slot views ``views`` (per piece: master, fp32
         gradient, new values, {state name: view}) from the parameters' ``.grad``, and write the
         new parameter values into the parameters. With ``grads`` (per piece: its parameter's
@@ -607,7 +612,7 @@ class StreamedPart:
                 if pc.streamed or pc.kept:
                     opt.state[pc.key] = {**pc.kept, **st}
             copy_all(dsts, srcs)
-            opt.step()
+            run_step(opt, scale)
             with torch.no_grad():
                 dsts, srcs = [], []  # new values, cast to the parameters' dtype
                 for pc, (_, g, new, _) in zip(pieces, views):

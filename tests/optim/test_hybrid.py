@@ -17,6 +17,8 @@ from cpu_offload.examples.gpt import build_model, make_input, tiny_config
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, grad_arrival_order, to_wrapped_format
 from cpu_offload.optim import cpu_update, transfer
 from cpu_offload.optim.cpu_update import CpuBucket
+from cpu_offload.optim.cpu_part import CpuPart
+from cpu_offload.optim.cpu_step import Phase
 from cpu_offload.optim.partition import next_update
 from cpu_offload.optim.reference import MasterWeightOptimizer
 
@@ -124,8 +126,8 @@ def test_bf16_params_keep_fp32_masters_and_match_a_master_weight_run():
     assert_same_params(m, ref)
     sd = opt.state_dict()
     for i, p in enumerate(m.parameters()):
-        assert sd["hybrid"]["master_weights"][i].dtype == torch.float32
-        assert torch.equal(sd["hybrid"]["master_weights"][i], masters[i])
+        assert sd["state"][i]["master_weight"].dtype == torch.float32
+        assert torch.equal(sd["state"][i]["master_weight"], masters[i])
 
 
 def test_offloads_the_parameters_whose_gradients_arrive_first():
@@ -244,13 +246,13 @@ def test_state_dict_round_trip_across_chunk_sizes(chunks):
 
 def _update_order(monkeypatch, opt):
     order = []
-    real = HybridDeviceOptimizer._update_bucket
+    real = CpuPart._run_update
 
-    def spy(self, b, *args):
+    def spy(self, st, b, *args):
         order.append(b)
-        return real(self, b, *args)
+        return real(self, st, b, *args)
 
-    monkeypatch.setattr(HybridDeviceOptimizer, "_update_bucket", spy)
+    monkeypatch.setattr(CpuPart, "_run_update", spy)
     return order
 
 
@@ -263,7 +265,7 @@ def test_landed_buckets_update_first_layers_first(monkeypatch):
     opt = hybrid(m, 1.0, "backward_copies", device=SimulatedDevice(defer=False))
     order = _update_order(monkeypatch, opt)
     train(m, opt, 2)
-    assert order == list(range(len(opt._buckets) - 1, -1, -1)) * 2
+    assert order == list(range(len(opt._cpu.buckets) - 1, -1, -1)) * 2
     assert_same_params(m, ref)
     opt.close()
 
@@ -291,7 +293,7 @@ def test_missing_wait_gives_wrong_results(monkeypatch, broken):
         loss_of(m, i).backward()
         # the CPU updates run now, before step() makes the compute stream wait for anything
         # (else step()'s own waits could run the copies first, by chance)
-        for f in list(opt._step_state.updates.values()):
+        for f in [bs.job.future for bs in opt._cpu.backward_step.buckets if bs.job is not None]:
             f.result()
         opt.step()
         opt.zero_grad()
@@ -305,7 +307,7 @@ def test_no_pinned_allocation_after_construction():
     m = model()
     opt = hybrid(m, 0.5, "next_forward", device=dev)
     allocs = dev.host_allocs
-    assert 0 < allocs <= len(opt._buckets)
+    assert 0 < allocs <= len(opt._cpu.buckets)
     train(m, opt, 3)
     opt.load_state_dict(opt.state_dict())
     train(m, opt, 1, start=3)
@@ -317,7 +319,7 @@ def test_pageable_buffers_when_not_pinned():
     ref, _ = reference(2)
     m = model()
     opt = hybrid(m, 1.0, pin_cpu_grads=False, pin_cpu_params=True, device=dev)
-    assert dev.host_allocs == len(opt._buckets)  # only the param side is pinned
+    assert dev.host_allocs == len(opt._cpu.buckets)  # only the param side is pinned
     train(m, opt, 2)
     assert_same_params(m, ref)
 
@@ -605,19 +607,20 @@ def test_overlap_modes_really_overlap():
     m = model()
     opt = hybrid(m, 1.0, "next_forward", device=dev)
     loss_of(m, 0).backward()
-    started = dict(opt._step_state.updates)
-    assert len(started) == len(opt._buckets)  # every bucket's update was queued during backward
+    started = {b: bs.job.future for b, bs in enumerate(opt._cpu.backward_step.buckets) if bs.job is not None}
+    assert len(started) == len(opt._cpu.buckets)  # every bucket's update was queued during backward
     opt.step()
     for f in started.values():
         f.result()
     assert opt.last_step_stats == {} and dev.pending_ops() > 0  # copies back not yet waited for
     before = [p.detach().clone() for p in m.layers[0].parameters()]
     x = make_input(CFG, seed=1, requires_grad=False)
-    st = opt._inflight
+    st = opt._cpu.inflight
     with torch.no_grad():
         m.layers[2](x)  # waits for the buckets holding layer 2's parameters only
-    assert st.waited == {opt._cpu[id(p)].bucket for p in m.layers[2].parameters()}
-    assert opt._inflight is st  # the other buckets are not waited for yet
+    fenced = {b for b, bs in enumerate(st.buckets) if bs.phase is Phase.FENCED}
+    assert fenced == {opt._cpu.where[id(p)][0] for p in m.layers[2].parameters()}
+    assert opt._cpu.inflight is st  # the other buckets are not waited for yet
     opt.wait_params()
     assert not any(torch.equal(a, b) for a, b in zip(before, m.layers[0].parameters()))
     assert 0 <= opt.last_step_stats["overlapped_with_backward"] <= 1  # timing: GPU bench checks it

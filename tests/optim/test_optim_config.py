@@ -62,8 +62,8 @@ def test_builder():
     opt = build_hybrid_optimizer(cfg, model.parameters(), lr=1e-3, device=SimulatedDevice())
     assert isinstance(opt, HybridDeviceOptimizer)
     assert (opt.overlap, opt.max_grad_norm, opt.offload_fraction) == ("backward_update", 1.0, 1.0)
-    assert type(opt._buckets[0].optimizers[0]) is torch.optim.AdamW
-    assert opt._buckets[0].optimizers[0].defaults["fused"] is None  # plain torch AdamW, as given
+    assert type(opt._cpu.buckets[0].optimizers[0]) is torch.optim.AdamW
+    assert opt._cpu.buckets[0].optimizers[0].defaults["fused"] is None  # plain torch AdamW, as given
     with pytest.raises(OffloadConfigError, match="offload_fraction come from the config"):
         build_hybrid_optimizer(cfg, model.parameters(), offload_fraction=0.5)
     with pytest.raises(OffloadConfigError, match="optimizer_offload_fraction=2"):

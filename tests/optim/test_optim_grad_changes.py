@@ -139,7 +139,7 @@ def test_early_updates_are_kept_when_nothing_changes_and_redone_when_clipped(mod
     opt = hybrid(m, 1.0, mode, defer=False)
     for i in range(2):  # untouched gradients: nothing is redone
         loss_of(m, i).backward()
-        for f in list(opt._step_state.updates.values()):
+        for f in [bs.job.future for bs in opt._cpu.backward_step.buckets if bs.job is not None]:
             f.result()  # every update ran during backward
         opt.step()
         opt.zero_grad()
@@ -151,15 +151,15 @@ def test_early_updates_are_kept_when_nothing_changes_and_redone_when_clipped(mod
     opt.step()
     opt.zero_grad()
     opt.wait_params()
-    assert opt.last_step_stats["redone_buckets"] == len(opt._buckets)
+    assert opt.last_step_stats["redone_buckets"] == len(opt._cpu.buckets)
     # after a step whose gradients changed the next backward does no early work ...
     loss_of(m, 3).backward()
-    assert opt._step_state.updates == {} and opt._step_state.landed == {}
+    assert all(bs.job is None and bs.landed is None for bs in opt._cpu.backward_step.buckets)
     opt.step()
     opt.zero_grad()
     # ... and after one whose gradients were untouched, updates start during backward again
     loss_of(m, 4).backward()
-    assert len(opt._step_state.updates) == len(opt._buckets)
+    assert sum(bs.job is not None for bs in opt._cpu.backward_step.buckets) == len(opt._cpu.buckets)
     opt.step()
     opt.close()
 
@@ -174,12 +174,12 @@ def test_abandoned_backward_is_undone_by_zero_grad_and_state_dict():
     opt = hybrid(m, 1.0, "backward_update", defer=False)
     run(m, opt, "grad.mul_(0.5)", steps=1)
     loss_of(m, 7).backward()
-    for f in list(opt._step_state.updates.values()):
+    for f in [bs.job.future for bs in opt._cpu.backward_step.buckets if bs.job is not None]:
         f.result()  # the CPU has updated every bucket
     sd = opt.state_dict()  # abandons that backward
     assert_same_params_and_state(m, opt, ref, ref_opt)
     assert all(torch.equal(t, ref_opt.state_dict()["state"][i][k])
-               for i, s in sd["state"].items() for k, t in s.items())
+               for i, s in to_wrapped_format(sd)["state"].items() for k, t in s.items())
     loss_of(m, 8).backward()
     opt.zero_grad()
     assert_same_params_and_state(m, opt, ref, ref_opt)

@@ -234,10 +234,10 @@ def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode
     train(ref, ref_opt, 2, edit=None)
     update = StreamedPart._update
 
-    def failing(self, chunk, pieces, views, grads=None):
+    def failing(self, chunk, pieces, views, grads=None, scale=None):
         if grads is not None:
             raise RuntimeError("early update failed")
-        update(self, chunk, pieces, views, grads)
+        update(self, chunk, pieces, views, grads, scale)
 
     monkeypatch.setattr(StreamedPart, "_update", failing)
     if launches == "inline" or dtype == torch.float32:

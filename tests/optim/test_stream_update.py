@@ -98,7 +98,7 @@ def assert_same(m, opt, ref, ref_opt):
             got = state[i][k].to(v.device)
             assert got.dtype == v.dtype and torch.equal(got, v), (i, k)
     if isinstance(ref_opt, MasterWeightOptimizer):
-        masters = sd["hybrid"]["master_weights"]
+        masters = {i: e["master_weight"] for i, e in sd["state"].items() if "master_weight" in e}
         for i, w in enumerate(ref_opt.masters):
             assert torch.equal(masters[i].to(w.device), w), i
 
@@ -287,7 +287,7 @@ def test_zeroing_gradients_in_place_waits_for_the_update_that_reads_them(monkeyp
     opt.zero_grad(set_to_none=False)  # ordered: fine
     opt.close()
     m, opt, *_ = _step_with_update_queued(SimulatedDevice())
-    monkeypatch.setattr(HybridDeviceOptimizer, "_order_streamed", lambda self: None)
+    monkeypatch.setattr(StreamedPart, "order_params", lambda self: None)
     with pytest.raises(SimulatedHazard, match="still reads or writes"):
         opt.zero_grad(set_to_none=False)
 
@@ -558,11 +558,11 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     calls = []
     update = StreamedPart._update
 
-    def failing(self, chunk, pieces, views, early=False):
+    def failing(self, chunk, pieces, views, grads=None, scale=None):
         calls.append(1)
-        if len(calls) == 2 and not early:  # in step(), not in backward
+        if len(calls) == 2 and grads is None:  # in step(), not in backward
             raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, early)
+        update(self, chunk, pieces, views, grads, scale)
 
     monkeypatch.setattr(StreamedPart, "_update", failing)
     loss_of(m, 1).backward()

@@ -1,0 +1,156 @@
+"""Has anything changed since early work read it? One answer for gradients, parameters and
+hyperparameters, so that work started before ``step()`` is kept only where it is still right.
+
+Work that starts during backward (a gradient copied to the host, a CPU update) reads values that
+user code may change before ``step()``: clipping, unscaling, ``p.grad.data /= world_size``, a
+scheduler, ``group["lr"].fill_()``, a weight clamp after the last step. Three kinds of change are
+possible, and each has its witness here:
+
+- **A tensor's content** (``Fingerprint``): its identity, its ``_version``, and a 64-bit sum of
+  its raw bits computed on its own device. The version sees every in-place change made through
+  autograd-visible aliases; the sum also sees writes that bypass the version counter
+  (``.data``, ``torch.amp`` unscaling kernels, numpy views, collectives writing into the buffer).
+  A write that only permutes values through ``.data`` keeps the sum and is not seen; no other
+  change of a value can keep it except by a 2**-64 coincidence.
+- **Hyperparameters** (``snapshot_hypers`` / ``same_hypers``): a copy of every group's entries
+  taken when an update starts, tensors cloned, so that an update in flight never sees a later
+  ``scheduler.step()`` and ``step()`` can tell an in-place ``fill_`` from no change.
+- **A parameter edited after the optimizer wrote it** (``merge_edited``): the master keeps its
+  extra precision wherever it still rounds to the parameter, and takes the parameter's value
+  where the edit changed it.
+
+The sums are computed as device kernels (no host synchronization); ``changed`` compares many
+fingerprints with one transfer to the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["Fingerprint", "bit_sum", "changed", "merge_edited", "same_hypers", "snapshot_hypers",
+           "tensor_version"]
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version``; -1 where there is none (inference tensors: never counted unchanged)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the widest integer words that tile it (flat; a copy if ``t`` is not
+    contiguous)."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    for dtype in (torch.int32, torch.int16):
+        try:
+            return raw.view(dtype)
+        except RuntimeError:  # size or offset not a multiple of the word
+            continue
+    return raw
+
+
+def bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 tensor on ``t``'s device: the sum of ``t``'s raw bits as integer words.
+
+    Equal bits give equal sums on any device (integer addition is exact and order-free).
+
+    Example::
+
+        >>> import torch
+        >>> g = torch.ones(4, dtype=torch.bfloat16)
+        >>> before = bit_sum(g)
+        >>> g.data.mul_(2)                           # bypasses g._version's view of .data
+        tensor([2., 2., 2., 2.], dtype=torch.bfloat16)
+        >>> bool(bit_sum(g) != before)
+        True
+    """
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    return _words(t).sum(dtype=torch.int64)
+
+
+@dataclass
+class Fingerprint:
+    """What a tensor was when early work read it: the tensor, its version, its bit sum."""
+
+    tensor: torch.Tensor
+    version: int
+    bits: torch.Tensor
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Fingerprint":
+        return cls(t, tensor_version(t), bit_sum(t))
+
+    def same_object(self, now: Optional[torch.Tensor]) -> bool:
+        """``now`` is the very tensor read, at the same version (content still to compare)."""
+        return now is self.tensor and 0 <= self.version == tensor_version(now)
+
+
+def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list[bool]:
+    """Per ``(fingerprint, tensor now)``: whether the tensor differs from what was read. Object
+    and version first (no device work); the bit sums of the rest with one host transfer."""
+    out = [not fp.same_object(now) for fp, now in pairs]
+    todo = [i for i, c in enumerate(out) if not c]
+    if not todo:
+        return out
+    by_device: dict[torch.device, list[int]] = {}
+    for i in todo:
+        by_device.setdefault(pairs[i][0].bits.device, []).append(i)
+    for idx in by_device.values():
+        before = torch.stack([pairs[i][0].bits for i in idx])
+        now = torch.stack([bit_sum(pairs[i][1]) for i in idx])
+        for i, diff in zip(idx, (before != now).tolist()):
+            out[i] = bool(diff)
+    return out
+
+
+def snapshot_hypers(param_groups: Sequence[dict]) -> list[dict]:
+    """Every group's entries but ``params``, tensors cloned (detached): what an update uses,
+    untouched by later changes to the user's groups."""
+    return [{k: (v.detach().clone() if torch.is_tensor(v) else v)
+             for k, v in g.items() if k != "params"} for g in param_groups]
+
+
+def _same(x: Any, y: Any) -> bool:
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return (torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape
+                and x.dtype == y.dtype and x.device == y.device and bool(torch.equal(x, y)))
+    if x is y:
+        return True
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - incomparable values count as changed
+        return False
+
+
+def same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Two ``snapshot_hypers`` (or live groups) hold the same values (tensors by value)."""
+    return len(a) == len(b) and all(
+        ga.keys() - {"params"} == gb.keys() - {"params"}
+        and all(_same(ga[k], gb[k]) for k in ga if k != "params") for ga, gb in zip(a, b))
+
+
+def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Take an edited parameter's values into its master (in place, on the master's device):
+    where the master still rounds to the parameter it is kept (its extra precision with it),
+    elsewhere it becomes the parameter's value. For a master of the parameter's own dtype this
+    is a plain copy.
+
+    Example::
+
+        >>> import torch
+        >>> master = torch.tensor([1.001, 2.0, 3.0])
+        >>> merge_edited(master, torch.tensor([1.0, 2.0, 0.5], dtype=torch.bfloat16))
+        >>> master
+        tensor([1.0010, 2.0000, 0.5000])
+    """
+    value = param.detach().to(master.device)
+    if value.dtype == master.dtype:
+        master.copy_(value)
+        return
+    keep = master.to(value.dtype) == value
+    master.copy_(torch.where(keep, master, value.to(master.dtype)))
