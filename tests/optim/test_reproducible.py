@@ -96,3 +96,27 @@ def test_fixed_stream_fraction_places_alike(made, monkeypatch, stream_fraction):
             for seed in (1, 2, 3)]
     assert runs[0][0] == stream_fraction
     assert_same_runs(runs)
+
+
+@pytest.mark.parametrize("update_in_fp32", [False, True])
+@pytest.mark.parametrize("stream_fraction", [0.0, 0.5, 1.0])
+def test_placed_reference_on_the_simulated_device(made, stream_fraction, update_in_fp32):
+    """``PlacedReference`` (the GPU tests' exact reference, built from the hybrid's placement)
+    equals the hybrid on the simulated device, where every part runs the same CPU class:
+    bf16 parameters, a device part (stepped in place, or on fp32 masters), a CPU part and a
+    streamed part."""
+    from cpu_offload.optim.reference import PlacedReference
+
+    m, ref = net(torch.bfloat16), net(torch.bfloat16)
+    opt = HybridDeviceOptimizer(m.parameters(), 0.5, lr=1e-2, device=SimulatedDevice(),
+                                stream_fraction=stream_fraction,
+                                param_update_in_fp32=update_in_fp32)
+    made.append(opt)
+    ref_opt = PlacedReference.like(opt, list(m.parameters()), ref.parameters(), lr=1e-2)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
