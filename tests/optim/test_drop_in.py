@@ -7,6 +7,7 @@ zero-size parameters; ``step()`` after ``close()``; argument checks. Public API 
 (``MasterWeightOptimizer`` for bf16/fp16 parameters) by ``torch.equal``."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
@@ -125,12 +126,13 @@ def test_dcp_state_dict_round_trips_without_stepping(made, split):
         assert float(s["step"]) == 3, (name, s["step"])
     for s in opt.state_dict()["state"].values():
         assert float(s["step"]) == 3
-    # continue: the original, and a fresh optimizer over a copy of the model loaded from osd
+    # continue: the original, and a fresh optimizer over a copy of the model loaded from a
+    # copy of osd (as from a file: torch's load_state_dict keeps the tensors it is given)
     fresh_model = net()
     fresh_model.load_state_dict(m.state_dict())
     fresh = hybrid(fresh_model, split, **KW)
     made.append(fresh)
-    set_optimizer_state_dict(fresh_model, fresh, osd)
+    set_optimizer_state_dict(fresh_model, fresh, copy.deepcopy(osd))
     settle(fresh)
     assert_same_params(fresh_model, m)
     for model, o in ((m, opt), (fresh_model, fresh), (ref, ref_opt)):
