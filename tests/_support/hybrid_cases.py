@@ -47,9 +47,10 @@ DEVICES = {
 }
 
 
-def splits(modes: tuple = MODES) -> Any:
-    """``SPLITS`` of ``modes`` as a ``pytest.mark.parametrize`` over ``split``."""
-    chosen = [s for s in SPLITS if s.mode in modes]
+def splits(modes: tuple = MODES, during_backward: bool = True) -> Any:
+    """``SPLITS`` of ``modes`` (without streaming during backward unless ``during_backward``)
+    as a ``pytest.mark.parametrize`` over ``split``."""
+    chosen = [s for s in SPLITS if s.mode in modes and (during_backward or not s.during_backward)]
     return pytest.mark.parametrize("split", chosen, ids=[s.id for s in chosen])
 
 
