@@ -1,10 +1,16 @@
-"""The baseline the hybrid optimizer is compared with: a plain optimizer over master copies of
-the parameters (fp32 for bf16/fp16 parameters, the parameter's dtype for fp32/fp64 ones, as the
-hybrid optimizer's CPU part keeps them), on the parameters' own device (what mixed-precision
-training does without offloading). Used by the GPU tests and the benchmark's "plain" row."""
+"""The baselines the hybrid optimizer is compared with.
+
+``MasterWeightOptimizer``: a plain optimizer over master copies of the parameters (fp32 for
+bf16/fp16 parameters, the parameter's dtype for fp32/fp64 ones, as the hybrid optimizer's CPU
+part keeps them), on the parameters' own device (what mixed-precision training does without
+offloading). Used by the GPU tests and the benchmark's "plain" row.
+
+``PlacedReference``: the exact reference of a ``HybridDeviceOptimizer`` whose placement is
+known: the CPU class on CPU masters for its CPU part, the device class on the device for the
+rest. On a GPU the two round differently, so this, not one class, is what the hybrid equals."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -17,15 +23,20 @@ class MasterWeightOptimizer:
     bf16/fp16 parameters, the parameter's own dtype otherwise (``cpu_update.master_dtype``).
 
     ``step()`` takes edits of the parameters since the last step into the masters
-    (``guards.merge_edited``), converts each gradient to the master dtype, steps, and copies the
-    masters back (rounded to the parameter dtype). ``optimizer`` is the wrapped optimizer (for LR schedulers).
+    (``guards.merge_edited``), converts each gradient to the master dtype (and device), steps,
+    and copies the masters back (rounded to the parameter dtype). ``optimizer`` is the wrapped
+    optimizer (for LR schedulers). ``master_device``: where the masters live (default: each
+    parameter's device). ``in_place``: parameters stepped as they are, without a master.
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
-                 optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
-                 **kwargs: Any) -> None:
+                 optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
+                 master_device: Optional[torch.device] = None,
+                 in_place: Iterable[torch.Tensor] = (), **kwargs: Any) -> None:
         self.params = list(params)
-        self.masters = [p.detach().to(master_dtype(p.dtype), copy=True) for p in self.params]
+        direct = {id(p) for p in in_place}
+        self.masters = [p if id(p) in direct else p.detach().to(
+            master_device or p.device, master_dtype(p.dtype), copy=True) for p in self.params]
         if optimizer_cls is None:
             kwargs.setdefault("fused", True)
             optimizer_cls = torch.optim.AdamW
@@ -33,12 +44,13 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for m, p in zip(self.masters, self.params):
+        masters = [(m, p) for m, p in zip(self.masters, self.params) if m is not p]
+        for m, p in masters:
             merge_edited(m, p)  # a parameter edited since the last step: its master follows
-        for m, p in zip(self.masters, self.params):
-            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+        for m, p in masters:
+            m.grad = None if p.grad is None else p.grad.to(m.device, m.dtype)
         self.optimizer.step()
-        for m, p in zip(self.masters, self.params):
+        for m, p in masters:
             if m.grad is not None:
                 p.copy_(m)
             m.grad = None
@@ -49,3 +61,85 @@ class MasterWeightOptimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+
+def default_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
+    """The hybrid optimizer's default class: fused AdamW, unless ``kwargs`` set ``fused`` or
+    ``foreach`` (then ``torch.optim.AdamW`` with them)."""
+    if "fused" in kwargs or "foreach" in kwargs:
+        return torch.optim.AdamW
+    return lambda params, **kw: torch.optim.AdamW(params, fused=True, **kw)
+
+
+class PlacedReference:
+    """What a ``HybridDeviceOptimizer`` with a given placement computes, without offloading:
+    ``cpu_optimizer_cls`` over CPU masters of the parameters it updates on the CPU (gradients
+    copied to the CPU and converted), ``gpu_optimizer_cls`` over masters on the parameters'
+    device for the others (its streamed part, and its device part with
+    ``param_update_in_fp32``), and over the parameters themselves for ``in_place`` (its device
+    part otherwise). Classes default as the hybrid's (fused AdamW). On ``SimulatedDevice`` this
+    equals the wrapped class; on a GPU it is the exact reference.
+
+    ``params`` are the reference model's (a copy of the hybrid's model), ``on_cpu`` and
+    ``in_place`` positions in them; ``like`` reads both from a hybrid optimizer.
+
+    Example::
+
+        >>> import torch, cpu_offload
+        >>> from cpu_offload.optim import HybridDeviceOptimizer
+        >>> from cpu_offload.optim.reference import PlacedReference
+        >>> a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        >>> _ = b.load_state_dict(a.state_dict())
+        >>> opt = HybridDeviceOptimizer(a.parameters(), 0.5, lr=0.1, stream_fraction=0,
+        ...                             device=cpu_offload.SimulatedDevice())
+        >>> ref = PlacedReference.like(opt, list(a.parameters()), b.parameters(), lr=0.1)
+        >>> for m, o in ((a, opt), (b, ref)):
+        ...     m(torch.ones(2, 4)).sum().backward()
+        ...     o.step()
+        >>> opt.close()
+        >>> all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+        True
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], on_cpu: Iterable[int],
+                 cpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
+                 gpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
+                 in_place: Iterable[int] = (), **kwargs: Any) -> None:
+        self.params = list(params)
+        cpu, direct = set(on_cpu), set(in_place)
+        here = [p for i, p in enumerate(self.params) if i in cpu]
+        there = [p for i, p in enumerate(self.params) if i not in cpu]
+        self.parts: list[MasterWeightOptimizer] = []
+        if here:
+            self.parts.append(MasterWeightOptimizer(
+                here, cpu_optimizer_cls or default_cls(kwargs), master_device=torch.device("cpu"),
+                **kwargs))
+        if there:
+            self.parts.append(MasterWeightOptimizer(
+                there, gpu_optimizer_cls or default_cls(kwargs),
+                in_place=[self.params[i] for i in direct], **kwargs))
+
+    @classmethod
+    def like(cls, opt: Any, hybrid_params: Sequence[torch.Tensor], params: Iterable[torch.Tensor],
+             cpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
+             gpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
+             **kwargs: Any) -> "PlacedReference":
+        """The reference for ``opt`` over ``hybrid_params``, run on ``params`` (the same
+        positions): ``opt.offloaded_params()`` on the CPU, ``opt.streamed_params()`` (and all
+        low-precision ones with ``param_update_in_fp32``) on device masters, the rest in place."""
+        pos = {id(p): i for i, p in enumerate(hybrid_params)}
+        on_cpu = {pos[id(p)] for p in opt.offloaded_params()}
+        masters = {pos[id(p)] for p in opt.streamed_params()}
+        if getattr(opt, "param_update_in_fp32", False):
+            masters |= {i for i, p in enumerate(hybrid_params) if master_dtype(p.dtype) != p.dtype}
+        in_place = [i for i in range(len(hybrid_params)) if i not in on_cpu | masters]
+        return cls(params, on_cpu, cpu_optimizer_cls, gpu_optimizer_cls, in_place=in_place,
+                   **kwargs)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)

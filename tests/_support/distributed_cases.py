@@ -9,11 +9,13 @@ marked ``multigpu``, 2 GPUs: NCCL + real streams), or by hand::
 Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
 ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and
 ``HybridDeviceOptimizer``), ``ddp-optim-clip`` (the optimizer's early updates under DDP's small
-buckets, with ``clip_grad_norm_`` between backward and step on some steps). Each one runs the same training step with and without offloading on
-the same model and inputs and checks on every rank that every gradient (``ddp-optim``: every
-parameter after three optimizer steps) is ``torch.equal`` to the run without offloading; on CUDA it
-also measures peak memory above the pre-step baseline (and checks it shrinks where the case says
-so). Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
+buckets, with ``clip_grad_norm_`` between backward and step on some steps). Each one runs the
+same training step with and without offloading on the same model and inputs and checks on every
+rank that every gradient is ``torch.equal`` to the run without offloading (``ddp-optim*``: every
+parameter after the optimizer steps, against ``cpu_offload.optim.reference.PlacedReference``
+built from the hybrid optimizer's placement, and the same on every rank); on CUDA it also
+measures peak memory above the pre-step baseline (and checks it shrinks where the case says so).
+Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
 torchrun reports the case as failed. After the last case every rank destroys the process group,
 checks that no thread of its own is left and prints one ``TEARDOWN {json}`` line; on the CPU
 (gloo) it then ends without the interpreter's shutdown (``exit_skipping_shutdown`` says why).
@@ -376,59 +378,74 @@ def case_tp(env: Env) -> dict:
     return compare_steps(env, model, x, k, n, "tensor parallel")
 
 
+def assert_same_on_ranks(tensors: List[torch.Tensor], what: str) -> None:
+    """Every rank holds the same bits as rank 0 (replicas that drifted apart fail here)."""
+    for i, t in enumerate(tensors):
+        theirs = t.clone()
+        dist.broadcast(theirs, src=0)
+        if not torch.equal(theirs, t):
+            raise AssertionError(f"{what}: parameter {i} differs between rank 0 and rank "
+                                 f"{dist.get_rank()}")
+
+
 def case_ddp_optim(env: Env) -> dict:
-    """DDP, activation offloading and ``HybridDeviceOptimizer`` (half the parameters updated on
-    the CPU) together. The optimizer takes the offloaded gradients from DDP's all-reduced
-    buckets (``ddp_comm_hook``) and updates during backward, or during the next forward; the
-    reference copies the reduced ``p.grad`` inside ``step()`` with no activation offloading.
-    Parameters after three steps (a different batch per rank and step) must be equal bit for
-    bit, and equal on both ranks (an unreduced gradient would make them differ)."""
+    """DDP, activation offloading and ``HybridDeviceOptimizer`` (half the parameters offloaded)
+    together. The optimizer takes the offloaded gradients from DDP's all-reduced buckets
+    (``ddp_comm_hook``) and updates during backward, or during the next forward. The reference
+    is ``PlacedReference`` built from the hybrid's placement (on a GPU the CPU part rounds as
+    the CPU class on CPU masters, the rest as the device class), stepped from the reduced
+    ``p.grad`` of the same DDP model without activation offloading. Parameters after three
+    steps (a different batch per rank and step) must be equal bit for bit, and equal on both
+    ranks (an unreduced gradient, or ranks placing parameters differently, would make them
+    differ)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.reference import PlacedReference
 
     n, k = 4, 2
     cfg = env.config(n)
-    hybrid_kw = {} if env.cuda else {"device": SimulatedDevice(), "foreach": False}
+    kw = {"lr": 1e-3} if env.cuda else {"lr": 1e-3, "foreach": False}
+    device = {} if env.cuda else {"device": SimulatedDevice()}
+    ids = [env.device.index] if env.cuda else None
 
-    def run(overlap: str, offload: bool) -> tuple:
-        model = build_model(cfg, env.device, seed=0)
-        ddp = DDP(model, device_ids=[env.device.index] if env.cuda else None)
-        opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, lr=1e-3, overlap=overlap, **hybrid_kw)
-        ctx = sync = None
-        if offload:
-            ddp.register_comm_hook(*opt.ddp_comm_hook())
-            opt.register_forward_waits(model)
-            ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,
-                                                **env.offload_kwargs())
-
+    def train(ddp: nn.Module, opt: Any, ctx=None, sync=None) -> int:
+        """Three steps; the highest peak of them."""
         def step(i: int) -> None:
             x = make_input(cfg, env.device, seed=100 * i + env.rank, requires_grad=False)
             loss_of(ddp(x, ctx, sync)).backward()
             opt.step()
             opt.zero_grad()
 
-        peak = 0
-        for i in range(3):
-            peak = max(peak, env.measure(lambda: step(i))[1])
-        opt.wait_params()
-        params = [p.detach().clone() for p in model.parameters()]
-        opt.close()
-        return params, peak
+        return max(env.measure(lambda: step(i))[1] for i in range(3))
 
-    ref, ref_peak = run("none", offload=False)
+    ratios = []
     for overlap in ("backward_update", "next_forward"):
-        got, peak = run(overlap, offload=True)
-        assert_equal(got, ref, f"DDP + offload + HybridDeviceOptimizer({overlap}) parameters")
-    for i, p in enumerate(ref):
-        theirs = p.clone()
-        dist.broadcast(theirs, src=0)
-        assert torch.equal(theirs, p), f"parameter {i} differs between rank 0 and {env.rank}"
-    if env.cuda:
-        assert peak < ref_peak, f"DDP + offload + optimizer: peak {peak} not below {ref_peak}"
-    else:
+        model = build_model(cfg, env.device, seed=0)
+        ddp = DDP(model, device_ids=ids)
+        opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, overlap=overlap, **device, **kw)
+        ddp.register_comm_hook(*opt.ddp_comm_hook())
+        opt.register_forward_waits(model)
+        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,
+                                            **env.offload_kwargs())
+        peak = train(ddp, opt, ctx, sync)
+        opt.wait_params()
+        got = [p.detach().clone() for p in model.parameters()]
+        ref_model = build_model(cfg, env.device, seed=0)
+        ref_ddp = DDP(ref_model, device_ids=ids)
+        ref_opt = PlacedReference.like(opt, list(model.parameters()), ref_model.parameters(), **kw)
+        opt.close()
+        ref_peak = train(ref_ddp, ref_opt)
+        what = f"DDP + offload + HybridDeviceOptimizer({overlap})"
+        assert_equal(got, [p.detach() for p in ref_model.parameters()],
+                     f"{what} parameters against PlacedReference")
+        assert_same_on_ranks(got, what)
+        if env.cuda:
+            assert peak < ref_peak, f"{what}: peak {peak} not below {ref_peak}"
+            ratios.append(peak / ref_peak)
+    if not env.cuda:
         assert env.copies() > 0, "DDP + offload + optimizer: no activation was offloaded"
-    return {"peak_ratio": peak / ref_peak if ref_peak else None, "params": len(ref)}
+    return {"peak_ratio": max(ratios) if ratios else None, "params": len(got)}
 
 
 def case_ddp_optim_clip(env: Env) -> dict:
@@ -437,20 +454,23 @@ def case_ddp_optim_clip(env: Env) -> dict:
     backward. On steps 2 and 5 the user clips between backward and step, so the early updates
     must be redone from the clipped gradients; on untouched steps nothing is redone (DDP's
     ``.grad`` was recorded). Six steps, a different batch per rank and step: parameters
-    ``torch.equal`` to fused AdamW on the same DDP model, and moved from their start."""
+    ``torch.equal`` to ``PlacedReference`` (the hybrid's placement: fused AdamW on CPU masters
+    for its CPU part, on the device for the rest) on the same DDP model, equal on both ranks,
+    and moved from their start."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.reference import PlacedReference
 
     cfg = env.config(2).with_(dtype=torch.float32)  # fp32 as the wrapped AdamW's own state
     kw = dict(lr=1e-2, weight_decay=0.1)
     ids = [env.device.index] if env.cuda else None
-    ref = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
-    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
     ddp = DDP(build_model(cfg, env.device, seed=0), device_ids=ids, bucket_cap_mb=0.05)
     device = {} if env.cuda else {"device": SimulatedDevice(defer=False)}
     opt = HybridDeviceOptimizer(ddp.parameters(), 0.5, overlap="backward_update", **device, **kw)
     ddp.register_comm_hook(*opt.ddp_comm_hook())
+    ref = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
+    ref_opt = PlacedReference.like(opt, list(ddp.parameters()), ref.parameters(), **kw)
     redone = []
     for step in range(6):
         x = make_input(cfg, env.device, seed=10 * step + env.rank, requires_grad=False)
@@ -462,8 +482,10 @@ def case_ddp_optim_clip(env: Env) -> dict:
             o.zero_grad()
         redone.append(opt.last_step_stats["redone_buckets"])
     opt.wait_params()
-    assert_equal([p.detach() for p in ddp.parameters()], [p.detach() for p in ref.parameters()],
-                 "DDP + HybridDeviceOptimizer + clip_grad_norm_ parameters")
+    got = [p.detach() for p in ddp.parameters()]
+    assert_equal(got, [p.detach() for p in ref.parameters()],
+                 "DDP + HybridDeviceOptimizer + clip_grad_norm_ parameters against PlacedReference")
+    assert_same_on_ranks(got, "DDP + HybridDeviceOptimizer + clip_grad_norm_")
     start = build_model(cfg, env.device, seed=0)
     assert not all(torch.equal(a, b) for a, b in zip(start.parameters(), ddp.parameters())), \
         "no parameter moved"

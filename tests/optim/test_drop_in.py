@@ -1,0 +1,289 @@
+"""``HybridDeviceOptimizer`` as a drop-in ``torch.optim.Optimizer`` (issue 39, defects 3, 5, 6, 7
+and 9): ``opt.state`` maps each stepped parameter to its state (a live view), so DCP's
+``get_optimizer_state_dict``/``set_optimizer_state_dict`` round-trip without stepping; classes
+that create state at construction (Adagrad) with low-precision parameters in the streamed part;
+zero-size parameters; ``step()`` after ``close()``; argument checks. Public API only, on
+``SimulatedDevice`` (``_support.hybrid_cases``), compared with the wrapped torch optimizer
+(``MasterWeightOptimizer`` for bf16/fp16 parameters) by ``torch.equal``."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_offload import OffloadConfigError, SimulatedDevice
+from cpu_offload.core.errors import OffloadUsageError
+from cpu_offload.optim import HybridDeviceOptimizer
+from cpu_offload.optim.reference import MasterWeightOptimizer
+
+from _support.hybrid_cases import (
+    MODES, SPLITS, Split, assert_same_params, assert_same_state, diff, hybrid, loss_of, made, net,
+    settle, splits,
+)
+
+assert made  # fixture
+KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def adamw(m):
+    return torch.optim.AdamW(m.parameters(), fused=True, **KW)
+
+
+def train(m, opt, steps=range(3), skip=()):
+    """``len(steps)`` steps; ``skip``: parameters whose gradients are dropped before each."""
+    for i in steps:
+        loss_of(m, i).backward()
+        for p in skip:
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+    settle(opt)
+
+
+# --- defect 3: opt.state, DCP -------------------------------------------------------------------
+
+
+def assert_state_view(opt, model, ref_state, ref_params, stepped):
+    """``opt.state``: exactly the ``stepped`` parameters of ``model`` (identity), each mapped
+    to the state ``ref_state`` holds for the matching one of ``ref_params``."""
+    assert {id(p) for p in opt.state} == {id(p) for p in stepped}
+    for (name, p), q in zip(model.named_parameters(), ref_params):
+        if q not in ref_state:
+            continue
+        got, want = opt.state[p], ref_state[q]
+        assert sorted(got) == sorted(want), name
+        for k, v in want.items():
+            assert torch.equal(torch.as_tensor(got[k]), torch.as_tensor(v)), f"{name} {k}"
+
+
+@splits()
+def test_state_maps_stepped_params_to_their_state(made, split):
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt, skip=(m.l1.bias, m.l3.bias))  # device part, offloaded part
+    train(ref, ref_opt, skip=(ref.l1.bias, ref.l3.bias))
+    assert_same_params(m, ref)
+    stepped = [p for p in m.parameters() if p is not m.l1.bias and p is not m.l3.bias]
+    assert_state_view(opt, m, ref_opt.state, list(ref.parameters()), stepped)
+
+
+@pytest.mark.parametrize("stream_fraction", [0.0, 1.0, 0.5])
+def test_state_of_bf16_params_is_the_masters_state(made, stream_fraction):
+    """Everything offloaded: each parameter's state is that of its fp32 master."""
+    m, ref = net(torch.bfloat16), net(torch.bfloat16)
+    opt = hybrid(m, Split("backward_update", stream_fraction), fraction=1.0, **KW)
+    made.append(opt)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), **KW)
+    train(m, opt)
+    train(ref, ref_opt)
+    assert_same_params(m, ref)
+    assert_state_view(opt, m, ref_opt.optimizer.state, ref_opt.masters, list(m.parameters()))
+
+
+@splits()
+def test_state_is_a_live_view(made, split):
+    """Writing into ``opt.state[p]`` changes the next step, as with the wrapped optimizer."""
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        train(model, o, range(2))
+        for p in model.parameters():
+            o.state[p]["exp_avg"].zero_()
+            o.state[p]["exp_avg_sq"].mul_(4)
+        train(model, o, range(2, 3))
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+@splits()
+def test_dcp_state_dict_round_trips_without_stepping(made, split):
+    """``get_optimizer_state_dict`` after 3 steps steps nothing (DCP runs a zero-gradient
+    ``step()`` on an optimizer whose ``state`` is empty); ``set_optimizer_state_dict`` into a
+    fresh hybrid optimizer continues exactly as the original."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict, set_optimizer_state_dict,
+    )
+
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt)
+    train(ref, ref_opt)
+    before = [p.detach().clone() for p in m.parameters()]
+    osd = get_optimizer_state_dict(m, opt)
+    settle(opt)
+    for (name, p), b in zip(m.named_parameters(), before):
+        assert torch.equal(p, b), f"{name} changed by get_optimizer_state_dict: {diff(p, b)}"
+    assert sorted(osd["state"]) == sorted(n for n, _ in m.named_parameters())
+    for name, s in osd["state"].items():
+        assert float(s["step"]) == 3, (name, s["step"])
+    for s in opt.state_dict()["state"].values():
+        assert float(s["step"]) == 3
+    # continue: the original, and a fresh optimizer over a copy of the model loaded from a
+    # copy of osd (as from a file: torch's load_state_dict keeps the tensors it is given)
+    fresh_model = net()
+    fresh_model.load_state_dict(m.state_dict())
+    fresh = hybrid(fresh_model, split, **KW)
+    made.append(fresh)
+    set_optimizer_state_dict(fresh_model, fresh, copy.deepcopy(osd))
+    settle(fresh)
+    assert_same_params(fresh_model, m)
+    for model, o in ((m, opt), (fresh_model, fresh), (ref, ref_opt)):
+        train(model, o, range(3, 4))
+    assert_same_params(m, ref)
+    assert_same_params(fresh_model, ref)
+    assert_same_state(opt, ref_opt)
+    assert_same_state(fresh, ref_opt)
+
+
+# --- defect 5: Adagrad (state made at construction), low precision, streamed -----------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@splits()
+def test_adagrad_low_precision_equals_master_weights(made, split, dtype):
+    kw = dict(lr=0.1, initial_accumulator_value=0.1)
+    m, ref = net(dtype), net(dtype)
+    opt = hybrid(m, split, fraction=1.0, cpu_optimizer_cls=torch.optim.Adagrad,
+                 gpu_optimizer_cls=torch.optim.Adagrad, **kw)
+    made.append(opt)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), torch.optim.Adagrad, **kw)
+    train(m, opt)
+    train(ref, ref_opt)
+    assert_same_params(m, ref)
+
+
+# --- defect 6: zero-size parameters -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [None, 64], ids=["chunk-default", "chunk-64B"])
+@splits()
+def test_zero_size_params(made, split, chunk):
+    """Zero-size parameters registered first, in the middle and last, everything offloaded:
+    steps, ``state_dict()`` (streamed part; CPU buckets in 64-byte chunks) and streaming during
+    backward work, and equal torch's AdamW."""
+    m, ref = net(empty=True), net(empty=True)
+    opt = hybrid(m, split, fraction=1.0, cpu_chunk_bytes=chunk, **KW)
+    made.append(opt)
+    ref_opt = adamw(ref)
+    train(m, opt)
+    train(ref, ref_opt)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+# --- defect 7: step() after close() ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [s for s in SPLITS if s.stream_fraction == 0.5],
+                         ids=lambda s: s.id)
+def test_step_after_close_raises(made, split):
+    """An ``OffloadUsageError`` naming ``close()``, not a hang (run in a thread: a hang fails
+    after 5 s)."""
+    m = net()
+    opt = hybrid(m, split, **KW)
+    train(m, opt, range(1))
+    opt.close()
+    outcome: list = []
+
+    def misuse():
+        try:
+            loss_of(m, 1).backward()
+            opt.step()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    t = threading.Thread(target=misuse, daemon=True, name="step-after-close")
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "step() after close() hangs"
+    assert isinstance(outcome[0], OffloadUsageError), repr(outcome[0])
+    assert "close()" in str(outcome[0])
+
+
+# --- defect 9: arguments ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", [
+    dict(bucket_bytes=np.int64(2**20)), dict(offload_fraction=np.float32(0.5)),
+    dict(cpu_threads=np.int64(1)), dict(cpu_chunk_bytes=np.int64(2**16)),
+    dict(stream_fraction=np.float32(0.5)),
+], ids=lambda a: f"{next(iter(a))}={type(next(iter(a.values()))).__name__}")
+def test_numpy_scalars_accepted(made, arg):
+    m, ref = net(), net()
+    kw = {"offload_fraction": 0.5, "stream_fraction": 0.5, **arg}
+    opt = HybridDeviceOptimizer(m.parameters(), device=SimulatedDevice(), **kw, **KW)
+    made.append(opt)
+    train(m, opt)
+    train(ref, adamw(ref))
+    assert_same_params(m, ref)
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")], ids=repr)
+def test_device_that_is_not_an_offload_device(device):
+    with pytest.raises(OffloadConfigError, match="SimulatedDevice"):
+        HybridDeviceOptimizer(net().parameters(), 0.5, device=device, **KW)
+
+
+@pytest.mark.parametrize("order", [5, "abc"], ids=repr)
+def test_grad_order_not_parameters(order):
+    with pytest.raises(OffloadConfigError, match="grad_order"):
+        HybridDeviceOptimizer(net().parameters(), 0.5, device=SimulatedDevice(), grad_order=order,
+                              **KW)
+
+
+@pytest.mark.parametrize("arg", [
+    dict(offload_fraction=True), dict(stream_fraction=True), dict(bucket_bytes=True),
+    dict(cpu_threads=True), dict(cpu_chunk_bytes=False), dict(stream_budget_bytes=True),
+    dict(max_grad_norm=True),
+], ids=lambda a: next(iter(a)))
+def test_bools_rejected_where_numbers_are_expected(arg):
+    kw = {"offload_fraction": 0.5, **arg}
+    with pytest.raises(OffloadConfigError, match=next(iter(arg))):
+        HybridDeviceOptimizer(net().parameters(), device=SimulatedDevice(), **kw, **KW)
+
+
+class EmbedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 2)
+        self.emb = nn.Embedding(10, 4, sparse=True)  # registered last: offloaded first
+
+    def forward(self, idx: torch.Tensor, sparse: bool = True) -> torch.Tensor:
+        return self.head(F.embedding(idx, self.emb.weight, sparse=sparse)).square().mean()
+
+
+@pytest.mark.parametrize("stream_fraction", [0.0, 1.0])
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_gradient_error_then_dense_steps(made, mode, stream_fraction):
+    """The documented error for a sparse gradient on an offloaded parameter; after it,
+    ``zero_grad()`` works and a dense step equals the wrapped optimizer's (which also raised
+    for the sparse gradient and changed nothing)."""
+    m, ref = EmbedNet(), EmbedNet()
+    opt = hybrid(m, Split(mode, stream_fraction), fraction=1.0, **KW)
+    made.append(opt)
+    ref_opt = adamw(ref)
+    idx = torch.tensor([1, 3, 3, 7])
+    with pytest.raises(OffloadUsageError, match="sparse"):
+        m(idx).backward()
+        opt.step()
+    ref(idx).backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        ref_opt.step()
+    for model, o in ((m, opt), (ref, ref_opt)):
+        o.zero_grad()
+        for i in range(2):
+            model(idx + i, sparse=False).backward()
+            o.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)

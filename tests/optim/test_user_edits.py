@@ -1,0 +1,252 @@
+"""``HybridDeviceOptimizer`` is exact whatever the user does around ``step()`` (issue 39, defects
+1, 2, 4 and 8): GradScaler (which unscales with a kernel that does not bump ``.grad._version``),
+writes to ``.grad`` that bypass the version counter (``.data``, numpy views, collectives),
+tensor learning rates changed in place or by a scheduler, and parameters edited after
+``step()``. Each test runs the same sequence with the wrapped torch optimizer over a copy of the
+model and requires ``torch.equal`` parameters (and state), for every overlap mode, every
+streamed share (all on the CPU, all streamed, both; and streaming during backward) and both
+orders of the simulated device's side work (``_support.hybrid_cases``)."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _support.hybrid_cases import (
+    Split, assert_same_params, assert_same_state, devices, gloo, hybrid, loss_of, made, net,
+    settle, splits,
+)
+
+assert gloo and made  # fixtures
+
+OPTIMIZERS = {
+    "SGD-momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    "AdamW-fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+    "AdamW-for-loop": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=False)),
+}
+optimizers = pytest.mark.parametrize("name", list(OPTIMIZERS))
+
+
+def pair(made, split, device, cls=None, **kw):
+    """(hybrid, its model) and (wrapped class, its model): the same start; tensor arguments
+    (a tensor lr) are cloned for the wrapped class, so that each has its own."""
+    m, ref = net(), net()
+    opt = hybrid(m, split, device, cpu_optimizer_cls=cls, gpu_optimizer_cls=cls, **kw)
+    made.append(opt)
+    kw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    if cls is None:
+        cls = torch.optim.AdamW
+        kw = {"fused": True, **kw}
+    return (m, opt), (ref, cls(ref.parameters(), **kw))
+
+
+# --- defect 1: torch.amp.GradScaler ------------------------------------------------------------
+
+
+def scaled_steps(m, opt, unscale: bool, clip: bool, inf_at: int = -1, steps: int = 3) -> list:
+    """The AMP recipe; on step ``inf_at`` one gradient (the last layer's bias, offloaded) is
+    inf, so the scaler must skip that step. Returns the scale after each ``update()``."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scales = []
+    for i in range(steps):
+        loss = loss_of(m, i)
+        if i == inf_at:
+            loss = loss + m.l3.bias.sum() * math.inf
+        scaler.scale(loss).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    settle(opt)
+    return scales
+
+
+@pytest.mark.parametrize("unscale", ["step", "unscale_", "unscale_+clip"])
+@optimizers
+@devices
+@splits()
+def test_grad_scaler_equals_the_wrapped_optimizer(made, split, device, name, unscale):
+    cls, kw = OPTIMIZERS[name]
+    (m, opt), (ref, ref_opt) = pair(made, split, device, cls, **kw)
+    flags = dict(unscale=unscale != "step", clip=unscale.endswith("clip"))
+    assert scaled_steps(m, opt, **flags) == scaled_steps(ref, ref_opt, **flags)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+@optimizers
+@splits()
+def test_grad_scaler_skips_an_inf_step_as_the_wrapped_optimizer(made, split, name):
+    cls, kw = OPTIMIZERS[name]
+    (m, opt), (ref, ref_opt) = pair(made, split, "early", cls, **kw)
+    got = scaled_steps(m, opt, unscale=False, clip=False, inf_at=1)
+    want = scaled_steps(ref, ref_opt, unscale=False, clip=False, inf_at=1)
+    assert want == [1024.0, 512.0, 512.0]
+    assert got == want
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+def test_grad_scaler_issue_example(made):
+    """The issue's example: SGD, everything offloaded on the CPU, the CPU update finished
+    before ``scaler.step`` (the sleep)."""
+    (m, opt), (ref, ref_opt) = pair(made, Split("backward_update", 0.0), "late", torch.optim.SGD,
+                                    lr=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(loss_of(model, 0)).backward()
+        time.sleep(0.1)
+        scaler.step(o)
+        scaler.update()
+    assert_same_params(m, ref)
+
+
+# --- defect 2: gradient writes that do not bump the version counter ---------------------------
+
+
+def _data_div(m):
+    for p in m.parameters():
+        p.grad.data /= 2
+
+
+def _data_mul(m):
+    for p in m.parameters():
+        p.grad.data.mul_(0.3)
+
+
+def _numpy(m):
+    for p in m.parameters():
+        p.grad.numpy()[:] *= 2
+
+
+def _all_reduce(m):
+    # one process: the sum is the gradient itself; this guards that the collective's write
+    # (no version bump) is tolerated
+    for p in m.parameters():
+        dist.all_reduce(p.grad)
+
+
+def _all_to_all(m):
+    # a collective that changes the values in a one-process group, with no version bump
+    for p in m.parameters():
+        dist.all_to_all_single(p.grad, p.grad * 3)
+
+
+GRAD_WRITES = {"grad.data /= 2": _data_div, "grad.data.mul_": _data_mul,
+               "grad.numpy() *= 2": _numpy, "all_reduce": _all_reduce,
+               "all_to_all_single": _all_to_all}
+
+
+@pytest.mark.parametrize("write", list(GRAD_WRITES))
+@devices
+@splits()
+def test_grad_writes_bypassing_the_version_counter(gloo, made, split, device, write):
+    (m, opt), (ref, ref_opt) = pair(made, split, device, lr=1e-2, weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            GRAD_WRITES[write](model)
+            o.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+# --- defect 4: tensor learning rates -----------------------------------------------------------
+
+
+SCHEDULERS = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 ** s),
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.3),
+}
+
+
+class SlowAdamW(torch.optim.AdamW):
+    """AdamW whose every ``step()`` first sleeps: the CPU update of a ``next_forward`` step is
+    surely still running when ``step()`` returns (the sleep changes no number)."""
+
+    def step(self, closure=None):
+        time.sleep(0.01)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+@devices
+@splits(("next_forward",))
+def test_tensor_lr_scheduler_after_step_leaves_the_step_in_flight(made, split, device, scheduler):
+    """``scheduler.step()`` right after ``opt.step()`` fills the tensor lr in place; the update
+    that ``step()`` left running (``next_forward``) keeps the lr ``step()`` was called with."""
+    (m, opt), (ref, ref_opt) = pair(made, split, device, SlowAdamW, lr=torch.tensor(0.01),
+                                    weight_decay=0.1, fused=True)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        sched = SCHEDULERS[scheduler](o)
+        for i in range(3):
+            loss_of(model, i).backward()
+            o.step()
+            sched.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+@devices
+@splits()
+def test_tensor_lr_filled_between_backward_and_step(made, split, device):
+    (m, opt), (ref, ref_opt) = pair(made, split, device, lr=torch.tensor(0.01), weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            for g in o.param_groups:
+                g["lr"].fill_(0.01 * 3 ** -(i + 1))
+            o.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+# --- defect 8: parameters edited after step() --------------------------------------------------
+
+CLIP = 0.1  # below the initial weights' range: clamping changes parameters every step
+
+
+def _clamp_data(m):
+    for p in m.parameters():
+        p.data.clamp_(-CLIP, CLIP)
+
+
+def _clamp_no_grad(m):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.clamp_(-CLIP, CLIP)
+
+
+PARAM_EDITS = {"p.data.clamp_": _clamp_data, "no_grad p.clamp_": _clamp_no_grad}
+
+
+@pytest.mark.parametrize("edit", list(PARAM_EDITS))
+@devices
+@splits()
+def test_param_edits_after_step_are_kept(made, split, device, edit):
+    """WGAN weight clipping after every step: kept for every placement (device part, CPU
+    part, streamed part), as the wrapped optimizer keeps it."""
+    (m, opt), (ref, ref_opt) = pair(made, split, device, lr=1e-2, weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            o.step()
+            settle(o)  # next_forward: the parameters are read (and written) outside a forward
+            PARAM_EDITS[edit](model)
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
