@@ -524,7 +524,7 @@ class CpuPart:
     def free_grads(self) -> None:
         """``zero_grad(set_to_none=True)`` is about to drop the gradients (simulation check)."""
         for p in self.params:
-            if p.grad is not None:
+            if p.grad is not None and p.grad.layout == torch.strided:  # (sparse: never copied)
                 self.device.will_free(p.grad)
 
 

@@ -288,8 +288,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sizes = [p.numel() * p.element_size() for p in params]
         order = self.options.grad_order
         arrival = arrival_from_order(params, order) if order is not None else default_arrival(len(params))
-        arrival = [i for i in arrival if sizes[i] > 0]
-        chosen = choose_offloaded(sizes, arrival, self.offload_fraction)
+        chosen = [i for i in choose_offloaded(sizes, arrival, self.offload_fraction) if sizes[i] > 0]
         offloaded = set(chosen)
         hypers = snapshot_hypers(self.param_groups)
         on_cpu, streamed = self._split([params[i] for i in chosen], chosen, hypers)
