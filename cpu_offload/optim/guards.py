@@ -6,12 +6,12 @@ user code may change before ``step()``: clipping, unscaling, ``p.grad.data /= wo
 scheduler, ``group["lr"].fill_()``, a weight clamp after the last step. Three kinds of change are
 possible, and each has its witness here:
 
-- **A tensor's content** (``Fingerprint``): its identity, its ``_version``, and a 64-bit sum of
-  its raw bits computed on its own device. The version sees every in-place change made through
+- **A tensor's content** (``Fingerprint``): its identity, its ``_version``, and a sum of its
+  raw bits (32-bit words, modulo 2**32) computed on its own device. The version sees every in-place change made through
   autograd-visible aliases; the sum also sees writes that bypass the version counter
   (``.data``, ``torch.amp`` unscaling kernels, numpy views, collectives writing into the buffer).
-  A write that only permutes values through ``.data`` keeps the sum and is not seen; no other
-  change of a value can keep it except by a 2**-64 coincidence.
+  A write that only permutes values through ``.data`` keeps the sum and is not seen; any other
+  change keeps it only by a 2**-32 coincidence.
 - **Hyperparameters** (``snapshot_hypers`` / ``same_hypers``): a copy of every group's entries
   taken when an update starts, tensors cloned, so that an update in flight never sees a later
   ``scheduler.step()`` and ``step()`` can tell an in-place ``fill_`` from no change.
@@ -54,9 +54,13 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim int64 tensor on ``t``'s device: the sum of ``t``'s raw bits as integer words.
+    """A 0-dim integer tensor on ``t``'s device: the sum of ``t``'s raw bits as 32-bit words,
+    modulo 2**32 (smaller words for tensors that 32-bit words do not tile).
 
-    Equal bits give equal sums on any device (integer addition is exact and order-free).
+    Equal bits give equal sums on any device: modular integer addition is exact and does not
+    depend on the order. Accumulating in the words' own width needs no widened copy of ``t``
+    (a sum into int64 would first convert the whole tensor: twice its bytes, at the peak of
+    backward).
 
     Example::
 
@@ -69,8 +73,9 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
         True
     """
     if t.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=t.device)
-    return _words(t).sum(dtype=torch.int64)
+        return torch.zeros((), dtype=torch.int32, device=t.device)
+    words = _words(t)
+    return words.sum(dtype=torch.int32 if words.dtype == torch.int32 else torch.int64)
 
 
 @dataclass
@@ -101,8 +106,8 @@ def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list
     for i in todo:
         by_device.setdefault(pairs[i][0].bits.device, []).append(i)
     for idx in by_device.values():
-        before = torch.stack([pairs[i][0].bits for i in idx])
-        now = torch.stack([bit_sum(pairs[i][1]) for i in idx])
+        before = torch.stack([pairs[i][0].bits.to(torch.int64) for i in idx])
+        now = torch.stack([bit_sum(pairs[i][1]).to(torch.int64) for i in idx])
         for i, diff in zip(idx, (before != now).tolist()):
             out[i] = bool(diff)
     return out
