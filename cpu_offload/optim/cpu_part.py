@@ -121,9 +121,10 @@ class CpuPart:
         bs = st.buckets[b]
         with st.lock:
             if not self.early_copies:
-                st.watch[id(p)] = None if id(p) in st.watch else Fingerprint.of(grad)
+                again = id(p) in st.watch
+                st.watch[id(p)] = None if again or reduced else Fingerprint.of(grad)
                 if reduced:
-                    st.pending[id(p)] = st.watch[id(p)]
+                    st.pending[id(p)] = not again
                 return
             if k in bs.copies:  # a second backward reached p before step(): stale
                 bs.copies[k].stale = True
@@ -132,10 +133,10 @@ class CpuPart:
                 return  # landed already (a late hook after step() flushed): step() redoes it
             src = grad if grad.is_contiguous() and grad.dtype == p.dtype else grad.contiguous().to(p.dtype)
             self.engine.grad_out(p, src)
-            fp = Fingerprint.of(grad)
-            bs.copies[k] = GradCopy(None if reduced else fp, keep=src if src is not grad else None)
+            bs.copies[k] = GradCopy(None if reduced else Fingerprint.of(grad),
+                                    keep=src if src is not grad else None)
             if reduced:
-                st.pending[id(p)] = fp
+                st.pending[id(p)] = True
             if bs.phase is Phase.IDLE:
                 bs.move(Phase.COPYING)
             bs.remaining -= 1
@@ -154,16 +155,17 @@ class CpuPart:
             self._queue(st, [b], st.early_hypers, None, None, early=True, locked=True)
 
     def record_reduced(self) -> None:
-        """DDP's end of backward: ``.grad`` now holds the reduced gradients the hooks copied;
-        each copy's fingerprint becomes ``.grad`` with the bits that were copied."""
+        """DDP's end of backward: ``.grad`` now holds the reduced gradients the hooks copied
+        (DDP writes them from the buckets the copies read); fingerprint them, for ``step()``
+        to see later changes."""
         st = self.backward_step
         if st is None:
             return
         with st.lock:
-            for pid, fp in st.pending.items():
+            for pid, seen in st.pending.items():
                 b, k = self.where[pid]
                 g = self._param(pid).grad
-                rec = None if g is None or fp is None else Fingerprint(g, g._version, fp.bits)
+                rec = Fingerprint.of(g) if g is not None and seen else None
                 copy = st.buckets[b].copies.get(k)
                 if copy is not None and copy.fingerprint is None:
                     copy.fingerprint = rec

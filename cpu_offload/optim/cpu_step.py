@@ -120,7 +120,7 @@ class CpuStep:
     validated: bool = False
     early_hypers: Optional[list[dict]] = None  # the snapshot early updates use
     watch: dict[int, Optional[Fingerprint]] = field(default_factory=dict)
-    pending: dict[int, Any] = field(default_factory=dict)  # DDP: id(p) -> bits copied, .grad unknown
+    pending: dict[int, bool] = field(default_factory=dict)  # DDP: reduced gradient seen, .grad not yet
     ddp_record_queued: bool = False
     cpu_update_s: float = 0.0
     jobs: list[tuple[float, float, float]] = field(default_factory=list)

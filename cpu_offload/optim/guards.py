@@ -7,7 +7,7 @@ scheduler, ``group["lr"].fill_()``, a weight clamp after the last step. Three ki
 possible, and each has its witness here:
 
 - **A tensor's content** (``Fingerprint``): its identity, its ``_version``, and a sum of its
-  raw bits (32-bit words, modulo 2**32) computed on its own device. The version sees every in-place change made through
+  raw bits (``bit_sum``) computed on its own device. The version sees every in-place change made through
   autograd-visible aliases; the sum also sees writes that bypass the version counter
   (``.data``, ``torch.amp`` unscaling kernels, numpy views, collectives writing into the buffer).
   A write that only permutes values through ``.data`` keeps the sum and is not seen; any other
@@ -41,41 +41,40 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as the widest integer words that tile it (flat; a copy if ``t`` is not
-    contiguous)."""
-    raw = t.detach().reshape(-1).view(torch.uint8)
-    for dtype in (torch.int32, torch.int16):
-        try:
-            return raw.view(dtype)
-        except RuntimeError:  # size or offset not a multiple of the word
-            continue
-    return raw
-
-
 def bit_sum(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim integer tensor on ``t``'s device: the sum of ``t``'s raw bits as 32-bit words,
-    modulo 2**32 (smaller words for tensors that 32-bit words do not tile).
+    """A 1-d tensor of two float64 values on ``t``'s device that change when ``t``'s bits do:
+    the sum of its raw bits as integer words, and the sum of its values.
 
-    Equal bits give equal sums on any device: modular integer addition is exact and does not
-    depend on the order. Accumulating in the words' own width needs no widened copy of ``t``
-    (a sum into int64 would first convert the whole tensor: twice its bytes, at the peak of
-    backward).
+    On the CPU the word sum is an exact (int64) sum of the bytes. On an accelerator it is taken modulo 2**32 in
+    32-bit words: a sum into int64 would first convert the whole tensor (twice its bytes, at
+    the peak of backward). A modular word sum misses one common edit, a power-of-two scaling of
+    a tensor whose size has many factors of two (every word moves by the same amount); the
+    value sum, accumulated in fp32 or wider without a copy, sees exactly that. Both are
+    deterministic for the same tensor; equal bits give equal results.
 
     Example::
 
         >>> import torch
-        >>> g = torch.ones(4, dtype=torch.bfloat16)
+        >>> g = torch.ones(256)
         >>> before = bit_sum(g)
-        >>> g.data.mul_(2)                           # bypasses g._version's view of .data
-        tensor([2., 2., 2., 2.], dtype=torch.bfloat16)
-        >>> bool(bit_sum(g) != before)
+        >>> _ = g.data.mul_(2)                       # bypasses g._version's view of .data
+        >>> bool((bit_sum(g) != before).any())
         True
     """
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.int32, device=t.device)
-    words = _words(t)
-    return words.sum(dtype=torch.int32 if words.dtype == torch.int32 else torch.int64)
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    if t.device.type == "cpu" or raw.numel() < 4:
+        words = raw.sum(dtype=torch.int64)
+    else:
+        head = -raw.storage_offset() % 4  # bytes before the first 4-aligned one
+        body = max(0, raw.numel() - head) // 4 * 4
+        words = raw[:head].sum(dtype=torch.int64) + raw[head + body:].sum(dtype=torch.int64)
+        if body:
+            words = words + raw[head: head + body].view(torch.int32).sum(dtype=torch.int32)
+    if t.is_floating_point() and t.numel():
+        values = t.detach().sum(dtype=torch.float32 if t.element_size() <= 4 else t.dtype)
+    else:
+        values = torch.zeros((), dtype=torch.float64, device=t.device)
+    return torch.stack([words.to(torch.float64), values.to(torch.float64)])
 
 
 @dataclass
@@ -106,9 +105,9 @@ def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list
     for i in todo:
         by_device.setdefault(pairs[i][0].bits.device, []).append(i)
     for idx in by_device.values():
-        before = torch.stack([pairs[i][0].bits.to(torch.int64) for i in idx])
-        now = torch.stack([bit_sum(pairs[i][1]).to(torch.int64) for i in idx])
-        for i, diff in zip(idx, (before != now).tolist()):
+        before = torch.stack([pairs[i][0].bits for i in idx])
+        now = torch.stack([bit_sum(pairs[i][1]) for i in idx])
+        for i, diff in zip(idx, (before != now).any(dim=1).tolist()):
             out[i] = bool(diff)
     return out
 

@@ -692,7 +692,7 @@ def test_fraction_one_holds_no_optimizer_state_on_the_gpu_and_no_late_pinned_all
     optim_cuda.train(m, opt, 1)
     torch.cuda.synchronize()
     assert dev.host_allocs == allocs
-    assert opt._gpu_opt is None
+    assert opt._dev_part.optimizer is None
     sd = opt.state_dict()
     assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values()
                if isinstance(t, torch.Tensor))
