@@ -13,7 +13,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cpu_offload import OffloadConfigError, SimulatedDevice
