@@ -62,7 +62,7 @@ class OptimizerOffloadOptions:
         >>> OptimizerOffloadOptions(bucket_bytes=True)
         Traceback (most recent call last):
         ...
-        cpu_offload.core.errors.OffloadConfigError: bucket_bytes must be an integer >= 1 (bytes), got True (a bool)
+        cpu_offload.OffloadConfigError: bucket_bytes must be an integer >= 1 (bytes), got True (a bool)
     """
 
     overlap: Optional[str] = None
