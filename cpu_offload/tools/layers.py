@@ -35,8 +35,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..compat import eager_between_graphs, in_backward, in_checkpoint_region
+from ..compat import (
+    checkpoint_sac_hooks_kwargs, eager_between_graphs, in_backward, in_checkpoint_region,
+)
 from ..core.errors import OffloadConfigError, OffloadUsageError
+from ..v2.policies import SAC_RESPECTS_OFFLOAD_HOOKS
 
 __all__ = [
     "as_layer_list", "base_class", "check_not_instrumented", "driver_of", "find_block_list",
@@ -96,6 +99,13 @@ def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
     state.driver.abort(token, exc)
 
 
+# How the package's checkpoints run: non-reentrant, and (torch >= 2.15) with
+# respect_saved_tensors_hooks chosen explicitly, not left to torch's default, which warns now and
+# is to change (see Note [SAC-cached tensors and the offload hooks] in v2/policies.py).
+_CHECKPOINT_KWARGS = {"use_reentrant": False,
+                      **checkpoint_sac_hooks_kwargs(SAC_RESPECTS_OFFLOAD_HOOKS)}
+
+
 def _base_call(
     self: nn.Module, state: Optional[_LayerState], checkpointed: bool, *args: Any, **kwargs: Any
 ) -> Any:
@@ -103,10 +113,10 @@ def _base_call(
     if checkpointed:
         if state.context_fn is not None:  # a selective-checkpoint policy
             return checkpoint(
-                base.__call__, self, *args, use_reentrant=False, context_fn=state.context_fn,
+                base.__call__, self, *args, context_fn=state.context_fn, **_CHECKPOINT_KWARGS,
                 **kwargs,
             )
-        return checkpoint(base.__call__, self, *args, use_reentrant=False, **kwargs)
+        return checkpoint(base.__call__, self, *args, **_CHECKPOINT_KWARGS, **kwargs)
     return base.__call__(self, *args, **kwargs)
 
 
