@@ -208,29 +208,17 @@ class OffloadCallback(TrainerCallback):
             out = model(*args, **kwargs)
             scalar_loss(out).backward()
 
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         plan_kwargs = dict(self.plan_kwargs)
         for key in ("device", "min_tensor_size_to_offload"):
             if key in self.offload_kwargs:
                 plan_kwargs.setdefault(key, self.offload_kwargs[key])
         self._planning = True
-        try:
-            with torch.random.fork_rng(devices=cuda):
-                for p in params:
-                    p.grad = None
-                start = time.perf_counter()
-                self.plan = plan_offloading(step, self._layers, self.memory_budget, **plan_kwargs)
-                self.plan_seconds = time.perf_counter() - start
+        try:  # planning restores the gradients, buffers and random state itself
+            start = time.perf_counter()
+            self.plan = plan_offloading(step, self._layers, self.memory_budget, **plan_kwargs)
+            self.plan_seconds = time.perf_counter() - start
         finally:
             self._planning = False
-            for p, g in zip(params, grads):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
         self._apply()
         return None
 

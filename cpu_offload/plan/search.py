@@ -32,6 +32,8 @@ from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from ..core.units import format_bytes
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
+from ..tools.layers import as_layer_list
+from .guard import untouched
 from .model import HostCost, LayerProfile, simulate, spread_layers
 from .profile import StepProfile, profile_step
 from .verify import MeasureHook, check_verify_candidates, verify_plans
@@ -640,12 +642,19 @@ def plan_offloading(
     ``apply_offloading`` and before enabling gradient checkpointing (a checkpointed layer hides
     what it saves).
 
+    Planning does not train the model: it refuses an optimizer step in ``step_fn`` (raised
+    before the step changes anything), and when it returns or raises, the parameters'
+    gradients, the buffers (e.g. BatchNorm statistics) and the random number generators
+    (torch's CPU and CUDA ones, Python's ``random``) are as they were: each gradient is set
+    aside before the step first reaches it and put back, and the buffers and generators are
+    restored (``cpu_offload.plan.guard``).
+
     Args:
-        step_fn: runs one training step (forward and backward; no optimizer step needed). It
-            is called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
+        step_fn: runs one training step: forward and backward, no optimizer step (refused, see
+            above; a gradient scaler's ``scaler.scale(loss).backward()`` is fine). It is
+            called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
             with ``selective`` (see ``profile_step``), plus ``3 * repeats`` per verified
-            candidate; the gradients it accumulates are left as they are (zero them
-            afterwards).
+            candidate.
         layers: the model's layers, as for ``apply_offloading``.
         memory_budget: peak memory of the step, above what it starts with: bytes (``int``), or
             a ``float`` in (0, 1], the fraction of the peak of the step without offloading
@@ -694,7 +703,7 @@ def plan_offloading(
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
             message names it, and the exception's ``lowest_peak_bytes`` holds it), a flag that
             is not a ``bool`` or a count that is not an ``int``, or a ``step_fn`` that runs
-            only some of ``layers`` or no backward through them.
+            only some of ``layers``, no backward through them, or an optimizer step.
         Exception: what ``step_fn`` raised in every verified candidate (one that raises only
             with some candidates rejects those; no plan stays applied either way).
 
@@ -746,17 +755,18 @@ def plan_offloading(
     check_bool("partial", partial)
     check_bool("spread", spread)
     check_verify_candidates(verify_candidates)
-    prof = profile_step(
-        step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
-        link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
-    )
-    best = plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
-    cuda = device is None or device.name == "cuda"
-    count = (3 if cuda else 0) if verify_candidates is None else verify_candidates
-    candidates = shortlist(best, count, peaks_measured=cuda)
-    if not candidates:
-        return best
-    chosen, trials = verify_plans(step_fn, layers, candidates, repeats, cuda, _measure)
+    with untouched(as_layer_list(layers, find=True), step_fn) as step:
+        prof = profile_step(
+            step, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
+            link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
+        )
+        best = plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
+        cuda = device is None or device.name == "cuda"
+        count = (3 if cuda else 0) if verify_candidates is None else verify_candidates
+        candidates = shortlist(best, count, peaks_measured=cuda)
+        if not candidates:
+            return best
+        chosen, trials = verify_plans(step, layers, candidates, repeats, cuda, _measure)
     return replace(chosen, alternatives=best.alternatives, verified=trials)
 
 
