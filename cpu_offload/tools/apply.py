@@ -281,7 +281,8 @@ def apply_offloading(
     Args:
         layers: the modules that run once each, in this order, in every forward pass, e.g.
             ``model.model.layers`` of a Hugging Face decoder; ``model_layers`` is ``len(layers)``.
-            A whole model works too: its one list of repeated blocks is used
+            A whole model works too, also an ``nn.Sequential`` of an embedding, an encoder
+            and a head: its one list of repeated blocks is used, however deep
             (``cpu_offload.find_block_list``; ``OffloadConfigError`` naming the
             candidates when there are several).
         num_layers: offload the activations of the first ``num_layers`` layers (the default

@@ -226,9 +226,13 @@ def find_block_list(model: nn.Module) -> nn.ModuleList:
         )
     names = ", ".join(f"{_path(n)} ({len(m)} x {type(m[0]).__name__})" for n, m in found)
     first = _path(found[0][0])
+    children = (
+        f", or apply_offloading(list(model), ...) to offload its {len(model)} children as the "
+        "layers" if isinstance(model, (nn.Sequential, nn.ModuleList)) else "")
     raise OffloadConfigError(
         f"this {type(model).__name__} has several lists of repeated blocks: {names}; pass the one "
-        f"to offload: apply_offloading({first}, ...), or layers={first} in the Trainer callback"
+        f"to offload: apply_offloading({first}, ...), or layers={first} in the Trainer "
+        f"callback{children}"
     )
 
 
@@ -236,8 +240,15 @@ def as_layer_list(
     layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers", find: bool = False
 ) -> list:
     """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is; with
-    ``find``, a whole model -> its repeated blocks (``find_block_list``)."""
+    ``find``, a whole model -> its repeated blocks (``find_block_list``).
+
+    With ``find``, a ``Sequential``/``ModuleList`` of modules of several classes that holds a
+    list of repeated blocks deeper down is a model, not a layer list: ``nn.Sequential(Embedding,
+    TransformerEncoder, Linear)`` offloads ``[1].layers``, not the whole encoder as one layer
+    (several such lists: ``find_block_list``'s error names them, and ``list(model)``)."""
     if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        if find and len({type(m) for m in layers}) > 1 and block_lists(layers):
+            return as_layer_list(find_block_list(layers), what)
         out = list(layers)
     elif isinstance(layers, nn.Module):
         if find and block_lists(layers):
