@@ -20,6 +20,7 @@ its capacity.
 """
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass, field, replace
 from itertools import product
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import nn
 
-from ..core.checks import check_bool
+from ..core.checks import check_bool, is_count
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from ..core.units import format_bytes
@@ -283,6 +284,8 @@ def plan(
     base_ms, base_peak, extra_ms, extra = _baseline(
         profiles, d2h_gbps, h2d_gbps, profile.peak_bytes, profile.step_ms, memory_timeline,
     )
+    if memory_budget is not None:
+        memory_budget = check_memory_budget(memory_budget)
     if isinstance(memory_budget, float):
         memory_budget_bytes: Optional[int] = int(memory_budget * base_peak)
     else:
@@ -740,18 +743,7 @@ def plan_offloading(
         >>> step()
         >>> handle.remove()
     """
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
-        raise OffloadConfigError(
-            f"memory_budget must be bytes (int) or a fraction in (0, 1] (float), got "
-            f"{memory_budget!r}"
-        )
-    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
-        raise OffloadConfigError(
-            f"memory_budget={memory_budget} as a float is a fraction of the peak without "
-            "offloading and must be in (0, 1]; pass an int for bytes"
-        )
-    if isinstance(memory_budget, int) and memory_budget <= 0:
-        raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+    memory_budget = check_memory_budget(memory_budget)
     check_bool("partial", partial)
     check_bool("spread", spread)
     check_verify_candidates(verify_candidates)
@@ -762,12 +754,41 @@ def plan_offloading(
         )
         best = plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
         cuda = device is None or device.name == "cuda"
-        count = (3 if cuda else 0) if verify_candidates is None else verify_candidates
+        count = (3 if cuda else 0) if verify_candidates is None else int(verify_candidates)
         candidates = shortlist(best, count, peaks_measured=cuda)
         if not candidates:
             return best
         chosen, trials = verify_plans(step, layers, candidates, repeats, cuda, _measure)
     return replace(chosen, alternatives=best.alternatives, verified=trials)
+
+
+def check_memory_budget(value: Any) -> Union[int, float]:
+    """``memory_budget`` as a plain ``int`` (bytes of peak above the step's start) or ``float``
+    (a fraction in (0, 1] of the peak without offloading); NumPy numbers count as theirs.
+
+    Example::
+
+        >>> check_memory_budget(0.5), check_memory_budget(2 << 30)
+        (0.5, 2147483648)
+        >>> check_memory_budget(2.0)
+        Traceback (most recent call last):
+        ...
+        cpu_offload.OffloadConfigError: memory_budget=2.0 as a float is a fraction of the peak without offloading and must be in (0, 1]; pass an int for bytes
+    """
+    if is_count(value):
+        if value <= 0:
+            raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {value}")
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not 0.0 < float(value) <= 1.0:
+            raise OffloadConfigError(
+                f"memory_budget={value} as a float is a fraction of the peak without "
+                "offloading and must be in (0, 1]; pass an int for bytes"
+            )
+        return float(value)
+    raise OffloadConfigError(
+        f"memory_budget must be bytes (int) or a fraction in (0, 1] (float), got {value!r}"
+    )
 
 
 def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:

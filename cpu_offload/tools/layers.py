@@ -259,7 +259,13 @@ def as_layer_list(
             f"got one {type(layers).__name__}; pass [module] for a single layer"
         )
     else:
-        out = list(layers)
+        try:
+            out = list(layers)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be the model's layers (an nn.ModuleList, nn.Sequential or a list "
+                f"of modules, e.g. model.model.layers), got {layers!r}"
+            ) from None
     bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
     if bad:
         raise TypeError(f"{what} must contain nn.Modules, got {', '.join(bad)}")
