@@ -7,11 +7,15 @@ run it inside ``untouched(layers, step_fn)``, which
   raises ``OffloadConfigError`` naming how to write ``step_fn``. A step taken cannot be undone
   from outside (learning-rate schedulers and gradient scalers count steps where planning cannot
   see them), so none is taken;
-- sets each parameter's gradient aside before the step first reaches it and puts it back at the
-  end, the tensor itself (planning accumulates into fresh ones): the layers' parameters at the
-  start, every other module's (embedding, head) when its forward first runs, seen by a global
-  forward pre-hook during the first call of ``step_fn`` only (the timed calls run without it);
-- restores the buffers of those modules (BatchNorm statistics, counters) in place;
+- copies each parameter's gradient to host memory before the step first reaches it, and at the
+  end writes the copy back into the same gradient tensor (and a gradient that was ``None`` is
+  ``None`` again): the layers' parameters at the start, every other module's (embedding, head)
+  when its forward first runs, seen by a global forward pre-hook during the first call of
+  ``step_fn`` only (the timed calls run without it). The gradients stay where they are while
+  planning runs, so the step is measured as it runs in training: persistent gradient buffers
+  zeroed in place stay allocated, and code that zeroes them finds them;
+- restores the buffers of those modules (BatchNorm statistics, counters) in place, from host
+  copies too (device memory is what planning measures);
 - restores torch's random number generators (the CPU's and every CUDA device's) and Python's
   ``random``,
 
@@ -46,27 +50,35 @@ STEP_REFUSED = (
 _active = [False]  # plan_offloading calls profile_step: the outer guard does the work
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
 class _Snapshot:
-    """Gradients set aside and buffer copies, per tensor, each taken once."""
+    """Host copies of gradients and buffers, per tensor, each taken once."""
 
     def __init__(self) -> None:
-        self.grads: dict = {}  # id(parameter) -> (parameter, its gradient set aside)
-        self.buffers: dict = {}  # (id(module), name) -> (module, name, buffer, copy)
+        self.grads: dict = {}  # id(parameter) -> (parameter, its gradient, host copy)
+        self.buffers: dict = {}  # (id(module), name) -> (module, name, buffer, host copy)
 
     def take(self, module: nn.Module, recurse: bool) -> None:
         for p in module.parameters(recurse=recurse):
             if id(p) not in self.grads:
-                self.grads[id(p)] = (p, p.grad)
-                p.grad = None
+                grad = p.grad
+                self.grads[id(p)] = (p, grad, None if grad is None else _host_copy(grad))
         for m in module.modules() if recurse else (module,):
             for name, b in m.named_buffers(recurse=False):
                 if (id(m), name) not in self.buffers:
-                    self.buffers[(id(m), name)] = (m, name, b, b.detach().clone())
+                    self.buffers[(id(m), name)] = (m, name, b, _host_copy(b))
 
     def restore(self) -> None:
-        for p, grad in self.grads.values():
-            p.grad = grad
         with torch.no_grad():
+            for p, grad, saved in self.grads.values():
+                if grad is not None and grad.layout == torch.strided:
+                    grad.copy_(saved)  # the same tensor: views of it (DDP's buckets) stay so
+                elif grad is not None:  # sparse: a copy
+                    grad = saved.to(grad.device)
+                p.grad = grad
             for m, name, b, saved in self.buffers.values():
                 if getattr(m, name, None) is not b:  # replaced, not updated in place
                     setattr(m, name, b)

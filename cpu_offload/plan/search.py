@@ -648,9 +648,12 @@ def plan_offloading(
     Planning does not train the model: it refuses an optimizer step in ``step_fn`` (raised
     before the step changes anything), and when it returns or raises, the parameters'
     gradients, the buffers (e.g. BatchNorm statistics) and the random number generators
-    (torch's CPU and CUDA ones, Python's ``random``) are as they were: each gradient is set
-    aside before the step first reaches it and put back, and the buffers and generators are
-    restored (``cpu_offload.plan.guard``).
+    (torch's CPU and CUDA ones, Python's ``random``) are as they were: each gradient and buffer
+    is copied to host memory before the step first reaches it and written back at the end, and
+    the generators are restored (``cpu_offload.plan.guard``). The gradients stay in place while
+    it runs, so a step that zeroes persistent gradient buffers in place is measured as it runs
+    (the gradients of modules outside ``layers`` that ``step_fn`` zeroes before its forward
+    reaches them stay as ``step_fn`` leaves them).
 
     Args:
         step_fn: runs one training step: forward and backward, no optimizer step (refused, see

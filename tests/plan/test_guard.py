@@ -122,3 +122,26 @@ def test_restored_also_when_step_fn_raises():
     with pytest.raises(RuntimeError, match="ran dry"):
         plan(fails_on_the_third_call, net)
     assert_same(before, state_of(net))
+
+
+def test_persistent_gradient_buffers_zeroed_in_place_by_the_step():
+    """A step that zeroes its gradient buffers in place (persistent buffers, as the reference
+    workload keeps them) finds them during planning, and the layers' come back. (The other
+    modules' are copied when the step's forward first reaches them: after this step zeroed
+    them, so they stay zero, as the step leaves them; see cpu_offload.plan.guard.)"""
+    net, opt, sched, x = setup()
+    before = state_of(net)
+    grads = [p.grad for p in net.parameters()]
+
+    def zeroing_step():
+        for g in grads:
+            g.zero_()
+        net(x).square().mean().backward()
+
+    plan(zeroing_step, net)
+    after = state_of(net)
+    outside = ("embed.", "head.")
+    assert_same({k: v for k, v in before.items() if "grad value" not in k or "layers." in k},
+                {k: v for k, v in after.items() if "grad value" not in k or "layers." in k})
+    assert all(not after[k].any() for k in after if k.startswith("grad value")
+               and k.split()[-1].startswith(outside))
