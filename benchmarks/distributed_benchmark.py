@@ -21,7 +21,7 @@ at once (a lower bound for the copies alone); and whether every gradient on this
 ranks) and writes ``distributed.json`` under ``--out``.
 
 ``--device cpu`` runs the same code on the CPU with gloo and the simulated device (a smoke test
-of the script: times there mean nothing).
+of the script: times there mean nothing); it is the default where CUDA is not available.
 """
 from __future__ import annotations
 
@@ -41,9 +41,13 @@ from cpu_offload import SimulatedDevice, compat, get_cpu_offload_context  # noqa
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input  # noqa: E402
 
 
+DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=DEFAULT_DEVICE,
+                   help="default: cuda where CUDA is available, else cpu (gloo, simulated device)")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
@@ -55,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wrappers", default="single,ddp,fsdp2")
     p.add_argument("--link-mib", type=int, default=1024, help="buffer for the link measurement")
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but CUDA is not available here; run with --device cpu (gloo and "
+                "the simulated device), the default on such machines")
+    return args
 
 
 class Runner:

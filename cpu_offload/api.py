@@ -179,6 +179,10 @@ def get_cpu_offload_context(
         min_tensor_size_to_offload=min_tensor_size_to_offload, verify=verify,
         max_host_bytes=max_host_bytes,
     )
+    # NumPy integers pass the checks (numbers.Integral): the backends get plain ints
+    num_layers, model_layers, min_tensor_size_to_offload, max_host_bytes = (
+        None if v is None else int(v)
+        for v in (num_layers, model_layers, min_tensor_size_to_offload, max_host_bytes))
     device = resolve_device(device)
     if use_v1():
         v2_only = {

@@ -5,9 +5,11 @@ backends read as plain code and a new torch release means editing one module.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+import torch.utils.checkpoint
 from packaging.version import Version
 
 TORCH_VERSION = Version(torch.__version__.split("+")[0])
@@ -542,6 +544,32 @@ def current_dispatch_mode() -> Any:
 def sac_cache(forward_context: Any) -> dict:
     """The cache of the forward context that ``create_selective_checkpoint_contexts`` made."""
     return forward_context.storage
+
+
+# torch 2.15 added ``checkpoint(..., respect_saved_tensors_hooks=None|False|True)``: whether the
+# tensors selective activation checkpointing (SAC) caches outside the autograd graph go through
+# the saved-tensor hooks around the checkpoint (an offloader's). ``None`` keeps the old behaviour
+# (they bypass the hooks) and warns (``FutureWarning``) where such hooks are in scope; torch plans
+# an error for ``None`` next, then ``True`` as the default. Releases before 2.15 lack the
+# argument and behave as ``False``. torch sets the choice only on its own SAC forward mode
+# (``_CachingTorchDispatchMode``), as an attribute, after ``context_fn`` made it.
+SAC_HOOKS_ARG = "respect_saved_tensors_hooks"
+CHECKPOINT_HAS_SAC_HOOKS_ARG = (
+    SAC_HOOKS_ARG in inspect.signature(torch.utils.checkpoint.checkpoint).parameters)
+
+
+def checkpoint_sac_hooks_kwargs(respect: bool) -> dict:
+    """The keyword that chooses ``respect`` explicitly for ``torch.utils.checkpoint.checkpoint``
+    where torch has it (``{}`` before torch 2.15, whose behaviour is ``False``)."""
+    return {SAC_HOOKS_ARG: respect} if CHECKPOINT_HAS_SAC_HOOKS_ARG else {}
+
+
+def set_sac_respects_hooks(forward_context: Any, respect: bool) -> None:
+    """Choose ``respect`` on torch's SAC forward context itself: what ``checkpoint`` does with
+    its argument, for a context that wraps torch's (``checkpoint`` sets it only on torch's own
+    class). Nothing before torch 2.15."""
+    if CHECKPOINT_HAS_SAC_HOOKS_ARG:
+        setattr(forward_context, SAC_HOOKS_ARG, respect)
 
 
 def cpu_offload_policies() -> frozenset:

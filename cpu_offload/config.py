@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from .core.checks import bool_problem, int_problem
+from .core.checks import bool_problem, int_problem, is_count
 from .api import get_cpu_offload_context
 from .core.errors import OffloadConfigError
 from .optim import HybridDeviceOptimizer
@@ -157,7 +157,7 @@ class ActivationOffloadConfig:
         problem = int_problem("cpu_offloading_num_layers", k)
         if problem is not None:
             out.append(problem)
-        elif not self.manual_synchronization and isinstance(n, int) and n >= 1:
+        elif not self.manual_synchronization and is_count(n) and n >= 1:
             # Offloading no layer (k = 0) is always allowed, even for a one-layer model.
             if k != 0 and not 0 <= k < n - 1:
                 out.append(

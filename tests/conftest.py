@@ -20,6 +20,9 @@ from cpu_offload.examples.gpt import build_model, make_input
 
 from _support import gpt_cuda
 
+# CPU_OFFLOAD_STRICT_WARNINGS=1 (tox's newest-torch env): torch's deprecations of our calls fail
+from _support.strict_warnings import pytest_configure  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -244,6 +244,10 @@ def runner_main(job_path: str, result_path: str) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
+    from _support import strict_warnings  # this file's folder is the runner's sys.path[0]
+
+    if strict_warnings.enabled():
+        strict_warnings.install()
     job = json.loads(Path(job_path).read_text())
     result: dict = {"help": {}, "python": {}, "seconds": {}}
     for kind, target in job["helps"]:

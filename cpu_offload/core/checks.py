@@ -1,5 +1,6 @@
-"""Type checks for the arguments of the public API: a flag must be a real ``bool``, a count a
-real ``int``, and the error names the argument.
+"""Type checks for the arguments of the public API: a flag must be a real ``bool``, a count an
+integer (``int``, or any ``numbers.Integral``: NumPy's integers) but not a ``bool``, and the
+error names the argument.
 
 Configs read from YAML, JSON, environment variables or the command line often carry ``"False"``
 or ``"0"`` as strings. A non-empty string is true, so ``enabled="False"`` would switch offloading
@@ -8,11 +9,52 @@ Every public entry point runs its flags and counts through these functions befor
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import difflib
+import numbers
+from typing import Any, Iterable, Optional
 
 from .errors import OffloadConfigError
 
-__all__ = ["bool_problem", "check_bool", "check_context_types", "check_int", "int_problem"]
+__all__ = [
+    "bool_problem", "check_bool", "check_context_types", "check_int", "check_keywords",
+    "int_problem", "is_count",
+]
+
+
+def is_count(value: Any) -> bool:
+    """Whether ``value`` may be passed where the API takes an ``int``: any ``numbers.Integral``
+    (``np.int64(2)`` is one, though not an ``int``: indices from NumPy arrays, configs read with
+    NumPy), except a ``bool``, an ``int`` subclass that would count a flag as 0 or 1.
+
+    Example::
+
+        >>> is_count(2), is_count(True), is_count(2.0)
+        (True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_keywords(caller: str, given: Iterable[str], accepted: Iterable[str], to: str) -> None:
+    """``TypeError`` for a keyword ``caller`` forwards to ``to`` that ``to`` does not take, named
+    against ``caller`` (the function the user called) with the closest accepted name, before
+    anything runs.
+
+    Example::
+
+        >>> check_keywords("apply_offloading", ["min_tensor_size"],
+        ...                ["device", "min_tensor_size_to_offload"], "get_cpu_offload_context")
+        Traceback (most recent call last):
+        ...
+        TypeError: apply_offloading() got an unexpected keyword argument 'min_tensor_size' (did you mean 'min_tensor_size_to_offload'?); the keywords it passes on to get_cpu_offload_context are: device, min_tensor_size_to_offload
+    """
+    accepted = sorted(accepted)
+    for name in sorted(set(given) - set(accepted)):
+        close = difflib.get_close_matches(name, accepted, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"{caller}() got an unexpected keyword argument {name!r}{hint}; the keywords it "
+            f"passes on to {to} are: {', '.join(accepted)}"
+        )
 
 
 def bool_problem(name: str, value: Any, *, allow_none: bool = False) -> Optional[str]:
@@ -75,7 +117,7 @@ def int_problem(
     """
     if allow_none and value is None:
         return None
-    if not isinstance(value, bool) and isinstance(value, int) and (minimum is None or value >= minimum):
+    if is_count(value) and (minimum is None or value >= minimum):
         return None
     kind = "an int" + (f" >= {minimum}" if minimum is not None else "")
     if allow_none:

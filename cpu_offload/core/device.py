@@ -31,6 +31,7 @@ import torch
 
 from ..compat import bytes_on_storage
 from .driver import driver_copy_async
+from .errors import public_caller
 from .launcher import InlineLauncher, Launcher, ThreadLauncher
 
 Stream = Any
@@ -573,15 +574,21 @@ def event_groups(pairs: list, group_bytes: int) -> list:
 _default_device: Optional[OffloadDevice] = None
 
 
+def check_cuda_available() -> None:
+    """What ``default_device`` raises without CUDA, naming the function or class the user
+    called (``apply_offloading``, ``OffloadCallback``, ...), for callers that check early."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "cpu_offload: CUDA is not available. Offloading moves activations from a CUDA GPU; "
+            "on a CPU-only machine pass device=cpu_offload.SimulatedDevice() to "
+            f"{public_caller('get_cpu_offload_context')} to run the schedule in simulation."
+        )
+
+
 def default_device() -> OffloadDevice:
     """The CUDA device; a clear error on machines without CUDA."""
     global _default_device
     if _default_device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "cpu_offload: CUDA is not available. Offloading moves activations from a CUDA GPU; "
-                "on a CPU-only machine pass device=cpu_offload.SimulatedDevice() to "
-                "get_cpu_offload_context to run the schedule in simulation."
-            )
+        check_cuda_available()
         _default_device = CudaDevice()
     return _default_device

@@ -97,6 +97,22 @@ def stacklevel_outside_package() -> int:
     return level
 
 
+def public_caller(default: str) -> str:
+    """The package's function or class the user called, for messages that tell them what to
+    pass to it: the outermost frame inside ``cpu_offload`` of the current call chain, not a
+    decorator's ``wrapper`` (a method names its class: ``OffloadCallback``, also when the
+    Trainer called it), else ``default``."""
+    frame, inside = sys._getframe(1), []
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("cpu_offload"):
+        inside.append(frame)
+        frame = frame.f_back
+    for entry in reversed(inside):
+        if entry.f_code.co_name != "wrapper":
+            owner = entry.f_locals.get("self")
+            return type(owner).__name__ if owner is not None else entry.f_code.co_name
+    return default
+
+
 # Tracebacks and reprs name the exceptions where users import them from (``cpu_offload``), not
 # the module that happens to define them.
 for _cls in (OffloadConfigError, OffloadUsageError, OffloadVerifyError):

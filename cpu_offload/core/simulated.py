@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from ..compat import storage_use_count
+from .checks import check_bool
 from .device import OffloadDevice, bytes_of
 from .launcher import DeferredLauncher, InlineLauncher, Launcher
 
@@ -127,6 +128,9 @@ class SimulatedDevice(OffloadDevice):
     times_events = True  # with no clock: every wait reads as 0 ms once passed
 
     def __init__(self, defer: bool = True, defer_launches: bool = True) -> None:
+        # a string is true: defer="no" would defer, the opposite of what it says
+        check_bool("defer", defer)
+        check_bool("defer_launches", defer_launches)
         self.defer = defer
         self.defer_launches = defer_launches
         self._allocs = 0  # device buffers handed out so far (each one's number: ``_alloc_no``)

@@ -5,6 +5,7 @@ not a runtime dependency); nothing else in ``cpu_offload`` does.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Mapping
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..core.checks import check_int, check_keywords
+from ..core.device import check_cuda_available
 from ..core.errors import OffloadConfigError
-from ..plan.search import plan_offloading
-from ..tools.apply import apply_offloading, check_hf_offload
+from ..plan.search import check_memory_budget, plan_offloading
+from ..tools.apply import APPLY_KEYWORDS, apply_offloading, check_hf_offload, check_plan
 from ..tools.layers import as_layer_list, find_block_list
 
 __all__ = ["OffloadCallback"]
@@ -24,6 +27,9 @@ __all__ = ["OffloadCallback"]
 logger = logging.getLogger(__name__)
 
 LOGGED_STATS = ("copied_out_bytes", "freed_bytes", "reloaded_bytes", "compute_wait_ms")
+# plan_kwargs= may name: plan_offloading's arguments the callback does not set itself
+PLAN_KEYWORDS = frozenset(inspect.signature(plan_offloading).parameters) - {
+    "step_fn", "layers", "memory_budget", "_measure"}
 
 
 class OffloadCallback(TrainerCallback):
@@ -76,9 +82,13 @@ class OffloadCallback(TrainerCallback):
             ``offload/plan_seconds``).
 
     Raises:
-        OffloadConfigError: not exactly one of ``num_layers``, ``memory_budget``, ``plan``; at
-            ``on_train_begin``, a model with none or several lists of repeated blocks (pass
-            ``layers=``), or what ``apply_offloading``/``plan_offloading`` reject.
+        OffloadConfigError: at construction (not when training starts): not exactly one of
+            ``num_layers``, ``memory_budget``, ``plan``, or one of them of the wrong type or
+            range; at ``on_train_begin``, a model with none or several lists of repeated blocks
+            (pass ``layers=``), or what ``apply_offloading``/``plan_offloading`` reject.
+        TypeError: at construction, a keyword that ``apply_offloading`` (``**offload_kwargs``)
+            or ``plan_offloading`` (``plan_kwargs``) does not take; the closest name is given.
+        RuntimeError: at construction, no ``device=`` (nor a plan's) on a machine without CUDA.
 
     Example::
 
@@ -120,11 +130,22 @@ class OffloadCallback(TrainerCallback):
                 "layers), memory_budget= (plan from the first training batch) or plan= (a "
                 f"plan_offloading result), got {', '.join(given) or 'none'}"
             )
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
-            raise OffloadConfigError(f"log_every must be an int >= 0 (0: never), got {log_every!r}")
+        check_int("num_layers", num_layers, minimum=0, allow_none=True,
+                  meaning="the number of decoder layers to offload")
+        if memory_budget is not None:
+            memory_budget = check_memory_budget(memory_budget)
+        check_plan(plan)
+        if layers is not None:
+            as_layer_list(layers)
+        check_int("log_every", log_every, minimum=0, meaning="0 (never) or every how many steps")
         if plan_kwargs and memory_budget is None:
             raise OffloadConfigError("plan_kwargs is for memory_budget=; drop it")
-        self.num_layers = num_layers
+        # what train() would pass on, checked now rather than when training starts
+        check_keywords("OffloadCallback", offload_kwargs, APPLY_KEYWORDS, "apply_offloading")
+        check_keywords("OffloadCallback", plan_kwargs or {}, PLAN_KEYWORDS, "plan_offloading")
+        if offload_kwargs.get("device") is None and getattr(plan, "device", None) is None:
+            check_cuda_available()
+        self.num_layers = None if num_layers is None else int(num_layers)
         self.memory_budget = memory_budget
         self.plan = plan
         self.layers = layers
@@ -208,29 +229,17 @@ class OffloadCallback(TrainerCallback):
             out = model(*args, **kwargs)
             scalar_loss(out).backward()
 
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         plan_kwargs = dict(self.plan_kwargs)
         for key in ("device", "min_tensor_size_to_offload"):
             if key in self.offload_kwargs:
                 plan_kwargs.setdefault(key, self.offload_kwargs[key])
         self._planning = True
-        try:
-            with torch.random.fork_rng(devices=cuda):
-                for p in params:
-                    p.grad = None
-                start = time.perf_counter()
-                self.plan = plan_offloading(step, self._layers, self.memory_budget, **plan_kwargs)
-                self.plan_seconds = time.perf_counter() - start
+        try:  # planning restores the gradients, buffers and random state itself
+            start = time.perf_counter()
+            self.plan = plan_offloading(step, self._layers, self.memory_budget, **plan_kwargs)
+            self.plan_seconds = time.perf_counter() - start
         finally:
             self._planning = False
-            for p, g in zip(params, grads):
-                p.grad = g
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
         self._apply()
         return None
 

@@ -60,6 +60,7 @@ from ..tools.layers import as_layer_list, first_tensor, hidden_state, instrument
 from ..v2.context import get_cpu_offload_context
 from ..v2.recompute import SELECTIVE_SCOPES, check_selective_scope
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE, SelectionPolicy
+from .guard import untouched
 from .model import FREE_HOST, HostCost, LayerProfile, simulate
 
 __all__ = ["StepProfile", "measure_link", "profile_layers", "profile_step"]
@@ -404,8 +405,10 @@ def profile_step(
     ``step_fn`` runs ``warmup + 1 + 2 * repeats`` times (plain and checkpointed timed steps),
     ``max(1, warmup) + repeats`` more with ``selective`` (what selective recomputation
     removes and costs; ``True`` or a scope, as in ``plan_offloading``), and ``1 + 4 * repeats``
-    more to measure what offloading costs beyond the link (half of them plain); the gradients
-    it accumulates are left as they are. Only the first forward pass of each call is recorded.
+    more to measure what offloading costs beyond the link (half of them plain). It leaves the
+    model as it was, as ``plan_offloading`` does (an optimizer step in ``step_fn`` is refused;
+    gradients, buffers and random state are restored). Only the first forward pass of each
+    call is recorded.
     Arguments as in ``plan_offloading``; ``offload_weights`` as in ``get_cpu_offload_context``.
 
     Profile once to plan for several budgets: ``cpu_offload.plan.plan(profile, budget)`` searches
@@ -435,6 +438,17 @@ def profile_step(
     check_int("warmup", warmup, minimum=0, meaning="the number of untimed steps first")
     check_int("repeats", repeats, minimum=1, meaning="the number of timed steps")
     layers = as_layer_list(layers, find=True)
+    with untouched(layers, step_fn) as step:
+        return _profile(step, layers, device, min_tensor_size_to_offload, offload_weights,
+                        link_gbps, warmup, repeats, scope)
+
+
+def _profile(
+    step_fn: Callable[[], Any], layers: list, device: Optional[OffloadDevice],
+    min_tensor_size_to_offload: int, offload_weights: bool, link_gbps: Union[None, float, tuple],
+    warmup: int, repeats: int, scope: Optional[str],
+) -> StepProfile:
+    """``profile_step`` once its arguments are checked, inside ``untouched``."""
     given_device = device
     device = device or default_device()
     cuda = device.name == "cuda"

@@ -20,6 +20,7 @@ its capacity.
 """
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass, field, replace
 from itertools import product
@@ -27,11 +28,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import nn
 
-from ..core.checks import check_bool
+from ..core.checks import check_bool, is_count
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from ..core.units import format_bytes
 from ..v2.selection import DEFAULT_MIN_TENSOR_SIZE
+from ..tools.layers import as_layer_list
+from .guard import untouched
 from .model import HostCost, LayerProfile, simulate, spread_layers
 from .profile import StepProfile, profile_step
 from .verify import MeasureHook, check_verify_candidates, verify_plans
@@ -281,6 +284,8 @@ def plan(
     base_ms, base_peak, extra_ms, extra = _baseline(
         profiles, d2h_gbps, h2d_gbps, profile.peak_bytes, profile.step_ms, memory_timeline,
     )
+    if memory_budget is not None:
+        memory_budget = check_memory_budget(memory_budget)
     if isinstance(memory_budget, float):
         memory_budget_bytes: Optional[int] = int(memory_budget * base_peak)
     else:
@@ -640,12 +645,22 @@ def plan_offloading(
     ``apply_offloading`` and before enabling gradient checkpointing (a checkpointed layer hides
     what it saves).
 
+    Planning does not train the model: it refuses an optimizer step in ``step_fn`` (raised
+    before the step changes anything), and when it returns or raises, the parameters'
+    gradients, the buffers (e.g. BatchNorm statistics) and the random number generators
+    (torch's CPU and CUDA ones, Python's ``random``) are as they were: each gradient and buffer
+    is copied to host memory before the step first reaches it and written back at the end, and
+    the generators are restored (``cpu_offload.plan.guard``). The gradients stay in place while
+    it runs, so a step that zeroes persistent gradient buffers in place is measured as it runs
+    (the gradients of modules outside ``layers`` that ``step_fn`` zeroes before its forward
+    reaches them stay as ``step_fn`` leaves them).
+
     Args:
-        step_fn: runs one training step (forward and backward; no optimizer step needed). It
-            is called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
+        step_fn: runs one training step: forward and backward, no optimizer step (refused, see
+            above; a gradient scaler's ``scaler.scale(loss).backward()`` is fine). It is
+            called ``warmup + 2 + 6 * repeats`` times, plus ``max(1, warmup) + repeats``
             with ``selective`` (see ``profile_step``), plus ``3 * repeats`` per verified
-            candidate; the gradients it accumulates are left as they are (zero them
-            afterwards).
+            candidate.
         layers: the model's layers, as for ``apply_offloading``.
         memory_budget: peak memory of the step, above what it starts with: bytes (``int``), or
             a ``float`` in (0, 1], the fraction of the peak of the step without offloading
@@ -694,7 +709,7 @@ def plan_offloading(
         OffloadConfigError: a budget outside (0, 1] or below the lowest reachable peak (the
             message names it, and the exception's ``lowest_peak_bytes`` holds it), a flag that
             is not a ``bool`` or a count that is not an ``int``, or a ``step_fn`` that runs
-            only some of ``layers`` or no backward through them.
+            only some of ``layers``, no backward through them, or an optimizer step.
         Exception: what ``step_fn`` raised in every verified candidate (one that raises only
             with some candidates rejects those; no plan stays applied either way).
 
@@ -731,33 +746,52 @@ def plan_offloading(
         >>> step()
         >>> handle.remove()
     """
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
-        raise OffloadConfigError(
-            f"memory_budget must be bytes (int) or a fraction in (0, 1] (float), got "
-            f"{memory_budget!r}"
-        )
-    if isinstance(memory_budget, float) and not 0.0 < memory_budget <= 1.0:
-        raise OffloadConfigError(
-            f"memory_budget={memory_budget} as a float is a fraction of the peak without "
-            "offloading and must be in (0, 1]; pass an int for bytes"
-        )
-    if isinstance(memory_budget, int) and memory_budget <= 0:
-        raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+    memory_budget = check_memory_budget(memory_budget)
     check_bool("partial", partial)
     check_bool("spread", spread)
     check_verify_candidates(verify_candidates)
-    prof = profile_step(
-        step_fn, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
-        link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
-    )
-    best = plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
-    cuda = device is None or device.name == "cuda"
-    count = (3 if cuda else 0) if verify_candidates is None else verify_candidates
-    candidates = shortlist(best, count, peaks_measured=cuda)
-    if not candidates:
-        return best
-    chosen, trials = verify_plans(step_fn, layers, candidates, repeats, cuda, _measure)
+    with untouched(as_layer_list(layers, find=True), step_fn) as step:
+        prof = profile_step(
+            step, layers, device=device, min_tensor_size_to_offload=min_tensor_size_to_offload,
+            link_gbps=link_gbps, warmup=warmup, repeats=repeats, selective=selective,
+        )
+        best = plan(prof, memory_budget, partial=partial, peak_margin=peak_margin, spread=spread)
+        cuda = device is None or device.name == "cuda"
+        count = (3 if cuda else 0) if verify_candidates is None else int(verify_candidates)
+        candidates = shortlist(best, count, peaks_measured=cuda)
+        if not candidates:
+            return best
+        chosen, trials = verify_plans(step, layers, candidates, repeats, cuda, _measure)
     return replace(chosen, alternatives=best.alternatives, verified=trials)
+
+
+def check_memory_budget(value: Any) -> Union[int, float]:
+    """``memory_budget`` as a plain ``int`` (bytes of peak above the step's start) or ``float``
+    (a fraction in (0, 1] of the peak without offloading); NumPy numbers count as theirs.
+
+    Example::
+
+        >>> check_memory_budget(0.5), check_memory_budget(2 << 30)
+        (0.5, 2147483648)
+        >>> check_memory_budget(2.0)
+        Traceback (most recent call last):
+        ...
+        cpu_offload.OffloadConfigError: memory_budget=2.0 as a float is a fraction of the peak without offloading and must be in (0, 1]; pass an int for bytes
+    """
+    if is_count(value):
+        if value <= 0:
+            raise OffloadConfigError(f"memory_budget must be > 0 bytes, got {value}")
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not 0.0 < float(value) <= 1.0:
+            raise OffloadConfigError(
+                f"memory_budget={value} as a float is a fraction of the peak without "
+                "offloading and must be in (0, 1]; pass an int for bytes"
+            )
+        return float(value)
+    raise OffloadConfigError(
+        f"memory_budget must be bytes (int) or a fraction in (0, 1] (float), got {value!r}"
+    )
 
 
 def shortlist(best: Plan, count: int, peaks_measured: bool = True) -> list:

@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..core.checks import is_count
 from ..core.errors import OffloadConfigError, stacklevel_outside_package
 from ..core.units import format_bytes
 from ..tools.apply import apply_offloading
@@ -140,7 +141,7 @@ def _timed(step_fn: Callable[[], Any], handle: Any, clock: StepClock, cuda: bool
 
 def check_verify_candidates(value: Any) -> None:
     """``OffloadConfigError`` unless ``value`` is None or an int >= 0."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+    if value is None or (is_count(value) and value >= 0):
         return
     raise OffloadConfigError(
         f"verify_candidates must be None (measure 3 candidates on CUDA, none elsewhere) or an "

@@ -12,6 +12,7 @@ output through the sync function.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
@@ -20,7 +21,7 @@ from torch import nn
 
 from ..api import get_cpu_offload_context, use_v1
 from ..compat import is_compiled_module
-from ..core.checks import check_int
+from ..core.checks import check_int, check_keywords, is_count
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from ..v2.policies import create_selective_checkpoint_contexts
 from ..v2.recompute import check_selective_scope
@@ -46,9 +47,10 @@ HF_OFFLOAD_CONFLICT = (
 
 
 def check_hf_offload(layers: Sequence[nn.Module], offloaded: Sequence[int]) -> None:
-    """Refuse offloaded layers under HF activation checkpointing with ``offload=True``."""
+    """Refuse offloaded layers under HF activation checkpointing with ``offload=True`` (indices
+    past the end are left to the range check that names them)."""
     for i in offloaded:
-        if hf_offloads_checkpoints(layers[i]):
+        if i < len(layers) and hf_offloads_checkpoints(layers[i]):
             raise OffloadConfigError(HF_OFFLOAD_CONFLICT.format(index=i))
 
 
@@ -250,6 +252,10 @@ class OffloadingHandle:
 
 
 _RESERVED = {"enabled", "model_layers", "num_layers", "manual_synchronization"}
+# What ``**context_kwargs`` may name: ``get_cpu_offload_context``'s arguments it does not set;
+# and what a caller forwarding to apply_offloading may name besides ``layers``/``num_layers``/``plan``.
+CONTEXT_KEYWORDS = frozenset(inspect.signature(get_cpu_offload_context).parameters) - _RESERVED
+APPLY_KEYWORDS = CONTEXT_KEYWORDS | {"selective", "selective_scope"}
 
 
 def apply_offloading(
@@ -281,7 +287,8 @@ def apply_offloading(
     Args:
         layers: the modules that run once each, in this order, in every forward pass, e.g.
             ``model.model.layers`` of a Hugging Face decoder; ``model_layers`` is ``len(layers)``.
-            A whole model works too: its one list of repeated blocks is used
+            A whole model works too, also an ``nn.Sequential`` of an embedding, an encoder
+            and a head: its one list of repeated blocks is used, however deep
             (``cpu_offload.find_block_list``; ``OffloadConfigError`` naming the
             candidates when there are several).
         num_layers: offload the activations of the first ``num_layers`` layers (the default
@@ -321,6 +328,8 @@ def apply_offloading(
             ``selective`` layers (out of range, checkpointed, compiled, or under V1), or what
             ``get_cpu_offload_context`` rejects.
         OffloadUsageError: offloading is already applied to one of the layers.
+        TypeError: a keyword neither ``apply_offloading`` nor ``get_cpu_offload_context`` takes
+            (named against ``apply_offloading``, with the closest name).
 
     Example::
 
@@ -357,12 +366,15 @@ def apply_offloading(
     n = len(layers)
     check_int("num_layers", num_layers, minimum=0, allow_none=True,
               meaning="the number of layers to offload")
+    num_layers = None if num_layers is None else int(num_layers)  # also NumPy integers
     used = sorted(_RESERVED & set(context_kwargs))
     if used:
         raise OffloadConfigError(
             f"apply_offloading sets {', '.join(used)} itself (model_layers = len(layers)); drop "
             "it, and use get_cpu_offload_context directly for manual synchronization"
         )
+    check_keywords("apply_offloading", context_kwargs, CONTEXT_KEYWORDS, "get_cpu_offload_context")
+    check_plan(plan)
     recompute: tuple = ()
     offloaded: tuple = ()
     context_fn = None
@@ -468,6 +480,17 @@ def apply_offloading(
     return handle
 
 
+def check_plan(plan: Any) -> None:
+    """``OffloadConfigError`` unless ``plan`` is ``None`` or a plan (what ``plan_offloading``
+    returns: it has ``num_layers`` and ``recompute``; tools/ does not import plan/)."""
+    if plan is not None and not (hasattr(plan, "num_layers") and hasattr(plan, "recompute")):
+        raise OffloadConfigError(
+            f"plan must be a Plan from cpu_offload.plan_offloading(step_fn, layers, "
+            f"memory_budget), got {plan!r} ({type(plan).__name__}); for a number of layers to "
+            "offload pass num_layers="
+        )
+
+
 def _selective_layers(selective: Any, layers: list, recompute: tuple) -> tuple:
     """``selective=`` as sorted layer indices, checked."""
     n = len(layers)
@@ -485,11 +508,12 @@ def _selective_layers(selective: Any, layers: list, recompute: tuple) -> tuple:
                 f"selective must be True (every layer) or layer indices (False or None: no "
                 f"layer), got {selective!r}"
             ) from None
-        bad = [i for i in sel if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        bad = [i for i in sel if not is_count(i) or not 0 <= i < n]
         if bad:
             raise OffloadConfigError(
                 f"selective layers must be indices in [0, {n}), got {bad!r}"
             )
+        sel = tuple(sorted({int(i) for i in sel}))  # also NumPy integers
     both = sorted(set(sel) & set(recompute))
     if both:
         raise OffloadConfigError(

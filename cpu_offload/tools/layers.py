@@ -35,8 +35,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..compat import eager_between_graphs, in_backward, in_checkpoint_region
+from ..compat import (
+    checkpoint_sac_hooks_kwargs, eager_between_graphs, in_backward, in_checkpoint_region,
+)
 from ..core.errors import OffloadConfigError, OffloadUsageError
+from ..v2.policies import SAC_RESPECTS_OFFLOAD_HOOKS
 
 __all__ = [
     "as_layer_list", "base_class", "check_not_instrumented", "driver_of", "find_block_list",
@@ -96,6 +99,13 @@ def _fail(state: _LayerState, token: Any, exc: BaseException) -> None:
     state.driver.abort(token, exc)
 
 
+# How the package's checkpoints run: non-reentrant, and (torch >= 2.15) with
+# respect_saved_tensors_hooks chosen explicitly, not left to torch's default, which warns now and
+# is to change (see Note [SAC-cached tensors and the offload hooks] in v2/policies.py).
+_CHECKPOINT_KWARGS = {"use_reentrant": False,
+                      **checkpoint_sac_hooks_kwargs(SAC_RESPECTS_OFFLOAD_HOOKS)}
+
+
 def _base_call(
     self: nn.Module, state: Optional[_LayerState], checkpointed: bool, *args: Any, **kwargs: Any
 ) -> Any:
@@ -103,10 +113,10 @@ def _base_call(
     if checkpointed:
         if state.context_fn is not None:  # a selective-checkpoint policy
             return checkpoint(
-                base.__call__, self, *args, use_reentrant=False, context_fn=state.context_fn,
+                base.__call__, self, *args, context_fn=state.context_fn, **_CHECKPOINT_KWARGS,
                 **kwargs,
             )
-        return checkpoint(base.__call__, self, *args, use_reentrant=False, **kwargs)
+        return checkpoint(base.__call__, self, *args, **_CHECKPOINT_KWARGS, **kwargs)
     return base.__call__(self, *args, **kwargs)
 
 
@@ -216,9 +226,13 @@ def find_block_list(model: nn.Module) -> nn.ModuleList:
         )
     names = ", ".join(f"{_path(n)} ({len(m)} x {type(m[0]).__name__})" for n, m in found)
     first = _path(found[0][0])
+    children = (
+        f", or apply_offloading(list(model), ...) to offload its {len(model)} children as the "
+        "layers" if isinstance(model, (nn.Sequential, nn.ModuleList)) else "")
     raise OffloadConfigError(
         f"this {type(model).__name__} has several lists of repeated blocks: {names}; pass the one "
-        f"to offload: apply_offloading({first}, ...), or layers={first} in the Trainer callback"
+        f"to offload: apply_offloading({first}, ...), or layers={first} in the Trainer "
+        f"callback{children}"
     )
 
 
@@ -226,8 +240,15 @@ def as_layer_list(
     layers: Union[nn.Module, Sequence[nn.Module]], what: str = "layers", find: bool = False
 ) -> list:
     """``ModuleList``/``Sequential`` -> its children; a list/tuple of modules as is; with
-    ``find``, a whole model -> its repeated blocks (``find_block_list``)."""
+    ``find``, a whole model -> its repeated blocks (``find_block_list``).
+
+    With ``find``, a ``Sequential``/``ModuleList`` of modules of several classes that holds a
+    list of repeated blocks deeper down is a model, not a layer list: ``nn.Sequential(Embedding,
+    TransformerEncoder, Linear)`` offloads ``[1].layers``, not the whole encoder as one layer
+    (several such lists: ``find_block_list``'s error names them, and ``list(model)``)."""
     if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        if find and len({type(m) for m in layers}) > 1 and block_lists(layers):
+            return as_layer_list(find_block_list(layers), what)
         out = list(layers)
     elif isinstance(layers, nn.Module):
         if find and block_lists(layers):
@@ -238,7 +259,13 @@ def as_layer_list(
             f"got one {type(layers).__name__}; pass [module] for a single layer"
         )
     else:
-        out = list(layers)
+        try:
+            out = list(layers)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be the model's layers (an nn.ModuleList, nn.Sequential or a list "
+                f"of modules, e.g. model.model.layers), got {layers!r}"
+            ) from None
     bad = [type(m).__name__ for m in out if not isinstance(m, nn.Module)]
     if bad:
         raise TypeError(f"{what} must contain nn.Modules, got {', '.join(bad)}")

@@ -9,6 +9,22 @@ How: the policy is passed to torch's own contexts with offload answers turned in
 ``MUST_SAVE``; when the checkpointed forward ends, the outputs torch cached for those ops are
 handed to the engine (``OffloadSynchronizer.push``) and their cache entries replaced by ones that
 unpack the engine's copy when the recomputation asks for them.
+
+Note [SAC-cached tensors and the offload hooks]: torch 2.15 lets ``checkpoint`` route the
+tensors SAC caches (``MUST_SAVE``/``PREFER_SAVE`` outputs) through the saved-tensor hooks around
+it (``respect_saved_tensors_hooks=True``), ours included, or not (``False``, what every earlier
+release does; ``None`` warns). The package chooses ``False`` (``SAC_RESPECTS_OFFLOAD_HOOKS``),
+for its own checkpoints and inside these contexts, because:
+
+- a policy keeps its per-op meaning: ``MUST_SAVE`` keeps the output on the device and
+  ``MUST_CPU_OFFLOAD`` moves it, on every torch release tox tests; with ``True`` an offloaded
+  layer would move ``MUST_SAVE`` outputs too, and a user could no longer keep one there;
+- these contexts hand the ``MUST_CPU_OFFLOAD`` outputs to the engine themselves; with ``True``
+  torch would pack them first, and the forward context would unpack them while the forward
+  runs (the engine counts that as a backward use) to pack them again.
+
+Both values give bit-identical gradients and free what they move
+(``tests/v2/test_sac_saved_tensors_hooks.py`` runs both on torch >= 2.15).
 """
 from __future__ import annotations
 
@@ -21,11 +37,15 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.checkpoint import create_selective_checkpoint_contexts as torch_contexts
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..compat import cpu_offload_policies, sac_cache
+from ..compat import cpu_offload_policies, sac_cache, set_sac_respects_hooks
 from .context import active_synchronizer
 from .layer_state import unpack
 
-__all__ = ["create_selective_checkpoint_contexts"]
+__all__ = ["SAC_RESPECTS_OFFLOAD_HOOKS", "create_selective_checkpoint_contexts"]
+
+# ``respect_saved_tensors_hooks`` of every checkpoint the package makes and of the contexts
+# below: see Note [SAC-cached tensors and the offload hooks].
+SAC_RESPECTS_OFFLOAD_HOOKS = False
 
 
 class OffloadedEntry:
@@ -44,6 +64,9 @@ class _ForwardContext:
 
     def __init__(self, inner: Any, offloaded: set, sync: Any, allow_cache_entry_mutation: bool) -> None:
         self.inner = inner
+        # torch's checkpoint passes its respect_saved_tensors_hooks only to its own class, not
+        # through this wrapper: the choice is made here (see the Note in the module docstring)
+        set_sac_respects_hooks(inner, SAC_RESPECTS_OFFLOAD_HOOKS)
         # {(op key, call index, index among the op's saved calls)} whose policy said CPU offload
         self.offloaded = offloaded
         self.sync = sync
@@ -96,7 +119,11 @@ def create_selective_checkpoint_contexts(
     saved activations: offloaded when the layer is one of the offloaded layers and the tensor
     passes the selection (``min_tensor_size_to_offload``, marks), kept on the device otherwise;
     counted in ``stats()``. Outside such a context it warns once and does what torch does
-    (recomputes; Python shows the warning once). Other policies, and a list of ops to save, behave exactly as with torch's.
+    (recomputes; Python shows the warning once), and returns torch's own contexts, which take
+    ``checkpoint``'s ``respect_saved_tensors_hooks``. Other policies, and a list of ops to save,
+    behave exactly as with torch's: inside an offload context, ``MUST_SAVE`` outputs stay on the
+    device whatever ``checkpoint`` is passed (``respect_saved_tensors_hooks=False``, chosen by
+    these contexts, see the module's Note); answer ``MUST_CPU_OFFLOAD`` to move one.
     Gradients are bit-identical to torch's recomputation. Eager mode only (under
     ``torch.compile`` the partitioner decides).
 
@@ -156,6 +183,8 @@ def create_selective_checkpoint_contexts(
             return answer
 
         forward, recompute = torch_contexts(policy, allow_cache_entry_mutation)
+        if sync is None:  # nothing to hand over: torch's contexts, which checkpoint configures
+            return forward, recompute
         return _ForwardContext(forward, offloaded, sync, allow_cache_entry_mutation), recompute
     return torch_contexts(policy_fn_or_list, allow_cache_entry_mutation)
 

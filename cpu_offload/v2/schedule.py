@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..core.checks import check_int
+from ..core.checks import check_int, is_count
 from ..core.errors import OffloadConfigError
 
 SyncEntry = tuple  # (offload_fwd: bool, offload_num: int, reload_fwd: bool, reload_num: int)
@@ -117,10 +117,11 @@ def validate_synchronization_dict(
     clean: dict[int, SyncEntry] = {}
     for layer, entry in sync.items():
         where = f"synchronization_dict[{layer!r}]"
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+        if not is_count(layer) or not 0 <= layer < n:
             raise OffloadConfigError(
                 f"{where}: layer ids must be ints in [0, model_layers={n}); fix the key"
             )
+        layer = int(layer)
         if not isinstance(entry, (tuple, list)) or len(entry) != 4:
             raise OffloadConfigError(
                 f"{where} = {entry!r}: expected a 4-tuple "
@@ -132,7 +133,7 @@ def validate_synchronization_dict(
                 raise OffloadConfigError(f"{where}: {name} must be a bool, got {v!r}")
         for name, v in (("offload_num", off_num), ("reload_num", rel_num)):
             top = n + 1 if name == "offload_num" and off_fwd else n  # n + 1: the forward's end
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            if not is_count(v) or not 1 <= v <= top:
                 if name == "offload_num":
                     hint = f"offload_fwd=True, offload_num={n + 1}: released when the forward ends"
                 else:
@@ -162,7 +163,7 @@ def validate_synchronization_dict(
                 f"{where}: reload would start after layer {layer}'s backward began; use "
                 f"reload_fwd=False and reload_num <= {n - layer}"
             )
-        clean[layer] = (off_fwd, off_num, rel_fwd, rel_num)
+        clean[layer] = (off_fwd, int(off_num), rel_fwd, int(rel_num))
     return clean
 
 

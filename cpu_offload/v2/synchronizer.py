@@ -22,6 +22,7 @@ from ..compat import (
     queue_backward_callback,
     top_default_hooks,
 )
+from ..core.checks import is_count
 from ..core.device import OffloadDevice
 from ..core.errors import OffloadUsageError, check_sync_argument
 from .layer_state import LayerState, Runtime, unpack
@@ -498,10 +499,10 @@ class OffloadSynchronizer:
         offloaded layer in part."""
         if nbytes is None:
             self.rt.byte_limits.pop(layer, None)
-        elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        elif not is_count(nbytes) or nbytes < 0:
             raise OffloadUsageError(f"a layer's byte limit must be an int >= 0, got {nbytes!r}")
         else:
-            self.rt.byte_limits[layer] = nbytes
+            self.rt.byte_limits[layer] = int(nbytes)
 
     def set_selective(self, layers: Any, scope: str = "modules") -> None:
         """Recompute the cheap saved tensors of these layers (indices) in backward instead of
@@ -511,13 +512,13 @@ class OffloadSynchronizer:
         op)."""
         check_selective_scope(scope)
         layers = frozenset(layers)
-        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int)
-               or not 0 <= i < self.model_layers]
+        bad = [i for i in layers if not is_count(i) or not 0 <= i < self.model_layers]
         if bad:
             raise OffloadUsageError(
                 f"selective layers must be ints in [0, model_layers={self.model_layers}), got "
                 f"{sorted(bad, key=repr)!r}"
             )
+        layers = frozenset(int(i) for i in layers)
         self.selective = layers
         self.selective_scope = scope
 
@@ -639,7 +640,7 @@ class ManualOffloadSynchronizer:
         count = len(layers)
         if step is not None and not step.complete:
             count += self._sync.side_layers  # maybe this forward's own layers without grad
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < count:
+        if not is_count(layer_id) or not 0 <= layer_id < count:
             raise OffloadUsageError(
                 f"layer_id={layer_id!r} does not name a layer of the current forward pass "
                 f"({count} layers entered so far; ids are 0..{count - 1})"

@@ -3,8 +3,7 @@
 Launched by ``tests/integration/test_distributed.py`` (CPU: gloo + SimulatedDevice, in CI; and,
 marked ``multigpu``, 2 GPUs: NCCL + real streams), or by hand::
 
-    torchrun --standalone --nproc-per-node 2 tests/_support/distributed_cases.py \
-        --case ddp --device cuda
+    torchrun --standalone --nproc-per-node 2 tests/_support/distributed_cases.py --case ddp
 
 Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
 ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and
@@ -20,8 +19,8 @@ torchrun reports the case as failed. After the last case every rank destroys the
 checks that no thread of its own is left and prints one ``TEARDOWN {json}`` line; on the CPU
 (gloo) it then ends without the interpreter's shutdown (``exit_skipping_shutdown`` says why).
 
-``--device cpu`` uses gloo, the simulated device and a tiny model (seconds on 2 cores);
-``--device cuda`` uses NCCL, one GPU per rank, deterministic kernels and a model big enough that
+``--device cpu`` (the default where CUDA is not available) uses gloo, the simulated device and a
+tiny model (seconds on 2 cores); ``--device cuda`` (the default elsewhere) uses NCCL, one GPU per rank, deterministic kernels and a model big enough that
 activations dominate memory.
 """
 from __future__ import annotations
@@ -546,8 +545,13 @@ def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", required=True,
                         help=f"one of {', '.join(CASES)}, or several separated by commas")
-    parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        choices=("cpu", "cuda"),
+                        help="default: cuda where CUDA is available, else cpu")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available here; run with --device cpu "
+                     "(gloo, the simulated device and a tiny model), the default on such machines")
     cases = args.case.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shlex
 
 import pytest
+import torch
 from packaging.version import Version
 
 from cpu_offload.compat import TORCH_VERSION
@@ -87,6 +89,29 @@ def test_distributed_benchmark_runs_on_cpu():
     for name in wrappers:
         assert f"{name} + offload k=2" in out, out[-3000:]
     assert " NO" not in out, out[-3000:]
+
+
+def doc_torchrun_commands() -> list:
+    """The ``torchrun`` lines of docs/distributed.md's bash blocks, each as its argument list."""
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
+    if not doc.exists():
+        return []
+    return [shlex.split(line) for line in doc.read_text().splitlines()
+            if line.startswith("torchrun ")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default of the scripts")
+@pytest.mark.parametrize("command", doc_torchrun_commands(), ids=lambda c: pathlib.Path(c[4]).stem)
+def test_the_documented_torchrun_commands_run_without_cuda(command, tmp_path, monkeypatch):
+    """As written in the docs, on a machine without a GPU: the scripts fall back to the CPU
+    (gloo, the simulated device) instead of failing in torch.cuda.set_device."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    assert command[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(tmp_path)  # --out bench_out lands here
+    code, out, _ = torchrun([str(root / command[4]), *command[5:]], timeout=TIMEOUT)
+    assert code == 0, out[-6000:]
+    assert " NO" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.multigpu
