@@ -10,7 +10,7 @@ import argparse
 import collections
 import sys
 
-from .runner import EXCLUDE_ENV, check, exclusions, run_many
+from .runner import EXCLUDE_ENV, Isolated, check, exclusions, run_many
 from .shrink import report, shrink
 from .spec import generate
 from .codegen import program_source
@@ -44,9 +44,11 @@ def main(argv=None) -> int:
     if args.count == 1 and args.show:
         print(program_source(generate(args.seed)))
 
+    isolated = Isolated()  # programs run in a worker process: crashes and hangs are reported
+
     def progress(result) -> None:
         if result.failed:
-            shrunk = shrink(result, args.shrink_seconds) if args.shrink else None
+            shrunk = shrink(result, args.shrink_seconds, checker=isolated.check) if args.shrink else None
             print(report(result, shrunk, standalone=args.show), flush=True)
             if result.trace and not args.quiet:
                 print("  " + result.trace.rstrip().replace("\n", "\n  "))
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
             note = f" (invalid: {result.invalid})" if result.invalid else ""
             print(f"seed {result.spec.seed} ok {result.seconds:.2f}s{note}", flush=True)
 
-    summary = run_many(args.seed, args.count, patterns, progress)
+    with isolated:
+        summary = run_many(args.seed, args.count, patterns, progress, isolated)
     by_kind = collections.Counter(r.signature for r in summary.failures)
     print(f"\n{len(summary.results)} programs in {summary.seconds:.1f}s: "
           f"{len(summary.failures)} failed {dict(by_kind)}, {len(summary.invalid)} invalid"

@@ -107,9 +107,12 @@ def remove_feature(spec: ProgramSpec, feature: str) -> ProgramSpec:
 
 
 def shrink(result: Result, budget_s: float = 60.0,
-           log: Optional[Callable[[str], None]] = None) -> Result:
+           log: Optional[Callable[[str], None]] = None,
+           checker: Optional[Callable[[ProgramSpec], Result]] = None) -> Result:
     """The smallest program found that fails like ``result`` (same ``signature``), trying one
-    simplification at a time, for at most ``budget_s`` seconds."""
+    simplification at a time, for at most ``budget_s`` seconds. ``checker``: how a candidate
+    runs (default ``check``, in this process; ``runner.Isolated().check`` survives crashes)."""
+    checker = checker or check
     best = result
     deadline = time.perf_counter() + budget_s
     progress = True
@@ -119,7 +122,7 @@ def shrink(result: Result, budget_s: float = 60.0,
             candidate = normalize(candidate)
             if candidate == best.spec:
                 continue
-            r = check(candidate)
+            r = checker(candidate)
             if r.failed and r.signature == best.signature:
                 best, progress = r, True
                 if log:

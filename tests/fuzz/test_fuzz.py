@@ -20,7 +20,7 @@ import torch
 
 from .codegen import program_source
 from .prelude import Recorder, differences
-from .runner import EXCLUDE_ENV, Result, check, exclusions, run_many, without_excluded
+from .runner import EXCLUDE_ENV, Isolated, Result, check, exclusions, run_many, without_excluded
 from .shrink import report, shrink, spec_repr
 from .spec import LayerSpec, ProgramSpec, features, generate, normalize
 
@@ -43,16 +43,20 @@ def test_fuzz_budget(capsys):
     with capsys.disabled():
         print(f"\nfuzz: programs {seed}..{seed + count - 1} ({SEED_ENV}={seed} {COUNT_ENV}={count}"
               f"{f' {EXCLUDE_ENV}=' + os.environ[EXCLUDE_ENV] if patterns else ''})")
-    summary = run_many(seed, count, patterns)
-    bad = summary.failures + summary.invalid
-    if not bad:
-        return
+    with Isolated() as isolated:  # crashes and hangs are reported, not fatal
+        summary = run_many(seed, count, patterns, isolated=isolated)
+        bad = summary.failures + summary.invalid
+        if bad:
+            _fail(summary, bad, count, isolated)
+
+
+def _fail(summary, bad, count, isolated):
     deadline = time.perf_counter() + float(os.environ.get(SHRINK_ENV, "30"))
     texts, first = [], None
     for result in bad:
         if result.failed:
             left = deadline - time.perf_counter()
-            small = shrink(result, min(left, 15.0)) if left > 0 else None
+            small = shrink(result, min(left, 15.0), checker=isolated.check) if left > 0 else None
             texts.append(report(result, small))
             if first is None:
                 first = program_source((small or result).spec)
@@ -115,6 +119,17 @@ def test_a_program_that_agrees_passes_and_its_standalone_reproducer_runs():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the runs agree" in out.stdout
+
+
+def test_a_hang_is_reported_and_the_worker_restarted():
+    """``Isolated`` kills a worker that gives no result in time (here: still starting) and
+    starts a new one for the next program."""
+    with Isolated(timeout_s=0.2) as isolated:
+        hung = isolated.check(SMALL)
+        assert hung.signature == "timeout", hung.problems
+        isolated.timeout_s = 300
+        result = isolated.check(SMALL)
+    assert not result.failed and result.invalid is None, result.problems
 
 
 def test_differences_name_every_kind_of_disagreement():
