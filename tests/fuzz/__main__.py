@@ -52,9 +52,11 @@ def main(argv=None) -> int:
             print(report(result, shrunk, standalone=args.show), flush=True)
             if result.trace and not args.quiet:
                 print("  " + result.trace.rstrip().replace("\n", "\n  "))
+        elif result.invalid:  # a generator bug: shown even with --quiet
+            print(f"seed {result.spec.seed} invalid (fails without offloading too): "
+                  f"{result.invalid}", flush=True)
         elif not args.quiet:
-            note = f" (invalid: {result.invalid})" if result.invalid else ""
-            print(f"seed {result.spec.seed} ok {result.seconds:.2f}s{note}", flush=True)
+            print(f"seed {result.spec.seed} ok {result.seconds:.2f}s", flush=True)
 
     with isolated:
         summary = run_many(args.seed, args.count, patterns, progress, isolated)
@@ -64,7 +66,9 @@ def main(argv=None) -> int:
           + (f"; excluded {patterns}" if patterns else ""))
     if summary.failures:
         print("failing seeds: " + " ".join(str(r.spec.seed) for r in summary.failures))
-    return 1 if summary.failures else 0
+    if summary.invalid:
+        print("invalid seeds: " + " ".join(str(r.spec.seed) for r in summary.invalid))
+    return 1 if summary.failures or summary.invalid else 0
 
 
 if __name__ == "__main__":

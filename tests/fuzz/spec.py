@@ -309,11 +309,16 @@ def layer_kwargs(layer: LayerSpec, width: int) -> dict:
     return kw
 
 
-@lru_cache(maxsize=None)
 def param_count(kind: str, variant: int, width: int) -> int:
     """How many parameter tensors a layer has (edits name parameters by index)."""
+    return len(trainable(kind, variant, width))
+
+
+@lru_cache(maxsize=None)
+def trainable(kind: str, variant: int, width: int) -> tuple:
+    """``requires_grad`` of each of a layer's parameters, in ``parameters()`` order."""
     layer = LAYER_CLASSES[kind](**layer_kwargs(LayerSpec(kind, variant), width))
-    return len(list(layer.parameters()))
+    return tuple(p.requires_grad for p in layer.parameters())
 
 
 # --- validity ------------------------------------------------------------------------------------
@@ -393,7 +398,13 @@ def normalize(spec: ProgramSpec) -> ProgramSpec:
     ) or (("backward",),)
     layers = tuple(replace(l, dtype=None) if l.dtype == s.dtype else l for l in layers)
     count = sum(param_count(l.kind, l.variant, s.width) for l in layers)
-    frozen = tuple(sorted({i % count for i in s.frozen}))
+    frozen = sorted({i % count for i in s.frozen})
+    # one parameter at least keeps training (DDP refuses a model without any)
+    grads = [i for i, t in enumerate(t for l in layers for t in trainable(l.kind, l.variant, s.width))
+             if t]
+    while frozen and set(grads) <= set(frozen):
+        frozen.pop()
+    frozen = tuple(frozen)
     opt = s.optimizer
     if opt is not None and opt.ddp:
         # DistributedDataParallel: one backward per parameter per iteration, into .grad, and
@@ -421,6 +432,9 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
         (e[0], e[1] % count, *e[2:]) if e[0] in ("scale", "zero", "none", "data_div", "data_mul")
         else (e[0], e[1] % ngroups, *e[2:]) if e[0] == "lr" else e
         for e in opt.edits
+        # torch's fused SGD fails on a parameter whose first gradient comes after the others'
+        # momentum buffers exist ("expected Tensor as element 1 in argument 2")
+        if not (opt.cls == "sgd_fused" and e in (("none", e[1]), ("zero_grad", True)))
     )
     low = s.low_precision
     # GradScaler refuses to unscale fp16 gradients ("Attempting to unscale FP16 gradients")
