@@ -10,7 +10,7 @@ import argparse
 import collections
 import sys
 
-from .runner import EXCLUDE_ENV, check, exclusions, run_many
+from .runner import EXCLUDE_ENV, Isolated, check, exclusions, run_many
 from .shrink import report, shrink
 from .spec import generate
 from .codegen import program_source
@@ -44,24 +44,31 @@ def main(argv=None) -> int:
     if args.count == 1 and args.show:
         print(program_source(generate(args.seed)))
 
+    isolated = Isolated()  # programs run in a worker process: crashes and hangs are reported
+
     def progress(result) -> None:
         if result.failed:
-            shrunk = shrink(result, args.shrink_seconds) if args.shrink else None
+            shrunk = shrink(result, args.shrink_seconds, checker=isolated.check) if args.shrink else None
             print(report(result, shrunk, standalone=args.show), flush=True)
             if result.trace and not args.quiet:
                 print("  " + result.trace.rstrip().replace("\n", "\n  "))
+        elif result.invalid:  # a generator bug: shown even with --quiet
+            print(f"seed {result.spec.seed} invalid (fails without offloading too): "
+                  f"{result.invalid}", flush=True)
         elif not args.quiet:
-            note = f" (invalid: {result.invalid})" if result.invalid else ""
-            print(f"seed {result.spec.seed} ok {result.seconds:.2f}s{note}", flush=True)
+            print(f"seed {result.spec.seed} ok {result.seconds:.2f}s", flush=True)
 
-    summary = run_many(args.seed, args.count, patterns, progress)
+    with isolated:
+        summary = run_many(args.seed, args.count, patterns, progress, isolated)
     by_kind = collections.Counter(r.signature for r in summary.failures)
     print(f"\n{len(summary.results)} programs in {summary.seconds:.1f}s: "
           f"{len(summary.failures)} failed {dict(by_kind)}, {len(summary.invalid)} invalid"
           + (f"; excluded {patterns}" if patterns else ""))
     if summary.failures:
         print("failing seeds: " + " ".join(str(r.spec.seed) for r in summary.failures))
-    return 1 if summary.failures else 0
+    if summary.invalid:
+        print("invalid seeds: " + " ".join(str(r.spec.seed) for r in summary.invalid))
+    return 1 if summary.failures or summary.invalid else 0
 
 
 if __name__ == "__main__":

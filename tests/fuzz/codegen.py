@@ -15,7 +15,10 @@ from cpu_offload.compat import TORCH_VERSION
 
 from . import layers as layer_module
 from . import prelude
-from .spec import APPLY_ENTRIES, UPDATING_MODES, LayerSpec, ProgramSpec, features, layer_kwargs
+from .spec import (
+    APPLY_ENTRIES, OPTIMIZERS, UPDATING_MODES, LayerSpec, OptSpec, ProgramSpec, features,
+    layer_kwargs,
+)
 
 HEADER = '''\
 """A fuzz program, standalone: run it from the repository root with PYTHONPATH=. (exit status 1:
@@ -28,6 +31,7 @@ Features: {features}.
 import contextlib
 import gc
 import os
+import threading
 import traceback
 import weakref
 
@@ -38,9 +42,8 @@ from torch.utils.checkpoint import checkpoint
 
 import cpu_offload
 from cpu_offload.compat import top_saved_tensors_hooks
-from cpu_offload import OffloadUsageError
+from cpu_offload import OffloadConfigError, OffloadUsageError
 from cpu_offload.optim import HybridDeviceOptimizer
-from cpu_offload.optim.reference import MasterWeightOptimizer
 from cpu_offload import Plan
 
 SEQ = {seq}
@@ -65,6 +68,9 @@ PRELUDE = (
     prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
     prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
     prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight,
+    prelude.div_grad_data, prelude.mul_grad_data, prelude.clip_values, prelude.Masters, prelude.Stack,
+    prelude.ensure_process_group, prelude.record_state, prelude.step_after_close,
+    prelude.misuse,
 )
 
 
@@ -144,32 +150,97 @@ def _device_kwargs(spec: ProgramSpec) -> str:
     return "defer_launches=False" if inline else ""
 
 
-def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
+def _lr(value: float, opt: OptSpec) -> str:
+    return f"torch.tensor({value!r})" if opt.lr_tensor else repr(value)
+
+
+def _param_groups(spec: ProgramSpec, out: _Lines) -> str:
+    """The expression of the optimizer's ``params`` argument (``param_groups()``, defined here,
+    where there are several groups or tensor learning rates: each group gets a tensor of its
+    own, and a rebuilt optimizer new ones)."""
     opt = spec.optimizer
-    bf16 = spec.dtype == "bfloat16"
-    kw = dict(offload_fraction=opt.fraction, overlap=repr(opt.overlap),
-              bucket_bytes=opt.bucket_bytes, cpu_chunk_bytes=opt.chunk_bytes, cpu_threads=1,
-              stream_fraction=repr(opt.stream_fraction), stream_budget_bytes=1 << 16,
-              lr=0.01, weight_decay=opt.weight_decay)
+    n = len(opt.groups) + 1
+    if n == 1 and not opt.lr_tensor:
+        return "params"
+    out(2, "def param_groups():", "    return [")
+    for g in range(n):
+        overrides = dict(opt.groups[g - 1]) if g else {}
+        items = [f'"params": params[{g}::{n}]' if n > 1 else '"params": params']
+        if opt.lr_tensor or "lr" in overrides:
+            items.append(f'"lr": {_lr(overrides.pop("lr", 0.01), opt)}')
+        items += [f'"{k}": {v!r}' for k, v in overrides.items()]
+        out(4, "{" + ", ".join(items) + "},")
+    out(3, "]")
+    return "param_groups()"
+
+
+def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
+    """``make_opt()`` (the hybrid optimizer, or the reference: the torch class itself, over
+    fp32 masters where parameters are bf16/fp16), the optimizer, its scheduler and scaler."""
+    opt = spec.optimizer
+    low = spec.low_precision
+    cls_name, cls_kw = OPTIMIZERS[opt.cls]
+    hyper = dict(lr=_lr(0.01, opt), weight_decay=opt.weight_decay)
+
+    def num(value, kind: str) -> str:  # numpy_args: sizes and fractions as numpy scalars
+        return f"np.{kind}({value!r})" if opt.numpy_args and not isinstance(value, str) else repr(value)
+
+    kw = dict(offload_fraction=num(opt.fraction, "float32"), overlap=repr(opt.overlap),
+              bucket_bytes=num(opt.bucket_bytes, "int64"),
+              cpu_chunk_bytes=num(opt.chunk_bytes, "int64"), cpu_threads=1,
+              stream_fraction=num(opt.stream_fraction, "float32"),
+              stream_budget_bytes=num(1 << 16, "int64"))
     if opt.max_grad_norm is not None:
         kw.update(max_grad_norm=opt.max_grad_norm)
     if opt.stream_during_backward:
         kw.update(stream_during_backward=True)
-    if bf16:
+    if low:
         kw.update(param_update_in_fp32=True)
+    if not opt.pin_grads:
+        kw.update(pin_cpu_grads=False)
+    if not opt.pin_params:
+        kw.update(pin_cpu_params=False)
     kw.update(device="dev" if opt.shared_device else "opt_dev")
+    if opt.cls != "adamw_fused":  # else the hybrid optimizer's default class (fused AdamW)
+        kw.update(cpu_optimizer_cls=f"torch.optim.{cls_name}",
+                  gpu_optimizer_cls=f"torch.optim.{cls_name}", **hyper,
+                  **{k: repr(v) for k, v in cls_kw.items()})
+    else:
+        kw.update(hyper)
+    hyper.update((k, repr(v)) for k, v in cls_kw.items())
     if not opt.shared_device:
         out(2, f"opt_dev = TrackingDevice({_device_kwargs(spec)})")
-    out(2, "if offload:",
-        f"    opt = HybridDeviceOptimizer(params, {_kwargs(**kw)})")
+    if opt.misuse:
+        device = "dev" if opt.shared_device else "opt_dev"
+        out(2, f'rec.put("misuse", misuse({opt.misuse!r}, offload, {device}))')
+    out(2, "")
+    groups = _param_groups(spec, out)
+    out(2, "", "def make_opt():", "    if offload:",
+        f"        o = HybridDeviceOptimizer({groups}, {_kwargs(**kw)})")
     if opt.overlap == "next_forward":
-        out(3, "opt.register_forward_waits(layers)")
-    out(2, "else:")
-    if bf16:  # the hybrid optimizer keeps fp32 master weights: compare with a master-weight run
-        out(3, f"opt = MasterWeightOptimizer(params, lr=0.01, weight_decay={opt.weight_decay})")
+        out(4, "o.register_forward_waits(layers)")
+    out(4, "return o")
+    if low:  # the hybrid optimizer keeps fp32 master weights: compare with a master-weight run
+        out(3, f"return Masters({groups}, torch.optim.{cls_name}, {_kwargs(**hyper)})")
     else:
-        out(3, f"opt = torch.optim.AdamW(params, lr=0.01, weight_decay={opt.weight_decay}, "
-               "fused=True)")
+        out(3, f"return torch.optim.{cls_name}({groups}, {_kwargs(**hyper)})")
+    out(2, "", "opt = make_opt()")
+    if opt.ddp:
+        out(2, "if offload:", "    model.register_comm_hook(*opt.ddp_comm_hook())")
+    if opt.scheduler == "lambda":
+        out(2, "sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)")
+    elif opt.scheduler == "step":
+        out(2, "sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)")
+    if opt.scaler:
+        out(2, 'scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)')
+
+
+def _ddp_setup(spec: ProgramSpec, out: _Lines) -> None:
+    """The model under DistributedDataParallel (one gloo process), before the optimizer."""
+    odd = any(layer.kind == "odd_params" for layer in spec.layers)  # maybe an unused parameter
+    out(2, "ensure_process_group()",
+        "model = torch.nn.parallel.DistributedDataParallel(",
+        f"    Stack(layers, lambda x: forward(x)), find_unused_parameters={odd})")
 
 
 def _stack(spec: ProgramSpec, out: _Lines) -> None:
@@ -177,6 +248,8 @@ def _stack(spec: ProgramSpec, out: _Lines) -> None:
     n = spec.n
     out(2, "def stack(h, train=True, faulty=False):", "    aux = torch.zeros(())")
     for i, layer in enumerate(spec.layers):
+        if spec.mixed:
+            out(3, f"h = h.to(torch.{spec.layer_dtype(i)})")
         call = f"layers[{i}](h)"
         if layer.ckpt != "none":
             call = f"checkpoint(layers[{i}], h, use_reentrant={layer.ckpt == 'reentrant'})"
@@ -234,10 +307,17 @@ def program_source(spec: ProgramSpec) -> str:
     if spec.batch_bytes is not None:
         out(1, "from cpu_offload.v2 import layer_state",
             f"layer_state.BATCH_BYTES = {spec.batch_bytes}  # copies from this size queued early")
+    opt = spec.optimizer
+    if opt is not None and opt.numpy_args:
+        out(1, "import numpy as np")
+    if opt is not None and any(kind == "dcp" for _, kind in opt.saves):
+        out(1, "from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict")
     out(1, "layers = build()", "params = list(layers.parameters())", f"dev = TrackingDevice({_device_kwargs(spec)})",
         "watch = Watch(layers)", "handle = opt = None", "try:")
     _entry_setup(spec, out)
-    if spec.optimizer is not None:
+    if opt is not None and opt.ddp:
+        _ddp_setup(spec, out)
+    if opt is not None:
         _optimizer_setup(spec, out)
     out(2, "")
     _stack(spec, out)
@@ -254,7 +334,14 @@ def _build(spec: ProgramSpec, out: _Lines) -> None:
     out(0, "def build():", f"    torch.manual_seed({spec.seed})", "    layers = nn.ModuleList([")
     for layer in spec.layers:
         out(2, layer_ctor(layer, spec.width) + ",")
-    out(1, "])", f"return layers.to({dtype})")
+    out(1, f"]).to({dtype})")
+    for i, layer in enumerate(spec.layers):
+        if layer.dtype is not None:
+            out(1, f"layers[{i}].to(torch.{layer.dtype})")
+    if spec.frozen:
+        out(1, "params = list(layers.parameters())",
+            f"for i in {spec.frozen!r}:", "    params[i].requires_grad_(False)")
+    out(1, "return layers")
     out(0, "", "",
         "def make_input(step, mb):",
         "    g = torch.Generator().manual_seed(1000 * step + mb)",
@@ -282,35 +369,50 @@ def _micro_batch(spec: ProgramSpec, out: _Lines) -> None:
     if released:
         out(2, "", "def reload():", "    if offload:",
             *(f"        manual.start_reload_layer({layer})" for layer in released))
-    if nosync:
+    ddp = spec.optimizer is not None and spec.optimizer.ddp
+    if nosync and ddp:
+        out(2, "", "def accumulate(last):", "    if last:", "        return contextlib.nullcontext()",
+            "    both = contextlib.ExitStack()", "    if offload:",
+            "        both.enter_context(opt.no_sync())", "    both.enter_context(model.no_sync())",
+            "    return both")
+    elif nosync:
         out(2, "", "def accumulate(last):",
             "    return opt.no_sync() if offload and not last else contextlib.nullcontext()")
     hows = {h for step in spec.backwards for h in step}
     out(2, "", "def micro_batch(step, mb, how, last):",
         "    x = make_input(step, mb)",
-        "    h, aux = forward(x)",
+        f"    h, aux = {'model' if ddp else 'forward'}(x)",
         "    loss = loss_of(h, aux)",
         '    rec.put(f"step{step}.mb{mb}.out", h)',
         '    rec.put(f"step{step}.mb{mb}.loss", loss)')
+    target = "loss"
+    scaler = spec.optimizer.scaler if spec.optimizer is not None else None
+    if scaler:
+        inf = spec.optimizer.inf_step
+        if inf is not None:  # the scaler finds inf in the gradients and skips this step
+            out(3, f"if step == {inf} and last:", '    loss = loss * float("inf")')
+        out(3, "scaled = scaler.scale(loss)")
+        target = "scaled"
     if spec.eval_forward == "inside":
         out(3, "evaluate(step, mb)")
     if released:
         out(3, "reload()")
     if "autograd_grad" in hows:
         out(3, 'if how == "autograd_grad":',
-            "    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)",
+            "    trained = [p for p in params if p.requires_grad]",
+            "    grads = torch.autograd.grad(loss, [x, *trained], allow_unused=True)",
             '    rec.put(f"step{step}.mb{mb}.autograd_grad", grads)',
             "    return")
     if "retain_double" in hows:
         out(3, 'if how == "retain_double":')
         if nosync:
-            out(4, "with accumulate(False):", "    loss.backward(retain_graph=True)")
+            out(4, "with accumulate(False):", f"    {target}.backward(retain_graph=True)")
         else:
-            out(4, "loss.backward(retain_graph=True)")
+            out(4, f"{target}.backward(retain_graph=True)")
     if nosync:
-        out(3, "with accumulate(last):", "    loss.backward()")
+        out(3, "with accumulate(last):", f"    {target}.backward()")
     else:
-        out(3, "loss.backward()")
+        out(3, f"{target}.backward()")
     out(3, 'rec.put(f"step{step}.mb{mb}.x_grad", x.grad)')
     if spec.eval_forward != "none":
         out(2, "", "def evaluate(step, mb):", "    with torch.no_grad():",
@@ -408,26 +510,58 @@ def _faulty_micro_batch(spec: ProgramSpec, out: _Lines, nosync: bool, reload: bo
         out(3, "finally:", f"    layers[{layer}].armed = False")
 
 
+EDIT_CODE = {  # a gradient edit's line; {1}, {2}: the edit's fields (OptSpec.edits)
+    "clip": "torch.nn.utils.clip_grad_norm_(params, {1})",
+    "scale": "scale_grad(params[{1}], {2})",
+    "zero": "zero_grad_of(params[{1}])",
+    "none": "params[{1}].grad = None",
+    "zero_grad": "opt.zero_grad(set_to_none={1})",
+    "data_div": "div_grad_data(params[{1}], {2})",
+    "data_mul": "mul_grad_data(params[{1}], {2})",
+    "clip_value": "clip_values(params, {1})",
+}
+
+
 def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     opt = spec.optimizer
     lines = []
     for edit in opt.edits:
-        if edit[0] == "clip":
-            lines.append(f"torch.nn.utils.clip_grad_norm_(params, {edit[1]})")
-        elif edit[0] == "scale":
-            lines.append(f"scale_grad(params[{edit[1]}], {edit[2]})")
-        elif edit[0] == "zero":
-            lines.append(f"zero_grad_of(params[{edit[1]}])")
-        elif edit[0] == "none":
-            lines.append(f"params[{edit[1]}].grad = None")
+        if edit[0] == "lr":
+            lr = f'opt.param_groups[{edit[1]}]["lr"]'
+            lines.append(f"{lr}.fill_({edit[2]})" if opt.lr_tensor else f"{lr} = {edit[2]}")
         else:
-            lines.append(f"opt.zero_grad(set_to_none={edit[1]})")
+            lines.append(EDIT_CODE[edit[0]].format(*edit))
     if lines and opt.edit_steps is not None:
         lines = [f"if step in {set(opt.edit_steps) or '()'}:"] + ["    " + l for line in lines
                                                                    for l in line.split("\n")]
+    if opt.close_step is not None:
+        lines += [f"if step == {opt.close_step}:",
+                  "    if offload:  # closed, a step must raise; then a new one from its state",
+                  "        saved = opt.state_dict()",
+                  "        opt.close()",
+                  '        rec.put("closed.step", step_after_close(opt))',
+                  "        opt = make_opt()",
+                  "        opt.load_state_dict(saved)",
+                  "    else:",
+                  '        rec.put("closed.step", "OffloadUsageError naming close()")']
+    step = []
+    if opt.scaler in ("unscale", "unscale_clip"):
+        step.append("scaler.unscale_(opt)")
+    if opt.scaler == "unscale_clip":
+        step.append("torch.nn.utils.clip_grad_norm_(params, 0.5)")
     if opt.max_grad_norm is not None:  # the hybrid optimizer clips inside step()
-        lines.append(f"if not offload:\n    torch.nn.utils.clip_grad_norm_(params, {opt.max_grad_norm})")
-    lines.append("opt.step()")
+        step.append("if not offload:  # over the parameters in param-group order, as the hybrid\n"
+                    "    in_groups = [p for g in opt.param_groups for p in g[\"params\"]]\n"
+                    f"    torch.nn.utils.clip_grad_norm_(in_groups, {opt.max_grad_norm})")
+    if opt.scaler:  # GradScaler asserts on a step without gradients: no step then
+        step += ["scaler.step(opt)", "scaler.update()"]
+        step = ["if any(p.grad is not None for p in params):"] + [
+            "    " + l for line in step for l in line.split("\n")]
+    else:
+        step.append("opt.step()")
+    lines += step
+    if opt.scheduler:
+        lines.append("sched.step()")
     lines = [l for line in lines for l in line.split("\n")]
     if opt.edits and opt.overlap != "none":
         # Loud refusal (OffloadUsageError naming the supported way) is an acceptable answer to
@@ -436,5 +570,26 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     else:
         out(3, *lines)
     out(3, "opt.zero_grad()")
+    if opt.param_edits:
+        if opt.overlap == "next_forward":
+            out(3, "if offload:", "    opt.wait_params()  # before reading parameters outside a forward")
+        for kind, c in opt.param_edits:
+            if kind == "clamp_data":
+                out(3, "for p in params:", f"    p.data.clamp_(-{c}, {c})")
+            else:
+                out(3, "with torch.no_grad():", "    for p in params:", f"        p.clamp_(-{c}, {c})")
     if opt.overlap != "next_forward":  # next_forward: read after opt.wait_params(), at the end
         out(3, 'rec.put(f"step{step}.params", params)')
+    out(3, 'rec.put(f"step{step}.lrs", tuple(g["lr"] for g in opt.param_groups))')
+    if opt.scaler:
+        out(3, 'rec.put(f"step{step}.scale", scaler.get_scale())')
+    for kind in ("state_dict", "dcp"):
+        steps = sorted({st for st, k in opt.saves if k == kind})
+        if not steps:
+            continue
+        out(3, f"if step in {set(steps)}:  # must not change training")
+        if kind == "state_dict":
+            out(4, 'record_state(rec, f"step{step}.state_dict", opt.state_dict())')
+        else:
+            model = "model" if opt.ddp else "layers"
+            out(4, f'record_state(rec, f"step{{step}}.dcp", get_optimizer_state_dict({model}, opt))')

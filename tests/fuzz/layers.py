@@ -226,6 +226,30 @@ class Views(FuzzLayer):
         return hidden, aux
 
 
+class OddParams(FuzzLayer):
+    """The parameters optimizers must handle besides matrices and vectors: a 0-dim gain, a
+    zero-size parameter (used in forward, so its gradient is a zero-size tensor, or not:
+    ``use_empty=False``, no gradient) and a frozen one (``requires_grad=False``), around a
+    Linear and tanh, residual."""
+
+    def __init__(self, width, use_empty=True, out="tensor"):
+        super().__init__(out)
+        self.lin = nn.Linear(width, width)
+        self.gain = nn.Parameter(torch.tensor(0.5))
+        self.empty = nn.Parameter(torch.zeros(0, width))
+        self.frozen = nn.Parameter(torch.linspace(-0.1, 0.1, width), requires_grad=False)
+        self.use_empty = use_empty
+
+    def body(self, h):
+        f = self.lin(h) * self.gain + self.frozen
+        t = torch.tanh(f)
+        cpu_offload.mark_activation_offload(f, t)
+        y = h + t
+        if self.use_empty:
+            y = y + self.empty.sum(0)  # zeros(width); the gradient of ``empty`` has size 0
+        return y, f
+
+
 LAYER_CLASSES = {
     "mlp": Mlp,
     "attention": Attention,
@@ -236,4 +260,5 @@ LAYER_CLASSES = {
     "inplace": InPlace,
     "inplace_after_recipe": InPlaceAfterRecipe,
     "views": Views,
+    "odd_params": OddParams,  # drawn on its own (spec.generate), not among the kinds above
 }

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 
 import torch
+from torch import nn
 
 import cpu_offload
-from cpu_offload import OffloadUsageError
+from cpu_offload import OffloadConfigError, OffloadUsageError
+from cpu_offload.optim import HybridDeviceOptimizer
 
 from .layers import Boom
 
@@ -105,9 +108,18 @@ class Recorder:
 
 
 def same(a, b):
+    """Equal values, bit for bit (NaN where the other has NaN counts as equal)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        if torch.equal(a, b):
+            return True
+        if not a.is_floating_point():
+            return False
+        nan = a.isnan()
+        return (torch.equal(nan, b.isnan())
+                and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0)))
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
@@ -188,3 +200,197 @@ def boom_hook(grad):
 
 def identity(t):
     return t
+
+
+def div_grad_data(p, k):
+    """``p.grad.data /= k`` (as the PyTorch distributed tutorial averages): no version bump."""
+    if p.grad is not None:
+        p.grad.data /= k
+
+
+def clip_values(params, value):
+    """``clip_grad_value_`` of the gradients there are (torch 2.13 raises where there are none)."""
+    grads = [p for p in params if p.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grad_value_(grads, value)
+
+
+def mul_grad_data(p, c):
+    if p.grad is not None:
+        p.grad.data.mul_(c)
+
+
+class Masters(torch.optim.Optimizer):
+    """The reference for models with bf16/fp16 parameters: ``cls(**kwargs)`` over master copies
+    (fp32 for bf16/fp16 parameters, their own dtype otherwise), as the hybrid optimizer keeps
+    them and as ``cpu_offload.optim.reference.MasterWeightOptimizer`` does, but itself a
+    ``torch.optim.Optimizer`` over the model's parameters: its ``param_groups`` hold the
+    hyperparameters (LR schedulers and in-place edits reach the update), ``state`` maps each
+    parameter to its master's state, ``state_dict()`` is the wrapped optimizer's, and it takes
+    a GradScaler's scale in ``step()`` (``_step_supports_amp_scaling``): handed on to a class
+    that takes it (the fused ones), else applied as ``GradScaler.unscale_`` applies it (the
+    scales are powers of two: unscaling in fp32 or in bf16 gives the same bits)."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, param_groups, cls, **kwargs):
+        param_groups = list(param_groups)
+        if isinstance(param_groups[0], torch.Tensor):
+            param_groups = [{"params": param_groups}]
+        groups, inner = [], []
+        self.masters = {}
+        for g in param_groups:
+            ms = []
+            for p in g["params"]:
+                dtype = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+                self.masters[p] = p.detach().to(dtype, copy=True)
+                ms.append(self.masters[p])
+            groups.append(dict(g))
+            inner.append({**g, "params": ms})
+        self.inner = cls(inner, **kwargs)
+        super().__init__(groups, dict(self.inner.defaults))
+
+    @property
+    def state(self):
+        inner = self.inner.state
+        return {p: inner[m] for p, m in self.masters.items() if m in inner}
+
+    @state.setter
+    def state(self, value):
+        pass  # torch.optim.Optimizer.__init__ sets it; the state is the inner optimizer's
+
+    def sync(self):
+        for g, ig in zip(self.param_groups, self.inner.param_groups):
+            ig.update({k: v for k, v in g.items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self.sync()
+        pairs = [(p, self.masters[p]) for g in self.param_groups for p in g["params"]]
+        for p, m in pairs:
+            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+        try:
+            if getattr(self.inner, "_step_supports_amp_scaling", False):
+                self.inner.grad_scale, self.inner.found_inf = scale, found_inf
+                self.inner.step()
+            elif found_inf is None or not float(found_inf):
+                if scale is not None:
+                    by_dtype = {}
+                    for _, m in pairs:
+                        if m.grad is not None:
+                            by_dtype.setdefault(m.grad.dtype, []).append(m.grad)
+                    inv = scale.double().reciprocal().float()
+                    for grads in by_dtype.values():
+                        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(()), inv)
+                self.inner.step()
+            for p, m in pairs:
+                if m.grad is not None:
+                    p.copy_(m)
+        finally:
+            for _, m in pairs:
+                m.grad = None
+            self.inner.__dict__.pop("grad_scale", None)
+            self.inner.__dict__.pop("found_inf", None)
+
+    def state_dict(self):
+        self.sync()
+        return self.inner.state_dict()
+
+
+class Stack(nn.Module):
+    """The layers as one module whose forward is the program's ``forward`` (for DDP)."""
+
+    def __init__(self, layers, forward):
+        super().__init__()
+        self.layers = layers
+        self.run = forward
+
+    def forward(self, x):
+        return self.run(x)
+
+
+def ensure_process_group():
+    """A one-process gloo group for DistributedDataParallel, made once per process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("a process group of several ranks is initialized: DDP programs need one rank")
+
+
+def record_state(rec, name, sd):
+    """The per-parameter state of an optimizer state dict (torch's format, or DCP's keyed by
+    parameter names): the entry names, then their values."""
+    names, values = [], []
+    for key in sorted(sd["state"], key=str):
+        for k in sorted(sd["state"][key]):
+            names.append(f"{key}.{k}")
+            values.append(sd["state"][key][k])
+    rec.put(f"{name}.state_names", tuple(names))
+    rec.put(f"{name}.state", tuple(values))
+
+
+def step_after_close(opt, timeout=3.0):
+    """What ``opt.step()`` does after ``opt.close()`` (expected: an ``OffloadUsageError`` that
+    names ``close()``), in a thread of its own so that a hang is reported, not waited for."""
+    out = []
+
+    def call():
+        try:
+            opt.step()
+            out.append("no error")
+        except OffloadUsageError as exc:
+            out.append("OffloadUsageError naming close()" if "close()" in str(exc)
+                       else first_line(exc))
+        except Exception as exc:  # noqa: BLE001 - reported
+            out.append(first_line(exc))
+
+    thread = threading.Thread(target=call, daemon=True, name="step after close")
+    thread.start()
+    thread.join(timeout)
+    return out[0] if out else f"hung (no answer after {timeout} s)"
+
+
+def misuse(kind, offload, dev):
+    """A wrong use of the optimizer, on parameters of its own: a bad argument must give an
+    ``OffloadConfigError``; after the sparse-gradient error of ``step()``, ``zero_grad()``
+    must work as torch's does."""
+    if kind == "sparse_grad":
+        emb = nn.Embedding(4, 2, sparse=True)
+        if offload:
+            opt = HybridDeviceOptimizer(emb.parameters(), 1.0, device=dev, stream_fraction=0.0,
+                                        cpu_threads=1, lr=0.01)
+        else:
+            opt = torch.optim.AdamW(emb.parameters(), lr=0.01, fused=True)
+        try:
+            try:
+                emb(torch.tensor([0, 2])).sum().backward()
+                opt.step()
+                out = "a sparse gradient accepted"
+            except RuntimeError:
+                out = "a sparse gradient refused"
+            try:
+                opt.zero_grad()
+                return out + ", then zero_grad() works"
+            except Exception as exc:  # noqa: BLE001 - reported
+                return out + f", then zero_grad() raised {first_line(exc)}"
+        finally:
+            if offload:
+                opt.close()
+    if not offload:
+        return "OffloadConfigError"
+    params = [nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+    kw = {"device_str": {"device": "cpu"}, "grad_order_int": {"grad_order": 5},
+          "grad_order_str": {"grad_order": "abc"}}[kind]
+    try:
+        opt = HybridDeviceOptimizer(params, 0.5, **{"device": dev, **kw}, stream_fraction=0.0,
+                                    cpu_threads=1, lr=0.01)
+    except OffloadConfigError:
+        return "OffloadConfigError"
+    except Exception as exc:  # noqa: BLE001 - reported
+        return first_line(exc)
+    opt.close()
+    return "accepted"

@@ -1,17 +1,26 @@
 """Run fuzz programs: each one with and without offloading, compared (``check``), many of them
-from a seed (``run_many``), with known-defect features left out on request (``EXCLUDE_ENV``)."""
+from a seed (``run_many``), with known-defect features left out on request (``EXCLUDE_ENV``).
+
+``run_many`` and the shrinker run programs in a worker process (``Isolated``): a program that
+crashes the interpreter (a segfault in a kernel) or hangs (a thread waiting forever) is reported
+as ``crash`` or ``timeout`` and the worker restarted, so one bad program cannot stop a run."""
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import fnmatch
-import io
+import json
 import os
+import re
+import select
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
@@ -23,7 +32,8 @@ from .spec import ProgramSpec, features, generate
 
 EXCLUDE_ENV = "CPU_OFFLOAD_FUZZ_EXCLUDE"
 V1_ENV = "NVTE_CPU_OFFLOAD_V1"
-PROGRAM_TIMEOUT_S = 300  # one program takes well under a second
+PROGRAM_TIMEOUT_S = 120  # one program takes well under a second (a check runs it 2-4 times)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -49,6 +59,8 @@ class Result:
         if not self.problems:
             return ""
         first = self.problems[0]
+        if first.startswith(("crash:", "timeout:")):
+            return first.split(":", 1)[0]
         if first.startswith("exception:"):
             return "exception:" + first.split("with offloading ", 1)[1].split(":", 1)[0]
         name = first.split(":", 1)[0].rsplit(".", 1)[-1]
@@ -168,18 +180,99 @@ def without_excluded(spec: ProgramSpec, patterns: Sequence[Sequence[str]]) -> Pr
 # --- many programs -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _watchdog() -> Iterator[None]:
-    """``faulthandler``'s timer on the real stderr (pytest's captured one has no file number)."""
-    try:
-        faulthandler.dump_traceback_later(PROGRAM_TIMEOUT_S, exit=True, file=sys.__stderr__)
-    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
-        yield  # no usable stderr: run without the watchdog
-        return
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+class Isolated:
+    """``check`` in a worker process (``python -m tests.fuzz.worker``), started on first use
+    and again after a program crashed it or ran past ``timeout_s`` (then it is killed). A
+    crash is reported with the innermost frames ``faulthandler`` printed; a hang with the
+    stacks of the worker's threads (dumped before the kill)."""
+
+    def __init__(self, timeout_s: float = PROGRAM_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.log = None
+
+    def __enter__(self) -> "Isolated":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        self.log = tempfile.TemporaryFile()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "tests.fuzz.worker"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def check(self, spec: ProgramSpec) -> Result:
+        from .shrink import spec_repr
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.log.seek(0)
+        self.log.truncate()
+        start = time.perf_counter()
+        try:
+            self.proc.stdin.write((spec_repr(spec) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        ready = select.select([self.proc.stdout], [], [], self.timeout_s)[0]
+        line = self.proc.stdout.readline() if ready else b""
+        if line:
+            r = json.loads(line)
+            return Result(spec, r["problems"], r["seconds"], r["invalid"], r["trace"])
+        hung = not ready
+        if hung:  # every thread's stack to the log, then kill
+            with contextlib.suppress(OSError):
+                self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        code = self.proc.wait()
+        self.log.seek(0)
+        log = self.log.read().decode(errors="replace")
+        self.proc = None
+        if hung:
+            what = f"timeout: no result after {self.timeout_s:.0f} s (a hang); the worker was killed"
+        else:
+            sig = -code if code < 0 else None
+            name = signal.Signals(sig).name if sig else f"exit status {code}"
+            what = f"crash: the worker process died ({name})"
+        frames = _innermost_frames(log)
+        return Result(spec, [what + (f" in {frames}" if frames else "")],
+                      time.perf_counter() - start, None, log[-6000:])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+def _innermost_frames(log: str, count: int = 3) -> str:
+    """``file:line in function`` of the innermost frames of the thread where ``faulthandler``
+    caught the signal ("Current thread"), innermost first."""
+    current = log.find("Current thread ")
+    dump = log[current if current >= 0 else 0:].split("most recent call first):", 1)
+    if len(dump) < 2:
+        return ""
+    frames = []
+    for line in dump[1].splitlines()[1:]:
+        m = re.match(r'\s+File "(.+)", line (\d+) in (\S+)', line)
+        if not m:
+            break
+        path = m.group(1)
+        short = "/".join(Path(path).parts[-2:]) if path.startswith("/") else path
+        frames.append(f"{short}:{m.group(2)} {m.group(3)}")
+    return " < ".join(frames[:count])
 
 
 @dataclass
@@ -197,19 +290,20 @@ class Summary:
 
 
 def run_many(seed: int, count: int, exclude: Optional[Sequence[Sequence[str]]] = None,
-             progress: Optional[Callable[[Result], None]] = None) -> Summary:
-    """Programs ``seed``, ``seed + 1``, ..., ``seed + count - 1``."""
+             progress: Optional[Callable[[Result], None]] = None,
+             isolated: Optional[Isolated] = None) -> Summary:
+    """Programs ``seed``, ``seed + 1``, ..., ``seed + count - 1``, in ``isolated`` (default: a
+    worker process of their own, closed at the end)."""
     patterns = exclusions() if exclude is None else exclude
     summary = Summary()
     start = time.perf_counter()
-    for s in range(seed, seed + count):
-        spec = without_excluded(generate(s), patterns)
-        # A hang (a worker thread waiting forever) must not stall CI silently: dump every
-        # thread's stack (the program's frames are named "<fuzz program SEED>") and exit.
-        with _watchdog():
-            result = check(spec)
-        summary.results.append(result)
-        if progress is not None:
-            progress(result)
+    with contextlib.ExitStack() as stack:
+        if isolated is None:
+            isolated = stack.enter_context(Isolated())
+        for s in range(seed, seed + count):
+            result = isolated.check(without_excluded(generate(s), patterns))
+            summary.results.append(result)
+            if progress is not None:
+                progress(result)
     summary.seconds = time.perf_counter() - start
     return summary

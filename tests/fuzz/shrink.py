@@ -44,7 +44,7 @@ def reductions(spec: ProgramSpec) -> Iterator[Tuple[str, ProgramSpec]]:
     simpler = [
         ("optimizer", None), ("fault", ()), ("stack_ckpt", "none"), ("eval_forward", "none"),
         ("selective", ()), ("spread", ()), ("partial_bytes", None), ("extra_model_layers", 0),
-        ("backend", "v2"), ("dtype", "float32"), ("width", 8), ("recompute", ()),
+        ("backend", "v2"), ("dtype", "float32"), ("width", 8), ("recompute", ()), ("frozen", ()),
     ]
     for name, value in simpler:
         if getattr(spec, name) != value:
@@ -54,11 +54,11 @@ def reductions(spec: ProgramSpec) -> Iterator[Tuple[str, ProgramSpec]]:
         yield f"entry={entry[spec.entry]!r}", replace(spec, entry=entry[spec.entry])
     if spec.num_layers > 0:
         yield f"num_layers={spec.num_layers - 1}", replace(spec, num_layers=spec.num_layers - 1)
-    if spec.min_size:
+    if spec.min_size != 0:
         yield "min_size=0", replace(spec, min_size=0)
     if spec.batch_bytes is not None:
         yield "batch_bytes=None", replace(spec, batch_bytes=None)
-    for name in ("recompute", "selective", "sync_dict", "manual"):
+    for name in ("recompute", "selective", "sync_dict", "manual", "frozen"):
         items = getattr(spec, name)
         for j in range(len(items)):
             yield f"drop {name}[{j}]", replace(spec, **{name: items[:j] + items[j + 1:]})
@@ -77,19 +77,23 @@ def reductions(spec: ProgramSpec) -> Iterator[Tuple[str, ProgramSpec]]:
                 plain = steps[s][:m] + ("backward",) + steps[s][m + 1:]
                 yield f"plain backward {s}.{m}", with_step(s, plain)
     for i, layer in enumerate(spec.layers):
-        for name, value in (("ckpt", "none"), ("out", "tensor"), ("variant", 0), ("kind", "mlp")):
+        for name, value in (("ckpt", "none"), ("out", "tensor"), ("variant", 0), ("kind", "mlp"),
+                            ("dtype", None)):
             if getattr(layer, name) != value:
                 layers = spec.layers[:i] + (replace(layer, **{name: value}),) + spec.layers[i + 1:]
                 yield f"layer {i} {name}={value!r}", replace(spec, layers=layers)
     opt = spec.optimizer
     if opt is not None:
-        for j in range(len(opt.edits)):
-            edits = opt.edits[:j] + opt.edits[j + 1:]
-            yield f"drop edit {opt.edits[j]}", replace(spec, optimizer=replace(opt, edits=edits))
+        for name in ("edits", "groups", "saves", "param_edits"):
+            items = getattr(opt, name)
+            for j in range(len(items)):
+                fewer = items[:j] + items[j + 1:]
+                yield (f"drop {name[:-1]} {items[j]}",
+                       replace(spec, optimizer=replace(opt, **{name: fewer})))
         default = OptSpec()
         for f in fields(OptSpec):
             value = getattr(default, f.name)
-            if f.name != "edits" and getattr(opt, f.name) != value:
+            if f.name not in ("edits", "groups", "saves", "param_edits") and getattr(opt, f.name) != value:
                 yield (f"optimizer {f.name}={value!r}",
                        replace(spec, optimizer=replace(opt, **{f.name: value})))
 
@@ -107,9 +111,12 @@ def remove_feature(spec: ProgramSpec, feature: str) -> ProgramSpec:
 
 
 def shrink(result: Result, budget_s: float = 60.0,
-           log: Optional[Callable[[str], None]] = None) -> Result:
+           log: Optional[Callable[[str], None]] = None,
+           checker: Optional[Callable[[ProgramSpec], Result]] = None) -> Result:
     """The smallest program found that fails like ``result`` (same ``signature``), trying one
-    simplification at a time, for at most ``budget_s`` seconds."""
+    simplification at a time, for at most ``budget_s`` seconds. ``checker``: how a candidate
+    runs (default ``check``, in this process; ``runner.Isolated().check`` survives crashes)."""
+    checker = checker or check
     best = result
     deadline = time.perf_counter() + budget_s
     progress = True
@@ -119,7 +126,7 @@ def shrink(result: Result, budget_s: float = 60.0,
             candidate = normalize(candidate)
             if candidate == best.spec:
                 continue
-            r = check(candidate)
+            r = checker(candidate)
             if r.failed and r.signature == best.signature:
                 best, progress = r, True
                 if log:

@@ -19,14 +19,43 @@ from cpu_offload.v2.schedule import validate_synchronization_dict
 
 from .layers import LAYER_CLASSES
 
-KINDS = tuple(LAYER_CLASSES)
+KINDS = tuple(k for k in LAYER_CLASSES if k != "odd_params")  # odd_params: drawn on its own
 ENTRIES = ("ctx", "sync_dict", "manual", "apply", "apply_dict", "plan")
 V1_ENTRIES = ("ctx", "apply", "plan")
 APPLY_ENTRIES = ("apply", "apply_dict", "plan")
 DTYPES = ("float32", "float64", "bfloat16")
 BACKWARDS = ("backward", "retain_double", "autograd_grad")
 EDITS = ("clip", "scale", "zero", "none", "zero_grad")
+# drawn after EDITS: .grad.data writes (no version bump), clip_grad_value_, the learning rate
+# changed in place between backward and step()
+MORE_EDITS = ("data_div", "data_mul", "clip_value", "lr")
+PARAM_EDITS = ("clamp_data", "clamp_nograd")  # parameters changed in place after step()
 UPDATING_MODES = ("backward_update", "next_forward")  # the CPU update starts during backward
+LOW_PRECISION = ("bfloat16", "float16")
+# The optimizer classes: name -> (torch.optim class, its arguments besides lr and weight_decay).
+# "adamw_fused" is the hybrid optimizer's default (no class passed).
+OPTIMIZERS = {
+    "adamw_fused": ("AdamW", {"fused": True}),
+    "adamw_foreach": ("AdamW", {"foreach": True}),
+    "adamw_loop": ("AdamW", {"foreach": False}),
+    "adam_amsgrad": ("Adam", {"amsgrad": True}),
+    "adam_maximize": ("Adam", {"maximize": True}),
+    "adam_amsgrad_maximize": ("Adam", {"amsgrad": True, "maximize": True}),
+    "adam_fused_amsgrad": ("Adam", {"fused": True, "amsgrad": True}),
+    "sgd": ("SGD", {}),
+    "sgd_momentum": ("SGD", {"momentum": 0.9}),
+    "sgd_nesterov": ("SGD", {"momentum": 0.9, "nesterov": True}),
+    "sgd_fused": ("SGD", {"momentum": 0.9, "fused": True}),
+    "adagrad": ("Adagrad", {"lr_decay": 0.01}),
+    "adagrad_fused": ("Adagrad", {"fused": True}),
+    "rmsprop": ("RMSprop", {"momentum": 0.5}),
+    "rmsprop_centered": ("RMSprop", {"centered": True, "alpha": 0.9}),
+}
+NO_TENSOR_LR = ("adamw_foreach",)  # torch: "lr as a Tensor is not supported ... foreach=True"
+SCALER_MODES = ("step", "unscale", "unscale_clip")  # GradScaler: scaler.step(opt) alone, or
+# after scaler.unscale_(opt) (and clip_grad_norm_)
+SAVES = ("state_dict", "dcp")  # opt.state_dict(), DCP's get_optimizer_state_dict(model, opt)
+MISUSES = ("device_str", "grad_order_int", "grad_order_str", "sparse_grad")
 
 
 @dataclass(frozen=True)
@@ -38,14 +67,35 @@ class LayerSpec:
     variant: int = 0
     out: str = "tensor"
     ckpt: str = "none"  # none | reentrant | nonreentrant
+    dtype: Optional[str] = None  # None: the program's; else this layer's (mixed dtypes)
 
 
 @dataclass(frozen=True)
 class OptSpec:
-    """``HybridDeviceOptimizer`` against the wrapped torch optimizer, and what the user does to
-    the gradients between backward and ``step()`` (``edits``: ``("clip", max_norm)``,
-    ``("scale", param, factor)``, ``("zero", param)``, ``("none", param)``,
-    ``("zero_grad", set_to_none)``)."""
+    """``HybridDeviceOptimizer`` against the wrapped torch optimizer (``cls``, a key of
+    ``OPTIMIZERS``; over fp32 masters where parameters are bf16/fp16: ``prelude.Masters``), and
+    what the user does around ``step()``.
+
+    ``edits``, between backward and ``step()``: ``("clip", max_norm)``, ``("scale", param,
+    factor)`` (``grad.mul_``), ``("zero", param)``, ``("none", param)``, ``("zero_grad",
+    set_to_none)``, ``("data_div", param, k)`` (``p.grad.data /= k``), ``("data_mul", param,
+    c)`` (``p.grad.data.mul_(c)``), ``("clip_value", v)`` (``clip_grad_value_``), ``("lr",
+    group, value)`` (``group["lr"].fill_(value)`` for a tensor lr, ``group["lr"] = value``
+    for a float one). ``param_edits``, after every ``step()``: ``("clamp_data", c)``
+    (``p.data.clamp_``) or ``("clamp_nograd", c)`` (``p.clamp_`` under ``torch.no_grad()``).
+
+    ``groups``: further param groups, each a tuple of ``(hyperparameter, value)`` overrides;
+    parameter ``i`` goes to group ``i % (len(groups) + 1)``. ``lr_tensor``: every group's lr is
+    a tensor of its own. ``scheduler`` (``lambda``: ``LambdaLR``, ``step``: ``StepLR``) steps
+    right after ``opt.step()``. ``scaler``: a ``GradScaler("cpu")`` scales the losses
+    (``SCALER_MODES``); ``inf_step``: the step whose loss is multiplied by inf (the scaler skips
+    it). ``saves``: ``(step, kind)``, a save after that step (``SAVES``; its optimizer state is
+    compared, and it must not change training). ``close_step``: before that step's ``step()``,
+    the hybrid optimizer is closed, a ``step()`` must raise ``OffloadUsageError`` naming
+    ``close()``, and a new one is built from its ``state_dict()``. ``ddp``: the model runs
+    under ``DistributedDataParallel`` (gloo, one process), the hybrid optimizer's
+    ``ddp_comm_hook`` registered. ``numpy_args``: sizes and fractions given as numpy scalars.
+    ``misuse``: a wrong use tried first on parameters of its own (``MISUSES``)."""
 
     fraction: float = 0.5
     overlap: str = "backward_update"
@@ -60,6 +110,20 @@ class OptSpec:
     edit_steps: Optional[tuple] = None  # the steps whose gradients are edited (None: every step)
     stream_during_backward: bool = False
     inline_launches: bool = False  # the early updates run in backward's hooks, not deferred
+    cls: str = "adamw_fused"
+    lr_tensor: bool = False
+    groups: tuple = ()
+    scheduler: Optional[str] = None
+    scaler: Optional[str] = None
+    inf_step: Optional[int] = None
+    param_edits: tuple = ()
+    saves: tuple = ()
+    close_step: Optional[int] = None
+    ddp: bool = False
+    pin_grads: bool = True
+    pin_params: bool = True
+    numpy_args: bool = False
+    misuse: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -99,10 +163,29 @@ class ProgramSpec:
     # tensors never reach): storages from this size on are copied as soon as they are saved,
     # with those saved before them, instead of at the layer's end.
     batch_bytes: Optional[int] = None
+    frozen: tuple = ()  # parameters (by index) with requires_grad=False
 
     @property
     def n(self) -> int:
         return len(self.layers)
+
+    def layer_dtype(self, i: int) -> str:
+        return self.layers[i].dtype or self.dtype
+
+    @property
+    def dtypes(self) -> set:
+        """The parameter dtypes of the model."""
+        return {self.layer_dtype(i) for i in range(self.n)}
+
+    @property
+    def mixed(self) -> bool:
+        """Some layers have a dtype of their own (the hidden state is cast before each layer)."""
+        return any(layer.dtype is not None for layer in self.layers)
+
+    @property
+    def low_precision(self) -> bool:
+        """Some parameters are bf16/fp16: the reference keeps fp32 masters (``Masters``)."""
+        return bool(self.dtypes & set(LOW_PRECISION))
 
 
 def features(spec: ProgramSpec) -> set:
@@ -119,6 +202,14 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f[f"out={layer.out}"] += 1
         if layer.ckpt != "none":
             f[f"ckpt_layer={layer.ckpt}"] += 1
+        if layer.dtype is not None and layer.dtype != spec.dtype:
+            f[f"dtype={layer.dtype}"] += 1
+        if layer.kind == "odd_params":
+            f.update(["zero_size", "scalar_param", "frozen"])
+    if spec.mixed:
+        f["mixed_dtypes"] += 1
+    if spec.frozen:
+        f["frozen"] += len(spec.frozen)
     if spec.stack_ckpt != "none":
         f[f"ckpt_stack={spec.stack_ckpt}"] += 1
     if spec.min_size is None:
@@ -152,7 +243,7 @@ def feature_counts(spec: ProgramSpec) -> Counter:
     opt = spec.optimizer
     if opt is not None:
         f.update(["optimizer", f"overlap={opt.overlap}"])
-        f.update(f"edit={e[0]}" for e in opt.edits)
+        f.update(f"edit={_edit_name(e, opt)}" for e in opt.edits)
         if opt.edits and opt.edit_steps is not None:
             f["edit_some_steps"] += 1
         if opt.max_grad_norm is not None:
@@ -164,7 +255,42 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             if opt.stream_during_backward:
                 f["stream_during_backward"] += 1
                 f["inline_launches" if opt.inline_launches else "deferred_launches"] += 1
+            sf = opt.stream_fraction
+            f["stream_fraction=" + (sf if isinstance(sf, str) else "1" if sf == 1 else "part")] += 1
+        f[f"optim={opt.cls}"] += 1
+        if opt.lr_tensor:
+            f["lr=tensor"] += 1
+        if opt.groups:
+            f["groups>1"] += 1
+        if opt.scheduler:
+            f[f"sched={opt.scheduler}"] += 1
+        if opt.scaler:
+            f[f"scaler={opt.scaler}"] += 1
+        if opt.inf_step is not None:
+            f["scaler_inf_step"] += 1
+        f.update(f"param_edit={e[0]}" for e in opt.param_edits)
+        f.update(f"save={kind}" for _, kind in opt.saves)
+        if opt.close_step is not None:
+            f["close_reuse"] += 1
+        if opt.ddp:
+            f["ddp"] += 1
+        if 0 < opt.chunk_bytes < 1024:
+            f["chunk_bytes_small"] += 1
+        if not opt.pin_grads:
+            f["pageable_grads"] += 1
+        if not opt.pin_params:
+            f["pageable_params"] += 1
+        if opt.numpy_args:
+            f["numpy_args"] += 1
+        if opt.misuse:
+            f[f"misuse={opt.misuse}"] += 1
     return f
+
+
+def _edit_name(edit: tuple, opt: OptSpec) -> str:
+    if edit[0] == "lr":
+        return "lr_fill" if opt.lr_tensor else "lr_set"
+    return edit[0]
 
 
 def layer_kwargs(layer: LayerSpec, width: int) -> dict:
@@ -176,16 +302,23 @@ def layer_kwargs(layer: LayerSpec, width: int) -> dict:
         kw.update(gru=layer.variant % 2 == 0)
     elif layer.kind == "inplace_after_recipe":
         kw.update(module_act=layer.variant % 2 == 1)
+    elif layer.kind == "odd_params":
+        kw.update(use_empty=layer.variant % 2 == 0)
     if layer.out != "tensor":
         kw.update(out=layer.out)
     return kw
 
 
-@lru_cache(maxsize=None)
 def param_count(kind: str, variant: int, width: int) -> int:
     """How many parameter tensors a layer has (edits name parameters by index)."""
+    return len(trainable(kind, variant, width))
+
+
+@lru_cache(maxsize=None)
+def trainable(kind: str, variant: int, width: int) -> tuple:
+    """``requires_grad`` of each of a layer's parameters, in ``parameters()`` order."""
     layer = LAYER_CLASSES[kind](**layer_kwargs(LayerSpec(kind, variant), width))
-    return len(list(layer.parameters()))
+    return tuple(p.requires_grad for p in layer.parameters())
 
 
 # --- validity ------------------------------------------------------------------------------------
@@ -263,24 +396,68 @@ def normalize(spec: ProgramSpec) -> ProgramSpec:
         tuple("backward" if b == "autograd_grad" and reentrant else b for b in step) or ("backward",)
         for step in s.backwards
     ) or (("backward",),)
+    layers = tuple(replace(l, dtype=None) if l.dtype == s.dtype else l for l in layers)
+    count = sum(param_count(l.kind, l.variant, s.width) for l in layers)
+    frozen = sorted({i % count for i in s.frozen})
+    # one parameter at least keeps training (DDP refuses a model without any)
+    grads = [i for i, t in enumerate(t for l in layers for t in trainable(l.kind, l.variant, s.width))
+             if t]
+    while frozen and set(grads) <= set(frozen):
+        frozen.pop()
+    frozen = tuple(frozen)
     opt = s.optimizer
+    if opt is not None and opt.ddp:
+        # DistributedDataParallel: one backward per parameter per iteration, into .grad, and
+        # no reentrant checkpoint (its parameters would be marked ready twice)
+        layers = tuple(replace(l, ckpt="nonreentrant") if l.ckpt == "reentrant" else l
+                       for l in layers)
+        stack_ckpt = "nonreentrant" if stack_ckpt == "reentrant" else stack_ckpt
+        backwards = tuple(("backward",) * len(step) for step in backwards)
+        fault = ()
     if opt is not None:
-        count = sum(param_count(l.kind, l.variant, s.width) for l in layers)
-        edits = tuple(
-            (e[0], e[1] % count, *e[2:]) if e[0] in ("scale", "zero", "none") else e
-            for e in opt.edits
-        )
-        # bf16: the hybrid optimizer clips its CPU part in fp32 (documented), torch in bf16
-        mgn = None if s.dtype == "bfloat16" else opt.max_grad_norm
-        opt = replace(opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
-                      max_grad_norm=mgn,
-                      inline_launches=opt.inline_launches and opt.stream_during_backward)
+        opt = _normalize_optimizer(replace(s, layers=layers, backwards=backwards), opt, count)
     return replace(
         s, layers=layers, num_layers=k, min_size=None if v1 else s.min_size, sync_dict=sync,
         manual=manual, extra_model_layers=extra, recompute=recompute, spread=spread,
         partial_bytes=partial, selective=selective,
         selective_scope=s.selective_scope if selective else "modules", stack_ckpt=stack_ckpt,
-        backwards=backwards, fault=fault, optimizer=opt,
+        backwards=backwards, fault=fault, optimizer=opt, frozen=frozen,
+    )
+
+
+def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
+    steps = len(s.backwards)
+    ngroups = len(opt.groups) + 1
+    edits = tuple(
+        (e[0], e[1] % count, *e[2:]) if e[0] in ("scale", "zero", "none", "data_div", "data_mul")
+        else (e[0], e[1] % ngroups, *e[2:]) if e[0] == "lr" else e
+        for e in opt.edits
+        # torch's fused SGD fails on a parameter whose first gradient comes after the others'
+        # momentum buffers exist ("expected Tensor as element 1 in argument 2")
+        if not (opt.cls == "sgd_fused" and e in (("none", e[1]), ("zero_grad", True)))
+    )
+    low = s.low_precision
+    # GradScaler refuses to unscale fp16 gradients ("Attempting to unscale FP16 gradients")
+    scaler = None if "float16" in s.dtypes else opt.scaler
+    mgn = opt.max_grad_norm
+    # bf16: the hybrid optimizer clips its CPU part in fp32 (documented), torch in bf16; a
+    # scaler without unscale_: torch would clip the scaled gradients, the hybrid unscaled ones
+    if low or scaler == "step":
+        mgn = None
+    inf_step = opt.inf_step if scaler and opt.inf_step is not None and opt.inf_step < steps else None
+    saves = tuple(sorted({(st, kind) for st, kind in opt.saves if st < steps}))
+    close = opt.close_step
+    # a scheduler and DDP's comm hook hold the closed optimizer: no rebuild with them
+    if close is not None and (close >= steps or opt.scheduler or opt.ddp):
+        close = None
+    return replace(
+        opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
+        max_grad_norm=mgn, inline_launches=opt.inline_launches and opt.stream_during_backward,
+        lr_tensor=opt.lr_tensor and opt.cls not in NO_TENSOR_LR, scaler=scaler,
+        inf_step=inf_step, saves=saves, close_step=close,
+        # the reference of bf16/fp16 parameters keeps fp32 masters that it does not reload from
+        # edited parameters: parameter edits only where the reference is torch's class itself
+        param_edits=() if low else opt.param_edits,
     )
 
 
@@ -411,4 +588,74 @@ def generate(seed: int) -> ProgramSpec:
         spec = replace(spec, backwards=spec.backwards + (("backward",),) * more, optimizer=opt)
     if spec.optimizer is not None and spec.optimizer.stream_during_backward and rng.random() < 0.3:
         spec = replace(spec, optimizer=replace(spec.optimizer, inline_launches=True))
-    return normalize(spec)
+    return normalize(_more(rng, spec))
+
+
+def _more(rng: random.Random, spec: ProgramSpec) -> ProgramSpec:
+    """The draws added for issue #39, after every earlier one (so the earlier fields of a seed
+    stay): odd and frozen parameters, fp16 and mixed dtypes, more optimizer programs, and the
+    optimizer's classes, param groups, lr, scheduler, scaler, edits, saves, close, DDP."""
+    layers = list(spec.layers)
+    if rng.random() < 0.15:
+        i = rng.randrange(len(layers))
+        layers[i] = replace(layers[i], kind="odd_params", variant=rng.randrange(2))
+    frozen = tuple(rng.randrange(1000) for _ in range(rng.choice((0, 0, 0, 0, 1, 2))))
+    dtype = "float16" if rng.random() < 0.1 else spec.dtype
+    if rng.random() < 0.15:
+        layers = [replace(l, dtype=rng.choice((None, None, "bfloat16", "float16", "float32")))
+                  for l in layers]
+    opt = spec.optimizer
+    backwards = spec.backwards
+    if opt is None and rng.random() < 0.35:
+        opt = _optimizer(rng)
+        backwards += (("backward",),) * rng.choice((0, 1, 2))
+        if (rng.random() < 0.5 and opt.stream_fraction != 0.0 and opt.max_grad_norm is None
+                and opt.overlap in UPDATING_MODES):
+            opt = replace(opt, stream_during_backward=True)
+    if opt is not None:
+        opt = _more_optimizer(rng, opt, len(backwards))
+    return replace(spec, layers=tuple(layers), frozen=frozen, dtype=dtype, optimizer=opt,
+                   backwards=backwards)
+
+
+def _more_optimizer(rng: random.Random, opt: OptSpec, steps: int) -> OptSpec:
+    edits = list(opt.edits)
+    for _ in range(rng.choice((0, 0, 1, 2))):
+        kind = rng.choice(MORE_EDITS)
+        if kind == "data_div":
+            edit = ("data_div", rng.randrange(1000), rng.choice((2.0, 3.0, 8.0)))
+        elif kind == "data_mul":
+            edit = ("data_mul", rng.randrange(1000), rng.choice((0.5, 3.0, -1.0)))
+        elif kind == "clip_value":
+            edit = ("clip_value", rng.choice((0.001, 0.01, 0.1)))
+        else:
+            edit = ("lr", rng.randrange(4), rng.choice((0.0, 0.003, 0.02)))
+        edits.insert(rng.randint(0, len(edits)), edit)
+    groups = tuple(
+        tuple(pair for pair in (("lr", rng.choice((0.05, 0.002))),
+                                ("weight_decay", rng.choice((0.0, 0.2))))
+              if rng.random() < 0.6)
+        for _ in range(rng.choice((0, 0, 1, 2))))
+    clamp = rng.choice((0.05, 0.2))
+    return replace(
+        opt,
+        cls=rng.choice(tuple(OPTIMIZERS)) if rng.random() < 0.7 else "adamw_fused",
+        lr_tensor=rng.random() < 0.35,
+        groups=groups,
+        scheduler=rng.choice((None, None, None, "lambda", "step")),
+        scaler=rng.choice((None,) * 6 + SCALER_MODES),
+        inf_step=rng.randrange(steps) if rng.random() < 0.4 else None,
+        edits=tuple(edits),
+        param_edits=rng.choice(((),) * 4 + ((("clamp_data", clamp),), (("clamp_nograd", clamp),))),
+        saves=tuple((rng.randrange(steps), rng.choice(SAVES))
+                    for _ in range(rng.choice((0, 0, 0, 1, 2)))),
+        close_step=rng.randrange(steps) if rng.random() < 0.08 else None,
+        ddp=rng.random() < 0.12,
+        pin_grads=rng.random() < 0.8,
+        pin_params=rng.random() < 0.8,
+        numpy_args=rng.random() < 0.1,
+        misuse=rng.choice(MISUSES) if rng.random() < 0.08 else None,
+        chunk_bytes=rng.choice((64, 256)) if rng.random() < 0.25 else opt.chunk_bytes,
+        stream_fraction=(round(rng.uniform(0.05, 0.95), 2) if rng.random() < 0.2
+                         else opt.stream_fraction),
+    )

@@ -20,9 +20,9 @@ import torch
 
 from .codegen import program_source
 from .prelude import Recorder, differences
-from .runner import EXCLUDE_ENV, Result, check, exclusions, run_many, without_excluded
+from .runner import EXCLUDE_ENV, Isolated, Result, check, exclusions, run_many, without_excluded
 from .shrink import report, shrink, spec_repr
-from .spec import LayerSpec, ProgramSpec, features, generate, normalize
+from .spec import MISUSES, OPTIMIZERS, LayerSpec, OptSpec, ProgramSpec, features, generate, normalize
 
 ROOT = Path(__file__).resolve().parents[2]
 shrink_module = importlib.import_module(".shrink", __package__)  # the package exports shrink()
@@ -43,16 +43,20 @@ def test_fuzz_budget(capsys):
     with capsys.disabled():
         print(f"\nfuzz: programs {seed}..{seed + count - 1} ({SEED_ENV}={seed} {COUNT_ENV}={count}"
               f"{f' {EXCLUDE_ENV}=' + os.environ[EXCLUDE_ENV] if patterns else ''})")
-    summary = run_many(seed, count, patterns)
-    bad = summary.failures + summary.invalid
-    if not bad:
-        return
+    with Isolated() as isolated:  # crashes and hangs are reported, not fatal
+        summary = run_many(seed, count, patterns, isolated=isolated)
+        bad = summary.failures + summary.invalid
+        if bad:
+            _fail(summary, bad, count, isolated)
+
+
+def _fail(summary, bad, count, isolated):
     deadline = time.perf_counter() + float(os.environ.get(SHRINK_ENV, "30"))
     texts, first = [], None
     for result in bad:
         if result.failed:
             left = deadline - time.perf_counter()
-            small = shrink(result, min(left, 15.0)) if left > 0 else None
+            small = shrink(result, min(left, 15.0), checker=isolated.check) if left > 0 else None
             texts.append(report(result, small))
             if first is None:
                 first = program_source((small or result).spec)
@@ -83,7 +87,7 @@ def test_a_seed_always_gives_the_same_program():
 
 def test_generation_covers_every_dimension():
     seen = set()
-    for seed in range(600):
+    for seed in range(1000):
         seen |= features(generate(seed))
     expected = {
         "backend=v1", "backend=v2", "entry=ctx", "entry=sync_dict", "entry=manual", "entry=apply",
@@ -97,8 +101,18 @@ def test_generation_covers_every_dimension():
         "overlap=next_forward", "edit=clip", "edit=scale", "edit=zero", "edit=none",
         "edit=zero_grad", "max_grad_norm", "stream", "stream_overlapped",
         "min_size=default", "min_size>0", "steps>1",
+        # issue #39: what the optimizer programs combine besides fused AdamW and a float lr
+        "dtype=float16", "mixed_dtypes", "zero_size", "scalar_param", "frozen", "lr=tensor",
+        "groups>1", "sched=lambda", "sched=step", "scaler=step", "scaler=unscale",
+        "scaler=unscale_clip", "scaler_inf_step", "edit=data_div", "edit=data_mul",
+        "edit=clip_value", "edit=lr_fill", "edit=lr_set", "param_edit=clamp_data",
+        "param_edit=clamp_nograd", "save=state_dict", "save=dcp", "close_reuse", "ddp",
+        "chunk_bytes_small", "pageable_grads", "pageable_params", "numpy_args",
+        "stream_fraction=auto", "stream_fraction=1", "stream_fraction=part",
+        "stream_during_backward",
     } | {f"layer={k}" for k in ("mlp", "attention", "conv1d", "conv2d", "rnn", "custom_function",
-                                "inplace", "inplace_after_recipe", "views")}
+                                "inplace", "inplace_after_recipe", "views", "odd_params")} | {
+        f"optim={name}" for name in OPTIMIZERS} | {f"misuse={m}" for m in MISUSES}
     assert expected <= seen, sorted(expected - seen)
 
 
@@ -106,15 +120,53 @@ SMALL = ProgramSpec(seed=5, layers=(LayerSpec("mlp"), LayerSpec("attention"), La
                     num_layers=1)
 
 
-def test_a_program_that_agrees_passes_and_its_standalone_reproducer_runs():
-    result = check(SMALL)
-    assert not result.failed and result.invalid is None, result.problems
-    script = program_source(SMALL)
+def _standalone_agrees(spec):
+    script = program_source(spec)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the runs agree" in out.stdout
+
+
+def test_a_program_that_agrees_passes_and_its_standalone_reproducer_runs():
+    result = check(SMALL)
+    assert not result.failed and result.invalid is None, result.problems
+    _standalone_agrees(SMALL)
+
+
+# Nothing offloaded (offload_fraction=0): the hybrid optimizer is the torch class on the
+# device, so this program agrees on every version; its standalone reproducer exercises the
+# optimizer features of issue #39 (DDP, GradScaler, groups, tensor lr, scheduler, mixed dtypes,
+# zero-size, 0-dim and frozen parameters, .grad.data writes, clip_grad_value_, saves).
+FEATURES = ProgramSpec(
+    seed=6, layers=(LayerSpec("mlp"), LayerSpec("odd_params", dtype="bfloat16"),
+                    LayerSpec("attention", ckpt="nonreentrant")),
+    backwards=(("backward", "backward"), ("backward",), ("backward",)), frozen=(1,),
+    optimizer=OptSpec(
+        fraction=0.0, cls="sgd_nesterov", lr_tensor=True, groups=((("lr", 0.05),),),
+        scheduler="step", scaler="unscale", inf_step=1, ddp=True,
+        edits=(("data_div", 2, 3.0), ("clip_value", 0.01), ("lr", 1, 0.02)),
+        saves=((0, "state_dict"), (2, "state_dict"))))
+
+
+def test_the_optimizer_features_run_standalone():
+    assert {"ddp", "scaler=unscale", "scaler_inf_step", "groups>1", "lr=tensor", "sched=step",
+            "mixed_dtypes", "zero_size", "frozen", "edit=data_div", "edit=clip_value",
+            "edit=lr_fill", "save=state_dict"} <= features(FEATURES)
+    assert normalize(FEATURES) == FEATURES
+    _standalone_agrees(FEATURES)
+
+
+def test_a_hang_is_reported_and_the_worker_restarted():
+    """``Isolated`` kills a worker that gives no result in time (here: still starting) and
+    starts a new one for the next program."""
+    with Isolated(timeout_s=0.2) as isolated:
+        hung = isolated.check(SMALL)
+        assert hung.signature == "timeout", hung.problems
+        isolated.timeout_s = 300
+        result = isolated.check(SMALL)
+    assert not result.failed and result.invalid is None, result.problems
 
 
 def test_differences_name_every_kind_of_disagreement():
