@@ -28,6 +28,7 @@ as the wrapped class would, without copies.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -188,7 +189,7 @@ class CpuBucket:
         self._views_cache: list[list[tuple]] = []
         self._kept: Optional[list[tuple]] = None  # what the last update(keep_previous=True) changed
         self._kept_bufs: dict[tuple, torch.Tensor] = {}  # reused copies for it
-        self.state = KeyedState(lambda: self.masters, self.param_state)
+        self.state = KeyedState(self.state_keys, self.param_state)
 
     def _build(self, pieces: Sequence[tuple[int, int, int]], hypers: Sequence[dict]) -> _Chunk:
         made = []
@@ -374,6 +375,10 @@ class CpuBucket:
     def param_groups(self) -> list[dict]:
         return part_param_groups(self.chunks, self.group_ids, self.group_of, self.masters)
 
+    def state_keys(self) -> list[torch.Tensor]:
+        """The tensors ``state`` is keyed by: the masters."""
+        return self.masters
+
     def _pieces_of(self, index: int) -> list[tuple[_Chunk, _Piece]]:
         return [(c, pc) for c in self.chunks for pc in c.pieces if pc.index == index]
 
@@ -461,21 +466,31 @@ def _slice(entry: dict, pc: Any, shape: torch.Size) -> dict:
 class KeyedState(Mapping):
     """``optimizer.state`` of a part that keeps its state itself (a ``CpuBucket``, a streamed
     part): ``state[key]`` is the per-parameter state of ``keys()[i]``, built on demand by
-    ``state_of(i)``; only keys with state are listed."""
+    ``state_of(i)``; only keys with state are listed. Bound methods are held weakly, so the
+    part's own ``state`` attribute makes no reference cycle (a dropped part frees its memory
+    at once, without the cycle collector)."""
 
     def __init__(self, keys: Callable[[], Sequence[torch.Tensor]],
                  state_of: Callable[[int], Optional[dict]]) -> None:
-        self._keys, self._state_of = keys, state_of
+        self._keys, self._state_of = _weak(keys), _weak(state_of)
 
     def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
-        i = next((i for i, k in enumerate(self._keys()) if k is key), None)
-        st = self._state_of(i) if i is not None else None
+        i = next((i for i, k in enumerate(self._keys()()) if k is key), None)
+        st = self._state_of()(i) if i is not None else None
         if not st:
             raise KeyError(key)
         return st
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return (k for i, k in enumerate(self._keys()) if self._state_of(i))
+        state_of = self._state_of()
+        return (k for i, k in enumerate(self._keys()()) if state_of(i))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def _weak(fn: Callable) -> Callable[[], Callable]:
+    """A getter of ``fn``: weak for bound methods (``weakref.WeakMethod``), strong otherwise."""
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -48,6 +49,23 @@ def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
         return torch.optim.AdamW(params, fused=True, **kw)
 
     return adamw_fused
+
+
+_WARMED = threading.Event()
+
+
+def _warm_torch_optim() -> None:
+    """Build a first torch optimizer on a thread of its own. torch's first optimizer in a
+    process imports its compiler lazily and leaves the frames of that call in a reference cycle;
+    called from ``__init__`` those frames would hold the hybrid optimizer (and its pinned
+    memory) until the cycle collector runs. Here they hold nothing of the user's."""
+    if _WARMED.is_set():
+        return
+    t = threading.Thread(target=lambda: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+                         name="cpu_offload-optim-warmup")
+    t.start()
+    t.join()
+    _WARMED.set()
 
 
 def _probe(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
@@ -171,6 +189,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         options: Optional[OptimizerOffloadOptions] = None,
         **optimizer_kwargs: Any,
     ) -> None:
+        _warm_torch_optim()
         self._closed = False
         opts, optimizer_kwargs = split_options(options, optimizer_kwargs)
         self.options = opts

@@ -193,7 +193,7 @@ class StreamedPart:
         self.bytes_in = 0
         self.bytes_out = 0
         self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, name) -> pinned host state
-        self.state = KeyedState(lambda: self.keys, self.param_state)
+        self.state = KeyedState(self.state_keys, self.param_state)
         # updates started during backward (``early``: backward-update modes without clipping
         # inside step()), kept by step() when still valid
         self.backward: Optional[BackwardUpdates] = None
@@ -695,6 +695,10 @@ class StreamedPart:
     @property
     def param_groups(self) -> list[dict]:
         return part_param_groups(self.chunks, self.group_ids, self.group_of, self.keys)
+
+    def state_keys(self) -> list[torch.Tensor]:
+        """The tensors ``state`` is keyed by (``keys``)."""
+        return self.keys
 
     def param_state(self, index: int) -> dict[str, Any]:
         """Optimizer state of parameter ``index`` as the wrapped class keeps it (host tensors;

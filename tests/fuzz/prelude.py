@@ -326,7 +326,9 @@ def record_state(rec, name, sd):
     parameter names): the entry names, then their values."""
     names, values = [], []
     for key in sorted(sd["state"], key=str):
-        for k in sorted(sd["state"][key]):
+        # the hybrid keeps each master weight in its parameter's state (so DCP keeps it); the
+        # wrapped class has none: masters show in the parameters of later steps instead
+        for k in sorted(k for k in sd["state"][key] if k != "master_weight"):
             names.append(f"{key}.{k}")
             values.append(sd["state"][key][k])
     rec.put(f"{name}.state_names", tuple(names))

@@ -289,3 +289,28 @@ def test_sparse_gradient_error_then_dense_steps(made, mode, stream_fraction):
             o.zero_grad()
         settle(o)
     assert_same_params(m, ref)
+
+
+@pytest.mark.parametrize("stream_fraction", [0.0, 0.5])
+@pytest.mark.parametrize("mode", ["backward_update", "next_forward"])
+def test_a_closed_optimizer_is_freed_without_the_cycle_collector(mode, stream_fraction):
+    """No reference cycle: once dropped, the optimizer, its CPU buckets and streamed parts (and
+    so their host memory) go at once, with the cycle collector off (``close()`` then rebuild,
+    as a training loop that recreates its optimizer does)."""
+    import gc
+    import weakref
+
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)
+    gc.disable()
+    try:
+        opt = hybrid(m, Split(mode, stream_fraction), fraction=1.0, **KW)
+        for _ in range(2):
+            m(torch.randn(2, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        refs = [weakref.ref(opt)] + [weakref.ref(p) for p in opt._parts]
+        del opt
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
