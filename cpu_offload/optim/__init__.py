@@ -7,7 +7,10 @@ Modules, one job each:
 - ``transfer``   pinned staging buffers and the copies to/from the device (``OffloadDevice`` only);
 - ``worker``     the CPU thread that runs the updates;
 - ``cpu_update`` one bucket: fp32 master weights, its optimizer, the update;
-- ``stream_update`` the streamed part: state in pinned CPU memory, updated on the device in chunks;
+- ``stream_update`` the streamed part: state in pinned CPU memory, updated on the device in chunks
+  (with ``stream_plan`` its chunks, ``stream_store`` its host memory, ``stream_chunk`` one chunk's
+  copies and update, ``stream_records`` its work in flight, ``stream_backward`` the updates
+  started in backward);
 - ``balance``    how the offloaded parameters split between the CPU and the streamed part;
 - ``state``      state_dict format and conversion to the wrapped optimizer's format;
 - ``overlap``    the overlap modes: what runs during backward and what ``step()`` waits for;

@@ -23,6 +23,7 @@ from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
 from cpu_offload.optim.balance import balanced_cpu_share, balanced_seconds
 from cpu_offload.optim.reference import MasterWeightOptimizer
+from cpu_offload.optim.stream_chunk import ChunkRunner
 from cpu_offload.optim.stream_update import MIN_STREAM_BUDGET_BYTES, SLOTS, StreamedPart
 
 from _support import optim_cuda
@@ -556,20 +557,20 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     opt = hybrid(m, 1.0, 1.0, mode, device=dev)
     train(m, opt, 1)
     calls = []
-    update = StreamedPart._update
+    update = ChunkRunner._step
 
-    def failing(self, chunk, pieces, views, early=False):
+    def failing(self, chunk, pieces, views, grads=None):
         calls.append(1)
-        if len(calls) == 2 and not early:  # in step(), not in backward
+        if len(calls) == 2 and grads is None:  # in step(), not in backward
             raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, early)
+        update(self, chunk, pieces, views, grads)
 
-    monkeypatch.setattr(StreamedPart, "_update", failing)
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
     loss_of(m, 1).backward()
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
     assert dev.pending_ops() == 0
-    monkeypatch.setattr(StreamedPart, "_update", update)
+    monkeypatch.setattr(ChunkRunner, "_step", update)
     opt.zero_grad()
     train(m, opt, 1, start=2)  # works again: slots freed in order, nothing bound to them
     assert all(torch.isfinite(p).all() for p in m.parameters())
@@ -585,7 +586,7 @@ def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(m
     opt = hybrid(m, 1.0, 1.0, device=dev, budget=2**22)
     part = opt._parts[0]
     seen = []
-    host_state = StreamedPart._host_state
+    host_state = ChunkRunner._host_state
 
     def failing(self, pc, name, v):
         seen.append(pc)
@@ -593,7 +594,7 @@ def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(m
             raise RuntimeError("no pinned memory")
         return host_state(self, pc, name, v)
 
-    monkeypatch.setattr(StreamedPart, "_host_state", failing)
+    monkeypatch.setattr(ChunkRunner, "_host_state", failing)
     before = [p.detach().clone() for p in part.params]
     loss_of(m, 0).backward()
     with pytest.raises(RuntimeError, match="no pinned memory"):
@@ -602,7 +603,7 @@ def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(m
     assert dev.pending_ops() == 0
     first = seen[0]
     param = part.params[first.index].detach().view(-1)[first.start:first.stop]
-    master = part.masters[first.index].view(-1)[first.start:first.stop]
+    master = part.masters()[first.index].view(-1)[first.start:first.stop]
     assert not torch.equal(param, before[first.index].view(-1)[first.start:first.stop])  # updated
     assert torch.equal(master.to(torch.bfloat16), param)  # and its master copied out
     opt.close()
