@@ -137,7 +137,7 @@ class BackwardUpdates:
         layout = run.layout(pieces)
         dev.wait_event(link.h2d, r.free[k])  # the slot's last copy out has read it
         copies, views = run.stage_in(pieces, layout, slot, new)
-        dev.copy_many(link.h2d, copies)
+        link.copy_in(copies)
         self._wait_in(self.side, dev.record_event(link.h2d))
         dev.wait_event(self.side, ready)
         own = [pc.written(run.params[pc.index]) for pc, v in zip(pieces, views) if v.grad is None]
@@ -164,7 +164,7 @@ class BackwardUpdates:
             return
         updated = dev.record_event(self.side)
         dev.wait_event(link.d2h, updated)
-        dev.copy_many(link.d2h, copies)
+        link.copy_out(copies)
         link.bytes_out += sum(dst.numel() for dst, _ in copies)
         r.free[k] = dev.record_event(link.d2h)
         r.done[ci] = EarlyUpdate(ci, seen, hypers, updated, new)

@@ -33,6 +33,14 @@ class Link:
         self.bytes_out = 0
         self.last_out: Optional[Event] = None  # the last copy out the host has not waited for
 
+    def copy_in(self, copies: list) -> None:
+        """Queue ``(device, host)`` byte pairs on ``h2d`` (``OffloadDevice.copy_many``)."""
+        self.device.copy_many(self.h2d, _nonempty(copies))
+
+    def copy_out(self, copies: list) -> None:
+        """Queue ``(host, device)`` byte pairs on ``d2h`` (``OffloadDevice.copy_many``)."""
+        self.device.copy_many(self.d2h, _nonempty(copies))
+
     def mark_out(self) -> Event:
         """Every copy out queued so far ends at the event recorded now (``last_out``)."""
         self.last_out = self.device.record_event(self.d2h)
@@ -47,6 +55,12 @@ class PieceViews:
     grad: Optional[torch.Tensor]  # its gradient in the master dtype (low-precision parameters)
     new: Optional[torch.Tensor]  # an early update's new values of a low-precision parameter
     state: dict  # name -> the state tensor, typed
+
+
+def _nonempty(copies: list) -> list:
+    """The pairs that move bytes: a zero-size parameter's regions move none (and all zero-size
+    tensors may share one address, which would make them look like each other)."""
+    return [c for c in copies if c[0].numel()]
 
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

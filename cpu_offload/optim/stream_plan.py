@@ -140,7 +140,7 @@ def plan_ranges(params: Sequence[torch.Tensor], lowp: Sequence[bool], budget_byt
     chunk_elems = max(1, slot // max(1, max(per_elem or [1])))
     chunk_elems = chunk_elems // ALIGN_ELEMS * ALIGN_ELEMS or chunk_elems
     ranges = plan_chunks([p.numel() for p in params], chunk_elems, elementwise)
-    return chunk_elems, _regroup(ranges, per_elem, 2 + state_elems, slot)
+    return chunk_elems, _regroup(_with_empty(ranges, params), per_elem, 2 + state_elems, slot)
 
 
 def build_chunk(ranges: Sequence[tuple[int, int, int]], params: Sequence[torch.Tensor],
@@ -166,6 +166,26 @@ def _piece(index: int, start: int, stop: int, param: torch.Tensor,
         key = param.detach().view(-1)[start:stop] if split else param.detach()
         host = PieceHost.of(None)
     return Piece(index, start, stop, key, split, host)
+
+
+def _with_empty(ranges: list[list[tuple[int, int, int]]],
+                params: Sequence[torch.Tensor]) -> list[list[tuple[int, int, int]]]:
+    """``plan_chunks`` gives a zero-size parameter no piece when it splits: give it an empty
+    one, next to the parameter before it, so that every parameter has state and a chunk (torch's
+    optimizers keep state for zero-size parameters too)."""
+    have = {i for c in ranges for i, _, _ in c}
+    for i in (i for i, p in enumerate(params) if i not in have):
+        for c in ranges:
+            k = next((k for k, (j, _, _) in enumerate(c) if j > i), None)
+            if k is not None:
+                c.insert(k, (i, 0, 0))
+                break
+        else:
+            if ranges:
+                ranges[-1].append((i, 0, 0))
+            else:
+                ranges.append([(i, 0, 0)])
+    return ranges
 
 
 def _regroup(ranges: list[list[tuple[int, int, int]]], per_elem: Sequence[int], regions: int,

@@ -374,7 +374,7 @@ class StreamedPart:
                 slot = slots[i % SLOTS]
                 self._wait_slot(start if i < SLOTS else outs[i - SLOTS])
                 copies, views = run.stage_in(pieces, layout, slot)
-                dev.copy_many(self.h2d, copies)
+                self._link.copy_in(copies)
                 self._wait_chunk(dev.record_event(self.h2d))
                 if self.overlapped:
                     grads = [self.params[pc.index].grad for pc in pieces]
@@ -396,7 +396,7 @@ class StreamedPart:
                             self._link.bytes_out += v.master.numel()
                         fresh |= run.state_out(chunk, pc, keep, copies)
                 finally:  # pieces before a failed one keep their update, on the host too
-                    dev.copy_many(self.d2h, copies)
+                    self._link.copy_out(copies)
                 outs.append(dev.record_event(self.d2h))
                 if fresh:  # state the class just created: freed chunk by chunk, not at the end
                     self._free_after_copy_out(outs[-1], keep, ustream)
@@ -459,7 +459,7 @@ class StreamedPart:
             for pc in chunk.pieces:
                 self._runner.state_out(chunk, pc, keep, copies)
         finally:  # what was loaded before a failure reaches host memory
-            dev.copy_many(self.d2h, copies)
+            self._link.copy_out(copies)
         dev.wait_host(dev.record_event(self.d2h))
         for t in keep:
             dev.will_free(t)

@@ -25,7 +25,8 @@ from cpu_offload.optim.stream_chunk import ChunkRunner
 from cpu_offload.optim.stream_records import EarlyPhase
 
 from test_stream_update import (
-    DTYPES, KW, _cuda, _Tracking, assert_same, loss_of, model, reference, train,
+    DTYPES, KW, _cuda, _Tracking, assert_same, loss_of, model, reference, reference_of, train,
+    with_empty,
 )
 from test_stream_update import hybrid as plain_hybrid
 
@@ -390,5 +391,21 @@ def test_launches_lagging_behind_backward_stay_exact_on_cuda(monkeypatch, dtype)
             o.zero_grad()
     assert early_stats(opt) == (chunks(opt), chunks(opt))
     opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("launches", LAUNCHES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_size_parameters_update_early_like_torch(dtype, mode, launches):
+    """A zero-size parameter's gradient hook (KeyError before) counts it in its chunk: every
+    chunk starts early and is kept, equal to the wrapped class."""
+    ref = with_empty(dtype)
+    ref_opt = reference_of(ref)
+    m = with_empty(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode, launches=launches)
+    assert train(m, opt, 4, edit=None) == train(ref, ref_opt, 4, edit=None)
+    assert early_stats(opt) == (chunks(opt), chunks(opt))
     assert_same(m, opt, ref, ref_opt)
     opt.close()

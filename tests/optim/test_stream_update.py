@@ -725,3 +725,51 @@ def test_dropping_the_optimizer_waits_for_its_queued_copies(monkeypatch, fence):
     else:
         with pytest.raises(SimulatedHazard, match="pinned host buffer that was let go"):
             dev.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters torch's optimizers handle that the streamed part must too
+
+class _WithEmpty(nn.Module):
+    """Zero-size parameters between and after the others (their gradients are zero-size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 64)
+        self.empty = nn.Parameter(torch.zeros(0, 8))
+        self.b = nn.Linear(64, 3)
+        self.empty_last = nn.Parameter(torch.zeros(5, 0))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + self.empty.sum() + self.empty_last.sum()
+
+
+def with_empty(dtype):
+    torch.manual_seed(0)
+    return _WithEmpty().to(dtype)
+
+
+def reference_of(m, cls=None, **kw):
+    """What the part must equal: the class over fp32 masters (bf16/fp16), or over ``m``."""
+    kw = {**KW, **kw}
+    if next(m.parameters()).dtype != torch.float32:
+        return MasterWeightOptimizer(m.parameters(), cls, **kw)
+    return (cls or torch.optim.AdamW)(m.parameters(), **({"fused": True} if cls is None else {}), **kw)
+
+
+@pytest.mark.parametrize("mode", ["none", "next_forward"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_size_parameters_are_streamed_like_torch(dtype, mode):
+    """torch's AdamW keeps state for zero-size parameters; the streamed part gives each a piece,
+    so that step(), state_dict() (IndexError before) and load_state_dict() work and agree."""
+    ref = with_empty(dtype)
+    ref_opt = reference_of(ref)
+    m = with_empty(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode)
+    assert len(opt.streamed_params()) == len(list(m.parameters()))
+    assert train(m, opt, 3) == train(ref, ref_opt, 3)
+    assert_same(m, opt, ref, ref_opt)
+    opt.load_state_dict(opt.state_dict())
+    assert train(m, opt, 2, start=3) == train(ref, ref_opt, 2, start=3)
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
