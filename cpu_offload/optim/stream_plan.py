@@ -149,10 +149,19 @@ def build_chunk(ranges: Sequence[tuple[int, int, int]], params: Sequence[torch.T
                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> Chunk:
     """A chunk over ``ranges``, its optimizer built over its pieces' keys: the host master of a
     low-precision parameter (bound to a slot view for each update), else the parameter (its
-    flat range for a split piece)."""
+    flat range for a split piece). A class that makes state at construction (Adagrad) is built
+    again over keys of their real shape, bound to device memory: the caller moves that state
+    to the host (``StreamedPart``)."""
     pieces = [_piece(i, start, stop, params[i], masters[i]) for i, start, stop in ranges]
     gids, groups = chunk_param_groups(pieces, group_of, hypers)
     opt = make_optimizer(groups)
+    lowp = [pc for pc in pieces if masters[pc.index] is not None]
+    if opt.state and lowp:
+        for pc in lowp:
+            pc.key.set_(torch.empty(pc.shape(params[pc.index]), dtype=pc.key.dtype,
+                                    device=pc.key.device))
+        gids, groups = chunk_param_groups(pieces, group_of, hypers)
+        opt = make_optimizer(groups)
     return Chunk(pieces, opt, gids)
 
 

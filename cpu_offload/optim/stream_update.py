@@ -45,6 +45,9 @@ at multiples of ``ALIGN_ELEMS``, as on the CPU); other classes get whole paramet
 The first update of a parameter lets the optimizer class create its state on the device (outside
 the staging budget); it is then copied into pinned host memory allocated for it, and freed before
 the next chunk's update, so that step holds at most one chunk's new state beyond the budget.
+State a class makes in its constructor (Adagrad's ``sum``) is made over keys of the right
+shape, one chunk at a time, and moved into pinned host memory at construction, as loaded state
+is (``load_state_dict``).
 
 The part is split by job: ``stream_plan`` (the chunks and a slot's layout), ``stream_store``
 (pinned host memory: masters, state, the spare copy), ``stream_chunk`` (one chunk's copies in,
@@ -155,8 +158,11 @@ class StreamedPart:
                                                state_elems, elementwise)
         self._store.reserve_small(sum(len(r) for r in ranges))  # small state (AdamW's step)
         for r in ranges:
-            self.chunks.append(build_chunk(r, self.params, self._store.masters, hypers,
-                                           self.group_of, make_optimizer))
+            chunk = build_chunk(r, self.params, self._store.masters, hypers, self.group_of,
+                                make_optimizer)
+            if chunk.optimizer.state:  # made at construction (Adagrad): kept in host memory
+                self._state_home(chunk)
+            self.chunks.append(chunk)
         self._plan = ChunkPlan(self.chunk_elems, self.chunks)
         self.staging_bytes = 0  # device bytes of the slots in the last update
         self.state = KeyedState(lambda: self.keys, self.param_state)
@@ -450,8 +456,8 @@ class StreamedPart:
         keep.clear()
 
     def _state_home(self, chunk: Chunk) -> None:
-        """Move the state ``chunk``'s optimizer holds on the device (loaded) into host memory,
-        and wait for it there."""
+        """Move the state ``chunk``'s optimizer holds on the device (made at construction, or
+        loaded) into host memory, and wait for it there."""
         dev = self._device
         keep, copies = [], []
         dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))

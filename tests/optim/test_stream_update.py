@@ -750,8 +750,9 @@ def with_empty(dtype):
 
 
 def reference_of(m, cls=None, **kw):
-    """What the part must equal: the class over fp32 masters (bf16/fp16), or over ``m``."""
-    kw = {**KW, **kw}
+    """What the part must equal: the class over fp32 masters (bf16/fp16), or over ``m``
+    (``KW`` unless ``kw`` are given)."""
+    kw = kw or KW
     if next(m.parameters()).dtype != torch.float32:
         return MasterWeightOptimizer(m.parameters(), cls, **kw)
     return (cls or torch.optim.AdamW)(m.parameters(), **({"fused": True} if cls is None else {}), **kw)
@@ -771,5 +772,31 @@ def test_zero_size_parameters_are_streamed_like_torch(dtype, mode):
     assert_same(m, opt, ref, ref_opt)
     opt.load_state_dict(opt.state_dict())
     assert train(m, opt, 2, start=3) == train(ref, ref_opt, 2, start=3)
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+ADAGRAD = dict(lr=0.05, initial_accumulator_value=0.1, lr_decay=0.01)
+
+
+@pytest.mark.parametrize("mode", ["none", "next_forward"])
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(torch.float16, id="fp16")])
+def test_state_made_at_construction_is_streamed(dtype, mode):
+    """Adagrad makes its state in its constructor: over a low-precision parameter's master that
+    was an empty slot key (the first step raised "size of tensor a (0) must match"). The part
+    keeps that state in host memory from construction on; state_dict() before any step, and
+    every step after, equal the class over fp32 masters (bf16/fp16) or over the parameters."""
+    torch.manual_seed(0)
+    ref = model(dtype)
+    ref_opt = reference_of(ref, torch.optim.Adagrad, **ADAGRAD)
+    m = model(dtype)
+    opt = HybridDeviceOptimizer(
+        m.parameters(), 1.0, torch.optim.Adagrad, torch.optim.Adagrad, device=SimulatedDevice(),
+        overlap=mode, stream_fraction=1.0, stream_budget_bytes=BUDGET, cpu_threads=1, **ADAGRAD)
+    if mode == "next_forward":
+        opt.register_forward_waits(m)
+    assert len(opt.streamed_params()) == len(list(m.parameters()))
+    assert_same(m, opt, ref, ref_opt)  # the state made at construction, before any step
+    assert train(m, opt, 3) == train(ref, ref_opt, 3)
     assert_same(m, opt, ref, ref_opt)
     opt.close()
