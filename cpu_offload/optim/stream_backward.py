@@ -49,10 +49,10 @@ import torch
 from ..compat import set_versions
 from ..core.device import Event
 from ..core.launcher import Launcher
-from .cpu_update import ELEMENTWISE, same_hyperparameters, tensor_version
+from .cpu_update import ELEMENTWISE, tensor_version
 from .stream_chunk import ChunkRunner, PieceViews, copy_all
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, slot_aligned
-from .stream_records import BackwardRound, EarlyPhase, EarlyUpdate, Landed
+from .stream_records import BackwardRound, EarlyPhase, EarlyUpdate, Landed, same_hypers
 from .stream_store import HostCopy
 from .transfer import flat_bytes
 
@@ -158,7 +158,7 @@ class BackwardUpdates:
                 pc.key.set_() if run.lowp[pc.index] else pc.key.set_(pc.written(p))
             if own:
                 set_versions(own, versions)
-        r.held += created + [buffer]
+        r.held += created + [buffer] + run.read_on_device(hypers)
         if copies is None:  # the class changed its state's layout: step() updates the chunk
             r.move(ci, EarlyPhase.DROPPED)
             return
@@ -244,7 +244,7 @@ class BackwardUpdates:
         ok = {i: rec.still_valid(params[i]) for i, rec in r.landed.items()}
         kept = []
         for ci, rec in sorted(r.done.items()):
-            keep = same_hyperparameters(rec.hypers, hypers) and all(ok[i] for i, _ in rec.seen)
+            keep = same_hypers(rec.hypers, hypers) and all(ok[i] for i, _ in rec.seen)
             r.move(ci, EarlyPhase.KEPT if keep else EarlyPhase.REDONE)
             if keep:
                 kept.append(rec)

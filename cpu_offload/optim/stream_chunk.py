@@ -7,16 +7,23 @@ the slot views from the gradients, writing the new parameter values (``update``)
 the new state back to host memory (``state_out``: the copies, allocating host memory the first
 time a state tensor appears). The caller owns the streams, events and slots: this module only
 says what is read and written where.
+
+The hyperparameters an update runs with are bound to the chunk's optimizer for that update
+only (``bound_hypers``): between updates it holds its own copies, never the values a caller
+passed (which may be a user's tensors, changed in place later). Device tensors among them are
+read by the update's kernels on its stream: whoever queues an update there keeps them until
+the compute stream has waited for it (``read_on_device``).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from ..core.device import Event, OffloadDevice
-from .cpu_update import master_dtype, sync_hyperparameters
+from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
 from .stream_plan import Chunk, Piece, SlotLayout, slot_layout
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -71,6 +78,62 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def snapshot(value: Any) -> Any:
+    """``value`` with every tensor in it (also inside tuples and lists) replaced by a copy."""
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
+def own_hypers(hypers: Sequence[dict]) -> list[dict]:
+    """Copies of ``hypers`` (per group) to build chunk optimizers with: they never hold the
+    tensors a caller passed."""
+    return [{k: snapshot(v) for k, v in g.items() if k != "params"} for g in hypers]
+
+
+def tensors_in(hypers: Sequence[dict]) -> list[torch.Tensor]:
+    """The tensors among ``hypers``' values (also inside tuples and lists)."""
+    out: list[torch.Tensor] = []
+
+    def visit(v: Any) -> None:
+        if torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+
+    for g in hypers:
+        for k, v in g.items():
+            if k != "params":
+                visit(v)
+    return out
+
+
+@contextlib.contextmanager
+def bound_hypers(opt: torch.optim.Optimizer, group_ids: Sequence[int],
+                 hypers: Sequence[dict]) -> Iterator[None]:
+    """``opt``'s groups take the hyperparameters of the part's groups ``group_ids`` from
+    ``hypers`` (implementation choices, fused and the like, stay what ``opt`` was built with),
+    and get back what they held before when the block ends."""
+    saved = []
+    for group, gi in zip(opt.param_groups, group_ids):
+        keys = [k for k in hypers[gi] if k != "params" and k not in IMPLEMENTATION_KEYS]
+        saved.append((group, keys, {k: group[k] for k in keys if k in group}))
+        for k in keys:
+            group[k] = hypers[gi][k]
+    try:
+        yield
+    finally:
+        for group, keys, before in saved:
+            for k in keys:
+                if k in before:
+                    group[k] = before[k]
+                else:
+                    del group[k]
+
+
 class ChunkRunner:
     """Stages, updates and stores back the chunks of one streamed part (module docstring)."""
 
@@ -81,6 +144,11 @@ class ChunkRunner:
         self.lowp = [m is not None for m in store.masters]  # low precision: a host master
         self.store = store
         self.link = link
+
+    def read_on_device(self, hypers: Sequence[dict]) -> list[torch.Tensor]:
+        """The device tensors among ``hypers``: an update queued on a side stream reads them
+        there, so whoever queued it keeps them until the compute stream has waited for it."""
+        return [t for t in tensors_in(hypers) if self.device.is_device_tensor(t)]
 
     def layout(self, pieces: Sequence[Piece]) -> SlotLayout:
         return slot_layout(pieces, self.params, self.lowp)
@@ -120,8 +188,8 @@ class ChunkRunner:
         """One chunk's update, on the stream current now (its copy in waited for); ``grads``:
         an update started in backward, from these gradients (see ``_step``)."""
         self.device.will_read(staged)
-        sync_hyperparameters(chunk.optimizer, chunk.group_ids, hypers)
-        self._step(chunk, pieces, views, grads)
+        with bound_hypers(chunk.optimizer, chunk.group_ids, hypers):
+            self._step(chunk, pieces, views, grads)
         for pc in pieces:  # copies out read flat storage: made contiguous on this stream
             st = chunk.optimizer.state.get(pc.key, {})
             for name, v in st.items():

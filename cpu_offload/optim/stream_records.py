@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from ..core.device import Event
-from .cpu_update import tensor_version
+from .cpu_update import same_hyperparameters, tensor_version
 
 
 class EarlyPhase(enum.Enum):
@@ -167,3 +167,22 @@ class QueuedUpdate:
     held: list  # staging slots, device state, early updates' buffers: freed once FINISHED
     early_grads: list  # gradients the kept early updates read: freed once ORDERED
     phase: UpdatePhase = UpdatePhase.RUNNING
+
+
+def same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Hyperparameters ``a`` and ``b`` (per group) give the same update: equal values, tensors
+    the same object or (host tensors, as snapshots of them are) of equal dtype, shape and bits.
+    A device tensor counts as changed unless it is the same object (reading it would block)."""
+    return same_hyperparameters(a, b) or same_hyperparameters(_by_value(a), _by_value(b))
+
+
+def _by_value(hypers: Sequence[dict]) -> list[dict]:
+    def value(v: Any) -> Any:
+        if torch.is_tensor(v) and v.device.type == "cpu":
+            t = v.detach().contiguous().reshape(-1)
+            return ("tensor", v.dtype, tuple(v.shape), bytes(t.view(torch.uint8).tolist()))
+        if isinstance(v, (tuple, list)):
+            return type(v)(value(x) for x in v)
+        return v
+
+    return [{k: value(v) for k, v in g.items()} for g in hypers]

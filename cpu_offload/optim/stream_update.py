@@ -70,7 +70,7 @@ from .cpu_update import (
     ELEMENTWISE, KeyedState, chunk_state_dicts, part_param_groups,
 )
 from .stream_backward import BackwardUpdates
-from .stream_chunk import ChunkRunner, Link
+from .stream_chunk import ChunkRunner, Link, own_hypers, snapshot
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
 from .stream_records import ChunkMark, QueuedUpdate, UpdatePhase
 from .stream_store import HostCopy
@@ -157,9 +157,10 @@ class StreamedPart:
         self.chunk_elems, ranges = plan_ranges(self.params, self._runner.lowp, budget_bytes,
                                                state_elems, elementwise)
         self._store.reserve_small(sum(len(r) for r in ranges))  # small state (AdamW's step)
+        own = own_hypers(hypers)  # the chunks' optimizers never hold the caller's tensors
+        build = lambda groups: _own_defaults(make_optimizer(groups))  # noqa: E731
         for r in ranges:
-            chunk = build_chunk(r, self.params, self._store.masters, hypers, self.group_of,
-                                make_optimizer)
+            chunk = build_chunk(r, self.params, self._store.masters, own, self.group_of, build)
             if chunk.optimizer.state:  # made at construction (Adagrad): kept in host memory
                 self._state_home(chunk)
             self.chunks.append(chunk)
@@ -431,7 +432,7 @@ class StreamedPart:
         if self.backward is not None:
             self.backward.prepare([pc for lc in live for pc in lc.pieces])
         if self.overlapped:  # freed once the compute stream waited for them (finish)
-            held = slots + keep + early
+            held = slots + keep + early + run.read_on_device(hypers)
             self._queued = QueuedUpdate(dev.record_event(ustream), marks, held, grads)
             return
         dev.wait_event(compute, last)  # slots and new state may be freed; next step ordered
@@ -503,6 +504,12 @@ class StreamedPart:
                                             device=pc.key.device))
             c.optimizer.load_state_dict(chunk_state)
             self._state_home(c)
+
+
+def _own_defaults(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` with copies of the tensors among its defaults (the caller's keyword arguments)."""
+    opt.defaults = {k: snapshot(v) for k, v in opt.defaults.items()}
+    return opt
 
 
 def _fence(device: OffloadDevice) -> None:

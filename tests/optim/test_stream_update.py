@@ -800,3 +800,43 @@ def test_state_made_at_construction_is_streamed(dtype, mode):
     assert train(m, opt, 3) == train(ref, ref_opt, 3)
     assert_same(m, opt, ref, ref_opt)
     opt.close()
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["step", "early"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["none", "next_forward"])
+def test_the_part_keeps_no_hyperparameter_tensor_it_was_given(overlapped, early):
+    """Tensors among the hyperparameters given to the part (its constructor, its optimizer
+    class's keyword arguments, ``step()``, ``on_grad()``) may be a user's, changed in place or
+    by a scheduler later: none is held once the update that used it is done (and, overlapped,
+    waited for). An update started in backward with a copy of the values step() gets is kept."""
+    import gc
+    dev = SimulatedDevice()
+    m = model(torch.bfloat16)
+    params = list(m.parameters())
+    refs = []
+
+    def given(lr=1e-2):
+        lr = torch.tensor(lr)
+        refs.append(weakref.ref(lr))
+        return [{"lr": lr, "weight_decay": 0.1}]
+
+    kw_lr = torch.tensor(1e-2)
+    refs.append(weakref.ref(kw_lr))
+    part = StreamedPart(dev, params, [0] * len(params), given(),
+                        lambda groups: torch.optim.AdamW(groups, lr=kw_lr, fused=True),
+                        BUDGET, overlapped=overlapped, early=early)
+    del kw_lr
+    for i in range(3):
+        loss_of(m, i).backward()
+        if early and i:
+            for k, p in enumerate(params):
+                part.backward.on_grad(k, p.grad, given())
+        part.step(given())
+        part.finish()
+        for p in params:
+            p.grad = None
+    if early:
+        assert part.backward.started == part.backward.kept == len(part.chunks)
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    part.sync()
