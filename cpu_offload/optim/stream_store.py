@@ -12,19 +12,22 @@ A ``PieceHost`` is one piece's view of those copies: the ``current`` side (where
 values are: the one copies in read) and the ``spare`` side, which trade places when ``step()``
 keeps an update started in backward (``flip``), and trade back, values copied, before the host
 reads state (``settle``): readers always find the latest values in the first copy.
+
+``ParamIO`` moves low-precision parameters to and from their masters outside the update.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ..core.device import OffloadDevice
+from ..core.device import OffloadDevice, Stream
 from .cpu_update import master_dtype
 from .transfer import flat_bytes, pack_pinned
 
 SMALL_STATE_BYTES = 64  # host bytes reserved per small (not per-element) state tensor
+IO_BYTES = 16 * 2**20  # pinned buffer for reading/writing low-precision parameters (load, reload)
 
 
 class HostCopy:
@@ -161,3 +164,47 @@ class PieceHost:
         """The spare's host memory of state ``name`` before ``load_state_dict``, if it fits."""
         old = self.spare_previous.pop(name, None)
         return old if old is not None and old.numel() == nbytes else None
+
+
+class ParamIO:
+    """Low-precision parameters <-> their masters outside the update (construction,
+    ``reload_master_weights``, ``load_state_dict``): through one pinned buffer of at most
+    ``IO_BYTES``, taken at construction, a slice at a time; the host waits for each."""
+
+    def __init__(self, device: OffloadDevice, params: Sequence[torch.Tensor],
+                 masters: Sequence[Optional[torch.Tensor]]) -> None:
+        self.device = device
+        self.pairs = [(p, m) for p, m in zip(params, masters) if m is not None]
+        sizes = [p.numel() * p.element_size() for p, _ in self.pairs]
+        self.buffer = device.alloc_host(min(IO_BYTES, max(sizes))) if sizes else None
+
+    def _slices(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(parameter bytes, master elements, buffer bytes, buffer typed) per slice."""
+        for p, m in self.pairs:
+            step = max(1, IO_BYTES // p.element_size())
+            flat, mflat = flat_bytes(p), m.view(-1)
+            for start in range(0, p.numel(), step):
+                n = min(step, p.numel() - start)
+                raw = self.buffer[: n * p.element_size()]
+                yield flat[start * p.element_size(): (start + n) * p.element_size()], \
+                    mflat[start: start + n], raw, raw.view(p.dtype)
+
+    def read(self, d2h: Stream) -> None:
+        """Masters from the parameters as the compute stream leaves them (copies on ``d2h``)."""
+        dev = self.device
+        dev.wait_event(d2h, dev.record_event(dev.current_stream()))
+        for pbytes, mpiece, raw, typed in self._slices():
+            dev.copy(d2h, raw, pbytes)
+            dev.wait_host(dev.record_event(d2h))
+            mpiece.copy_(typed)
+
+    def write(self, h2d: Stream) -> None:
+        """Parameters from the masters (copies on ``h2d``); the compute stream waits for them."""
+        dev = self.device
+        dev.wait_event(h2d, dev.record_event(dev.current_stream()))
+        for pbytes, mpiece, raw, typed in self._slices():
+            dev.wait_host(dev.record_event(h2d))  # the previous slice has left the buffer
+            typed.copy_(mpiece)
+            dev.copy(h2d, pbytes, raw)
+        dev.wait_event(dev.current_stream(), dev.record_event(h2d))
+        dev.wait_host(dev.record_event(h2d))

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -73,8 +73,7 @@ from .stream_backward import BackwardUpdates
 from .stream_chunk import ChunkRunner, Link, own_hypers, snapshot
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
 from .stream_records import ChunkMark, QueuedUpdate, UpdatePhase
-from .stream_store import HostCopy
-from .transfer import flat_bytes
+from .stream_store import HostCopy, ParamIO
 
 __all__ = [
     "DEFAULT_STREAM_BUDGET_BYTES", "MIN_STREAM_BUDGET_BYTES", "SLOTS", "StreamedPart",
@@ -83,7 +82,6 @@ __all__ = [
 
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
 MIN_STREAM_BUDGET_BYTES = 64 * 2**10  # two slots of at least 1024 elements each
-IO_BYTES = 16 * 2**20  # pinned buffer for reading/writing low-precision parameters (load, reload)
 
 
 def state_elems_per_param(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> tuple[int, bool]:
@@ -148,9 +146,7 @@ class StreamedPart:
         self._link = Link(device)
         self.h2d, self.d2h = self._link.h2d, self._link.d2h
         self._store = HostCopy(device, self.params, state_elems)
-        lowp = [p.numel() * p.element_size() for p, m in zip(self.params, self._store.masters)
-                if m is not None]
-        self._io = device.alloc_host(min(IO_BYTES, max(lowp))) if lowp else None
+        self._io = ParamIO(device, self.params, self._store.masters)
         self.read_params()
         self.keys = [m if m is not None else p for p, m in zip(self.params, self._store.masters)]
         self._runner = ChunkRunner(device, self.params, self._store, self._link)
@@ -202,40 +198,14 @@ class StreamedPart:
     # ------------------------------------------------------------------------------------------
     # host <-> device outside the update
 
-    def _io_slices(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(parameter bytes, master elements, pinned buffer, its typed view) slices of at most
-        ``IO_BYTES`` of model dtype, through one pinned buffer allocated at construction."""
-        for p, m in zip(self.params, self._store.masters):
-            if m is None:
-                continue
-            step = max(1, IO_BYTES // p.element_size())
-            flat, mflat = flat_bytes(p), m.view(-1)
-            for start in range(0, p.numel(), step):
-                n = min(step, p.numel() - start)
-                raw = self._io[: n * p.element_size()]
-                yield flat[start * p.element_size(): (start + n) * p.element_size()], \
-                    mflat[start: start + n], raw, raw.view(p.dtype)
-
     def read_params(self) -> None:
         """Masters from the current parameter values (construction, ``reload_master_weights``)."""
-        dev = self._device
         self.sync()
-        dev.wait_event(self.d2h, dev.record_event(dev.current_stream()))
-        for pbytes, mpiece, raw, typed in self._io_slices():
-            dev.copy(self.d2h, raw, pbytes)
-            dev.wait_host(dev.record_event(self.d2h))
-            mpiece.copy_(typed)
+        self._io.read(self.d2h)
 
     def write_params(self) -> None:
         """Parameters from the masters (after ``load_state_dict``)."""
-        dev = self._device
-        dev.wait_event(self.h2d, dev.record_event(dev.current_stream()))
-        for pbytes, mpiece, raw, typed in self._io_slices():
-            dev.wait_host(dev.record_event(self.h2d))  # the previous slice has left the buffer
-            typed.copy_(mpiece)
-            dev.copy(self.h2d, pbytes, raw)
-        dev.wait_event(dev.current_stream(), dev.record_event(self.h2d))
-        dev.wait_host(dev.record_event(self.h2d))
+        self._io.write(self.h2d)
 
     # ------------------------------------------------------------------------------------------
     # ordering the overlapped update with what comes after it
