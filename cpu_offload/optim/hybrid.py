@@ -452,7 +452,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         change is a user edit (``_take_streamed_edits``)."""
         for p in params:
             part, k = self._streamed[id(p)]
-            if part.masters[k] is not None:
+            if part.masters()[k] is not None:
                 self._stream_written[id(p)] = Fingerprint.of(p)
 
     def wait_params(self) -> None:
@@ -572,7 +572,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if edited:
                 part, k = self._streamed[id(p)]
                 part.sync()
-                merge_edited(part.masters[k], p)
+                merge_edited(part.masters()[k], p)
                 self._stream_written[id(p)] = Fingerprint.of(p)
 
     def _stream_stats(self) -> dict[str, Any]:

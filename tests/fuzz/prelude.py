@@ -54,7 +54,7 @@ class TrackingDevice(cpu_offload.SimulatedDevice):
 def in_flight(opt):
     """The device buffers an optimizer's streamed update still running after ``step()``
     (``overlap="next_forward"``) holds: freed once the next forward has waited for it."""
-    return [t for part in getattr(opt, "_parts", ()) for t in part._held]
+    return [t for part in getattr(opt, "_parts", ()) for t in part.in_flight()]
 
 
 class Watch:

@@ -21,10 +21,12 @@ from cpu_offload.core.launcher import ThreadLauncher
 from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim.reference import MasterWeightOptimizer
 from cpu_offload.optim.stream_backward import BackwardUpdates
-from cpu_offload.optim.stream_update import StreamedPart
+from cpu_offload.optim.stream_chunk import ChunkRunner
+from cpu_offload.optim.stream_records import EarlyPhase
 
 from test_stream_update import (
-    DTYPES, KW, _cuda, _Tracking, assert_same, loss_of, model, reference, train,
+    DTYPES, KW, _cuda, _Tracking, assert_same, loss_of, model, reference, reference_of, train,
+    with_empty,
 )
 from test_stream_update import hybrid as plain_hybrid
 
@@ -43,7 +45,7 @@ def hybrid(*args, launches="deferred", device=None, **kw):
 def queued(opt):
     """Updates started in backward so far: launched, or waiting for the launcher."""
     bw = opt._parts[0].backward
-    return len(bw._done) + getattr(bw.launcher, "pending", 0)
+    return bw.round.count(EarlyPhase.QUEUED, EarlyPhase.UPDATED)
 
 
 def early_stats(opt):
@@ -79,7 +81,7 @@ def test_parameters_read_before_step_hold_the_last_steps_values(mode, launches):
     before = [p.detach().clone() for p in m.parameters()]
     loss_of(m, 2).backward()
     opt._parts[0].backward.launcher.join()  # as a launcher thread would, before step()
-    assert opt._parts[0].backward._done  # updates started, not visible yet
+    assert opt._parts[0].backward.round.done  # updates started, not visible yet
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
     opt.step()
     opt.wait_params()
@@ -232,14 +234,14 @@ def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode
     opt = hybrid(m, 1.0, 1.0, mode, device=dev, launches=launches)
     train(m, opt, 2, edit=None)
     train(ref, ref_opt, 2, edit=None)
-    update = StreamedPart._update
+    update = ChunkRunner._step
 
     def failing(self, chunk, pieces, views, grads=None, scale=None):
         if grads is not None:
             raise RuntimeError("early update failed")
         update(self, chunk, pieces, views, grads, scale)
 
-    monkeypatch.setattr(StreamedPart, "_update", failing)
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
     if launches == "inline" or dtype == torch.float32:
         with pytest.raises(RuntimeError, match="early update failed"):
             loss_of(m, 2).backward()
@@ -247,7 +249,7 @@ def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode
         loss_of(m, 2).backward()
         with pytest.raises(RuntimeError, match="early update failed"):
             opt.step()
-    monkeypatch.setattr(StreamedPart, "_update", update)
+    monkeypatch.setattr(ChunkRunner, "_step", update)
     opt.zero_grad()
     ref_opt.zero_grad()
     assert all(k.numel() == 0 or k.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
@@ -315,7 +317,7 @@ def test_waiting_only_for_an_event_from_before_the_allocations_is_a_hazard(monke
     allocate = BackwardUpdates._allocate
 
     def event_first(self, pieces):
-        self.before = self.part._device.record_event(self.part._device.current_stream())
+        self.before = self.device.record_event(self.device.current_stream())
         return allocate(self, pieces)
 
     monkeypatch.setattr(BackwardUpdates, "_allocate", event_first)
@@ -389,5 +391,21 @@ def test_launches_lagging_behind_backward_stay_exact_on_cuda(monkeypatch, dtype)
             o.zero_grad()
     assert early_stats(opt) == (chunks(opt), chunks(opt))
     opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("launches", LAUNCHES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_size_parameters_update_early_like_torch(dtype, mode, launches):
+    """A zero-size parameter's gradient hook (KeyError before) counts it in its chunk: every
+    chunk starts early and is kept, equal to the wrapped class."""
+    ref = with_empty(dtype)
+    ref_opt = reference_of(ref)
+    m = with_empty(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode, launches=launches)
+    assert train(m, opt, 4, edit=None) == train(ref, ref_opt, 4, edit=None)
+    assert early_stats(opt) == (chunks(opt), chunks(opt))
     assert_same(m, opt, ref, ref_opt)
     opt.close()

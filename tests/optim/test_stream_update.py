@@ -23,6 +23,7 @@ from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
 from cpu_offload.optim.balance import balanced_cpu_share, balanced_seconds
 from cpu_offload.optim.reference import MasterWeightOptimizer
+from cpu_offload.optim.stream_chunk import ChunkRunner
 from cpu_offload.optim.stream_update import MIN_STREAM_BUDGET_BYTES, SLOTS, StreamedPart
 
 from _support import optim_cuda
@@ -98,7 +99,7 @@ def assert_same(m, opt, ref, ref_opt):
             got = state[i][k].to(v.device)
             assert got.dtype == v.dtype and torch.equal(got, v), (i, k)
     if isinstance(ref_opt, MasterWeightOptimizer):
-        masters = {i: e["master_weight"] for i, e in sd["state"].items() if "master_weight" in e}
+        masters = sd["hybrid"]["master_weights"]
         for i, w in enumerate(ref_opt.masters):
             assert torch.equal(masters[i].to(w.device), w), i
 
@@ -287,7 +288,7 @@ def test_zeroing_gradients_in_place_waits_for_the_update_that_reads_them(monkeyp
     opt.zero_grad(set_to_none=False)  # ordered: fine
     opt.close()
     m, opt, *_ = _step_with_update_queued(SimulatedDevice())
-    monkeypatch.setattr(StreamedPart, "order_params", lambda self: None)
+    monkeypatch.setattr(HybridDeviceOptimizer, "_order_streamed", lambda self: None)
     with pytest.raises(SimulatedHazard, match="still reads or writes"):
         opt.zero_grad(set_to_none=False)
 
@@ -556,20 +557,20 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     opt = hybrid(m, 1.0, 1.0, mode, device=dev)
     train(m, opt, 1)
     calls = []
-    update = StreamedPart._update
+    update = ChunkRunner._step
 
-    def failing(self, chunk, pieces, views, grads=None, scale=None):
+    def failing(self, chunk, pieces, views, grads=None):
         calls.append(1)
         if len(calls) == 2 and grads is None:  # in step(), not in backward
             raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale)
+        update(self, chunk, pieces, views, grads)
 
-    monkeypatch.setattr(StreamedPart, "_update", failing)
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
     loss_of(m, 1).backward()
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
     assert dev.pending_ops() == 0
-    monkeypatch.setattr(StreamedPart, "_update", update)
+    monkeypatch.setattr(ChunkRunner, "_step", update)
     opt.zero_grad()
     train(m, opt, 1, start=2)  # works again: slots freed in order, nothing bound to them
     assert all(torch.isfinite(p).all() for p in m.parameters())
@@ -585,7 +586,7 @@ def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(m
     opt = hybrid(m, 1.0, 1.0, device=dev, budget=2**22)
     part = opt._parts[0]
     seen = []
-    host_state = StreamedPart._host_state
+    host_state = ChunkRunner._host_state
 
     def failing(self, pc, name, v):
         seen.append(pc)
@@ -593,7 +594,7 @@ def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(m
             raise RuntimeError("no pinned memory")
         return host_state(self, pc, name, v)
 
-    monkeypatch.setattr(StreamedPart, "_host_state", failing)
+    monkeypatch.setattr(ChunkRunner, "_host_state", failing)
     before = [p.detach().clone() for p in part.params]
     loss_of(m, 0).backward()
     with pytest.raises(RuntimeError, match="no pinned memory"):
@@ -602,7 +603,7 @@ def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(m
     assert dev.pending_ops() == 0
     first = seen[0]
     param = part.params[first.index].detach().view(-1)[first.start:first.stop]
-    master = part.masters[first.index].view(-1)[first.start:first.stop]
+    master = part.masters()[first.index].view(-1)[first.start:first.stop]
     assert not torch.equal(param, before[first.index].view(-1)[first.start:first.stop])  # updated
     assert torch.equal(master.to(torch.bfloat16), param)  # and its master copied out
     opt.close()
@@ -724,3 +725,118 @@ def test_dropping_the_optimizer_waits_for_its_queued_copies(monkeypatch, fence):
     else:
         with pytest.raises(SimulatedHazard, match="pinned host buffer that was let go"):
             dev.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters torch's optimizers handle that the streamed part must too
+
+class _WithEmpty(nn.Module):
+    """Zero-size parameters between and after the others (their gradients are zero-size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 64)
+        self.empty = nn.Parameter(torch.zeros(0, 8))
+        self.b = nn.Linear(64, 3)
+        self.empty_last = nn.Parameter(torch.zeros(5, 0))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) + self.empty.sum() + self.empty_last.sum()
+
+
+def with_empty(dtype):
+    torch.manual_seed(0)
+    return _WithEmpty().to(dtype)
+
+
+def reference_of(m, cls=None, **kw):
+    """What the part must equal: the class over fp32 masters (bf16/fp16), or over ``m``
+    (``KW`` unless ``kw`` are given)."""
+    kw = kw or KW
+    if next(m.parameters()).dtype != torch.float32:
+        return MasterWeightOptimizer(m.parameters(), cls, **kw)
+    return (cls or torch.optim.AdamW)(m.parameters(), **({"fused": True} if cls is None else {}), **kw)
+
+
+@pytest.mark.parametrize("mode", ["none", "next_forward"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_size_parameters_are_streamed_like_torch(dtype, mode):
+    """torch's AdamW keeps state for zero-size parameters; the streamed part gives each a piece,
+    so that step(), state_dict() (IndexError before) and load_state_dict() work and agree."""
+    ref = with_empty(dtype)
+    ref_opt = reference_of(ref)
+    m = with_empty(dtype)
+    opt = hybrid(m, 1.0, 1.0, mode)
+    assert len(opt.streamed_params()) == len(list(m.parameters()))
+    assert train(m, opt, 3) == train(ref, ref_opt, 3)
+    assert_same(m, opt, ref, ref_opt)
+    opt.load_state_dict(opt.state_dict())
+    assert train(m, opt, 2, start=3) == train(ref, ref_opt, 2, start=3)
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+ADAGRAD = dict(lr=0.05, initial_accumulator_value=0.1, lr_decay=0.01)
+
+
+@pytest.mark.parametrize("mode", ["none", "next_forward"])
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(torch.float16, id="fp16")])
+def test_state_made_at_construction_is_streamed(dtype, mode):
+    """Adagrad makes its state in its constructor: over a low-precision parameter's master that
+    was an empty slot key (the first step raised "size of tensor a (0) must match"). The part
+    keeps that state in host memory from construction on; state_dict() before any step, and
+    every step after, equal the class over fp32 masters (bf16/fp16) or over the parameters."""
+    torch.manual_seed(0)
+    ref = model(dtype)
+    ref_opt = reference_of(ref, torch.optim.Adagrad, **ADAGRAD)
+    m = model(dtype)
+    opt = HybridDeviceOptimizer(
+        m.parameters(), 1.0, torch.optim.Adagrad, torch.optim.Adagrad, device=SimulatedDevice(),
+        overlap=mode, stream_fraction=1.0, stream_budget_bytes=BUDGET, cpu_threads=1, **ADAGRAD)
+    if mode == "next_forward":
+        opt.register_forward_waits(m)
+    assert len(opt.streamed_params()) == len(list(m.parameters()))
+    assert_same(m, opt, ref, ref_opt)  # the state made at construction, before any step
+    assert train(m, opt, 3) == train(ref, ref_opt, 3)
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["step", "early"])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["none", "next_forward"])
+def test_the_part_keeps_no_hyperparameter_tensor_it_was_given(overlapped, early):
+    """Tensors among the hyperparameters given to the part (its constructor, its optimizer
+    class's keyword arguments, ``step()``, ``on_grad()``) may be a user's, changed in place or
+    by a scheduler later: none is held once the update that used it is done (and, overlapped,
+    waited for). An update started in backward with a copy of the values step() gets is kept."""
+    import gc
+    dev = SimulatedDevice()
+    m = model(torch.bfloat16)
+    params = list(m.parameters())
+    refs = []
+
+    def given(lr=1e-2):
+        lr = torch.tensor(lr)
+        refs.append(weakref.ref(lr))
+        return [{"lr": lr, "weight_decay": 0.1}]
+
+    kw_lr = torch.tensor(1e-2)
+    refs.append(weakref.ref(kw_lr))
+    part = StreamedPart(dev, params, [0] * len(params), given(),
+                        lambda groups: torch.optim.AdamW(groups, lr=kw_lr, fused=True),
+                        BUDGET, overlapped=overlapped, early=early)
+    del kw_lr
+    for i in range(3):
+        loss_of(m, i).backward()
+        if early and i:
+            for k, p in enumerate(params):
+                part.backward.on_grad(k, p.grad, given())
+        part.step(given())
+        part.finish()
+        for p in params:
+            p.grad = None
+    if early:
+        assert part.backward.started == part.backward.kept == len(part.chunks)
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    part.sync()

@@ -1,0 +1,188 @@
+"""What a streamed part has in flight: one record type per kind of work started and not done
+yet, and the named phases they go through.
+
+The device work of a streamed part outlives the call that queued it: an update started in
+backward waits for ``step()`` to keep or redo it; an overlapped update (``next_forward``) runs
+on while the next forward waits for it module by module. Each kind has a record here that says
+what the work read and holds, and a phase checked at every transition (as FSDP2's
+``_fsdp_param_group.py`` and TransformerEngine's ``cpu_offload.py`` name theirs), so that the
+state of a chunk is one value, not a combination of containers.
+
+- ``Landed``: a gradient backward produced, as the post-accumulate-grad hook saw it; the one
+  predicate ``still_valid`` says whether work that read it may be kept.
+- ``EarlyUpdate``: one chunk's update started in backward (``stream_backward``).
+- ``BackwardRound``: the early updates of one backward, from its first gradient to the
+  ``step()`` that keeps or drops them; ``EarlyPhase`` per chunk.
+- ``ChunkMark`` and ``QueuedUpdate``: the update ``step()`` left running (``next_forward``),
+  which forwards wait for chunk by chunk; ``UpdatePhase``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..core.device import Event
+from .cpu_update import same_hyperparameters, tensor_version
+
+
+class EarlyPhase(enum.Enum):
+    """Where one chunk stands in a backward (``BackwardRound.phases``)."""
+
+    WAITING = "waiting"  # gradients of its parameters still to land
+    SKIPPED = "skipped"  # all landed, nothing started: step() updates it (not eligible, or off)
+    QUEUED = "queued"  # its update handed to the launcher (or run in the hook)
+    DROPPED = "dropped"  # launched, its result unusable (state layout changed): step() redoes it
+    UPDATED = "updated"  # updated on the device, copies out queued: an ``EarlyUpdate``
+    KEPT = "kept"  # step() keeps it (nothing it read changed)
+    REDONE = "redone"  # step() updates it again (something it read changed)
+
+    def to(self, new: "EarlyPhase") -> "EarlyPhase":
+        """``new``, if a chunk may go there from here (else ``AssertionError``)."""
+        if new not in _EARLY_NEXT[self]:
+            raise AssertionError(f"an early chunk update cannot go from {self.name} to {new.name}")
+        return new
+
+
+_EARLY_NEXT = {
+    EarlyPhase.WAITING: {EarlyPhase.SKIPPED, EarlyPhase.QUEUED},
+    EarlyPhase.QUEUED: {EarlyPhase.UPDATED, EarlyPhase.DROPPED},
+    EarlyPhase.UPDATED: {EarlyPhase.KEPT, EarlyPhase.REDONE},
+    EarlyPhase.SKIPPED: set(), EarlyPhase.DROPPED: set(), EarlyPhase.KEPT: set(),
+    EarlyPhase.REDONE: set(),
+}
+
+
+class UpdatePhase(enum.Enum):
+    """Where the update ``step()`` left running stands (``QueuedUpdate.phase``)."""
+
+    RUNNING = "running"  # queued on the update stream; forwards wait for their chunks
+    ORDERED = "ordered"  # the compute stream waited for all of it: the gradients it read are free
+    FINISHED = "finished"  # and for its copies out: its staging and device state are free
+
+    def to(self, new: "UpdatePhase") -> "UpdatePhase":
+        """``new``, if the update may go there from here (else ``AssertionError``)."""
+        if new not in _UPDATE_NEXT[self]:
+            raise AssertionError(f"a queued update cannot go from {self.name} to {new.name}")
+        return new
+
+
+_UPDATE_NEXT = {
+    UpdatePhase.RUNNING: {UpdatePhase.ORDERED},
+    UpdatePhase.ORDERED: {UpdatePhase.ORDERED, UpdatePhase.FINISHED},  # ordering twice is a no-op
+    UpdatePhase.FINISHED: set(),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Landed:
+    """A parameter's gradient as its hook saw it, with the versions work that reads it relies
+    on (``param_version``: only where the parameter is its own master, read by the update)."""
+
+    grad: torch.Tensor
+    grad_version: int
+    param_version: Optional[int]
+    stale: bool = False  # a second gradient came before step(): work on the first is stale
+
+    @classmethod
+    def of(cls, grad: torch.Tensor, param: torch.Tensor, own_master: bool) -> "Landed":
+        return cls(grad, tensor_version(grad), tensor_version(param) if own_master else None)
+
+    def made_stale(self) -> "Landed":
+        """This gradient, after a second one came for its parameter."""
+        return dataclasses.replace(self, stale=True)
+
+    def still_valid(self, param: torch.Tensor) -> bool:
+        """Work that read this gradient gives what ``step()`` would give now: the gradient is
+        still ``param.grad``, unchanged in place, no second one came, and an own master is
+        unchanged (a version of -1, an inference tensor, never counts as unchanged)."""
+        return (not self.stale and param.grad is self.grad
+                and 0 <= self.grad_version == tensor_version(self.grad)
+                and (self.param_version is None or self.param_version == tensor_version(param)))
+
+
+@dataclass(eq=False)
+class EarlyUpdate:
+    """One chunk's update started in backward: done on the device once ``updated`` has passed;
+    its new masters and state in the spare host copy, its parameters' new values in ``new``."""
+
+    chunk: int
+    seen: list  # per parameter of the chunk: (index, its ``Landed``) the update read
+    hypers: Sequence[dict]  # the hyperparameters it ran with
+    updated: Event
+    new: list  # per piece: its parameter's new bytes, on the device until step() keeps them
+
+
+@dataclass(eq=False)
+class BackwardRound:
+    """The early updates of one backward (``stream_backward.BackwardUpdates``)."""
+
+    waiting: list  # per chunk: how many of its parameters' gradients are still to land
+    phases: list  # per chunk: its ``EarlyPhase``
+    landed: dict = field(default_factory=dict)  # param index -> ``Landed``
+    done: dict = field(default_factory=dict)  # chunk -> ``EarlyUpdate`` (phase UPDATED on)
+    slots: list = field(default_factory=list)  # the two staging slots, from the first update
+    free: list = field(default_factory=list)  # per slot: its last copy out
+    launched: int = 0
+    held: list = field(default_factory=list)  # device buffers queued work uses
+    grads: list = field(default_factory=list)  # the gradients it reads
+
+    @classmethod
+    def start(cls, needed: Sequence[int]) -> "BackwardRound":
+        """A round over chunks that need ``needed[c]`` gradients each."""
+        return cls(list(needed), [EarlyPhase.WAITING] * len(needed))
+
+    def move(self, chunk: int, phase: EarlyPhase) -> None:
+        self.phases[chunk] = self.phases[chunk].to(phase)
+
+    def count(self, *phases: EarlyPhase) -> int:
+        return sum(1 for p in self.phases if p in phases)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing was launched: no device memory or gradient to let go of."""
+        return not self.slots and not self.grads
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkMark:
+    """(``next_forward``) What a forward that reads a parameter waits for: the chunk that
+    writes it (``position``: its place in the update's order), and the gradient it reads."""
+
+    position: int
+    done: Event
+    grad: torch.Tensor
+
+
+@dataclass(eq=False)
+class QueuedUpdate:
+    """(``next_forward``) The update ``step()`` returned with, still running on the update
+    stream, and what it holds until the compute stream has waited for it."""
+
+    updated: Event  # the end of the update on its stream
+    marks: dict  # param index -> ``ChunkMark``, until a forward waits for it
+    held: list  # staging slots, device state, early updates' buffers: freed once FINISHED
+    early_grads: list  # gradients the kept early updates read: freed once ORDERED
+    phase: UpdatePhase = UpdatePhase.RUNNING
+
+
+def same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
+    """Hyperparameters ``a`` and ``b`` (per group) give the same update: equal values, tensors
+    the same object or (host tensors, as snapshots of them are) of equal dtype, shape and bits.
+    A device tensor counts as changed unless it is the same object (reading it would block)."""
+    return same_hyperparameters(a, b) or same_hyperparameters(_by_value(a), _by_value(b))
+
+
+def _by_value(hypers: Sequence[dict]) -> list[dict]:
+    def value(v: Any) -> Any:
+        if torch.is_tensor(v) and v.device.type == "cpu":
+            t = v.detach().contiguous().reshape(-1)
+            return ("tensor", v.dtype, tuple(v.shape), bytes(t.view(torch.uint8).tolist()))
+        if isinstance(v, (tuple, list)):
+            return type(v)(value(x) for x in v)
+        return v
+
+    return [{k: value(v) for k, v in g.items()} for g in hypers]
