@@ -24,7 +24,7 @@ from .amp import LossScale
 from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS
 from .device_part import DevicePart
-from .guards import Fingerprint, changed, merge_edited, snapshot_hypers
+from .guards import Fingerprint, changed, snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
@@ -534,15 +534,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         st.step_called = time.perf_counter()
         try:
             self._cpu.validate(st, hypers, scale)
-            self._take_streamed_edits()
+            edits = self._streamed_edits()
             self._cpu.flush(st)
             coef = None
             if self.max_grad_norm is not None:
                 self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
             self._cpu.queue_rest(st, hypers, coef, scale)
             self._dev_part.step(hypers, scale)
-            for part in self._parts:  # on the device, from .grad as it is now (after clipping)
-                part.step(hypers, scale)
+            for n, part in enumerate(self._parts):  # on the device, from .grad as it is now
+                part.step(hypers, scale, edits.get(n))
             if not self._mode.forward_waits:
                 for part in self._parts:
                     self._record_streamed(part.params)
@@ -565,15 +565,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         streamed part's figures (``stream_*``)."""
         return {**self._cpu.stats, **self._stream_stats()} if self._cpu.stats else {}
 
-    def _take_streamed_edits(self) -> None:
-        """Parameters of the streamed part edited since it wrote them: into their masters."""
+    def _streamed_edits(self) -> dict[int, dict[int, torch.Tensor]]:
+        """Per streamed part (by position): its parameters edited since it wrote them, by index,
+        with their values now (one host synchronization)."""
         pairs = [(self._stream_written[id(p)], p) for p in self.streamed_params() if id(p) in self._stream_written]
-        for (fp, p), edited in zip(pairs, changed(pairs)):
+        edits: dict[int, dict[int, torch.Tensor]] = {}
+        parts = {id(part): n for n, part in enumerate(self._parts)}
+        for (_, p), edited in zip(pairs, changed(pairs)):
             if edited:
                 part, k = self._streamed[id(p)]
-                part.sync()
-                merge_edited(part.masters()[k], p)
-                self._stream_written[id(p)] = Fingerprint.of(p)
+                edits.setdefault(parts[id(part)], {})[k] = p.detach()
+        return edits
 
     def _stream_stats(self) -> dict[str, Any]:
         return {

@@ -42,7 +42,7 @@ gradients stayed as backward left them.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -52,7 +52,8 @@ from ..core.launcher import Launcher
 from .cpu_update import ELEMENTWISE, tensor_version
 from .stream_chunk import ChunkRunner, PieceViews, copy_all
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, slot_aligned
-from .stream_records import BackwardRound, EarlyPhase, EarlyUpdate, Landed, same_hypers
+from .guards import changed, same_hypers
+from .stream_records import BackwardRound, EarlyPhase, EarlyUpdate, Landed
 from .stream_store import HostCopy
 from .transfer import flat_bytes
 
@@ -103,7 +104,7 @@ class BackwardUpdates:
     def _queue(self, ci: int, hypers: Sequence[dict]) -> None:
         """Hand chunk ``ci``'s update to the launcher, with what it reads as backward left it."""
         r, chunk = self.round, self.chunks[ci]
-        grads = [r.landed[pc.index].grad for pc in chunk.pieces]
+        grads = [r.landed[pc.index].grad.tensor for pc in chunk.pieces]
         seen = [(i, r.landed[i]) for i in chunk.param_indices()]
         if any(not self.runner.lowp[pc.index] for pc in chunk.pieces):
             self.launcher.join()  # its own master is the parameter: read it now, in order
@@ -236,20 +237,29 @@ class BackwardUpdates:
             self.abandon()
             raise
 
-    def validate(self, hypers: Sequence[dict]) -> list[EarlyUpdate]:
-        """The early updates ``step()`` keeps (in chunk order): each gradient they read is still
-        valid (``Landed.still_valid``) and the hyperparameters are the same; decides whether
-        the next backward starts any."""
+    def validate(self, hypers: Sequence[dict], scaled: bool = False,
+                 edited: Iterable[int] = ()) -> list[EarlyUpdate]:
+        """The early updates ``step()`` keeps (in chunk order): each gradient they read (and an
+        own master) is unchanged (``guards.changed``: one host synchronization), the
+        hyperparameters are the same, no loss scale came (``scaled``: they ran without it), and
+        none of their parameters was edited since the part wrote it (``edited``). Decides
+        whether the next backward starts any."""
         r, params = self.round, self.runner.params
-        ok = {i: rec.still_valid(params[i]) for i, rec in r.landed.items()}
+        order = sorted(r.landed)
+        checks = [r.landed[i].checks(params[i]) for i in order]
+        flags = iter(changed([c for group in checks for c in group]))
+        ok = {i: not r.landed[i].stale and not any([next(flags) for _ in group])
+              for i, group in zip(order, checks)}
+        edited = set(edited)
         kept = []
         for ci, rec in sorted(r.done.items()):
-            keep = same_hypers(rec.hypers, hypers) and all(ok[i] for i, _ in rec.seen)
+            keep = (not scaled and same_hypers(rec.hypers, hypers)
+                    and all(ok[i] and i not in edited for i, _ in rec.seen))
             r.move(ci, EarlyPhase.KEPT if keep else EarlyPhase.REDONE)
             if keep:
                 kept.append(rec)
         self.started, self.kept = len(r.done), len(kept)
-        self.enabled = all(ok.values())
+        self.enabled = all(ok.values()) and not scaled
         return kept
 
     def commit(self, kept: Sequence[EarlyUpdate], stream: Any) -> list[Event]:

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..core.device import Event
-from .cpu_update import same_hyperparameters, tensor_version
+from .guards import Fingerprint
 
 
 class EarlyPhase(enum.Enum):
@@ -79,29 +79,26 @@ _UPDATE_NEXT = {
 
 @dataclass(frozen=True, eq=False)
 class Landed:
-    """A parameter's gradient as its hook saw it, with the versions work that reads it relies
-    on (``param_version``: only where the parameter is its own master, read by the update)."""
+    """A parameter's gradient as its hook saw it (``guards.Fingerprint``), and, where the
+    parameter is its own master (read by the update), the parameter's too."""
 
-    grad: torch.Tensor
-    grad_version: int
-    param_version: Optional[int]
+    grad: Fingerprint
+    param: Optional[Fingerprint]
     stale: bool = False  # a second gradient came before step(): work on the first is stale
 
     @classmethod
     def of(cls, grad: torch.Tensor, param: torch.Tensor, own_master: bool) -> "Landed":
-        return cls(grad, tensor_version(grad), tensor_version(param) if own_master else None)
+        return cls(Fingerprint.of(grad), Fingerprint.of(param) if own_master else None)
 
     def made_stale(self) -> "Landed":
         """This gradient, after a second one came for its parameter."""
         return dataclasses.replace(self, stale=True)
 
-    def still_valid(self, param: torch.Tensor) -> bool:
-        """Work that read this gradient gives what ``step()`` would give now: the gradient is
-        still ``param.grad``, unchanged in place, no second one came, and an own master is
-        unchanged (a version of -1, an inference tensor, never counts as unchanged)."""
-        return (not self.stale and param.grad is self.grad
-                and 0 <= self.grad_version == tensor_version(self.grad)
-                and (self.param_version is None or self.param_version == tensor_version(param)))
+    def checks(self, param: torch.Tensor) -> list[tuple[Fingerprint, Optional[torch.Tensor]]]:
+        """What ``guards.changed`` compares for work that read this gradient to give what
+        ``step()`` would give now: the gradient (still ``param.grad``, bit for bit) and an own
+        master (the parameter, unchanged)."""
+        return [(self.grad, param.grad)] + ([(self.param, param)] if self.param is not None else [])
 
 
 @dataclass(eq=False)
@@ -167,22 +164,3 @@ class QueuedUpdate:
     held: list  # staging slots, device state, early updates' buffers: freed once FINISHED
     early_grads: list  # gradients the kept early updates read: freed once ORDERED
     phase: UpdatePhase = UpdatePhase.RUNNING
-
-
-def same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
-    """Hyperparameters ``a`` and ``b`` (per group) give the same update: equal values, tensors
-    the same object or (host tensors, as snapshots of them are) of equal dtype, shape and bits.
-    A device tensor counts as changed unless it is the same object (reading it would block)."""
-    return same_hyperparameters(a, b) or same_hyperparameters(_by_value(a), _by_value(b))
-
-
-def _by_value(hypers: Sequence[dict]) -> list[dict]:
-    def value(v: Any) -> Any:
-        if torch.is_tensor(v) and v.device.type == "cpu":
-            t = v.detach().contiguous().reshape(-1)
-            return ("tensor", v.dtype, tuple(v.shape), bytes(t.view(torch.uint8).tolist()))
-        if isinstance(v, (tuple, list)):
-            return type(v)(value(x) for x in v)
-        return v
-
-    return [{k: value(v) for k, v in g.items()} for g in hypers]

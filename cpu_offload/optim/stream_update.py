@@ -75,6 +75,7 @@ from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk
 from .stream_records import ChunkMark, QueuedUpdate, UpdatePhase
 from .stream_store import HostCopy, ParamIO
 from .amp import LossScale
+from .guards import merge_edited
 
 __all__ = [
     "DEFAULT_STREAM_BUDGET_BYTES", "MIN_STREAM_BUDGET_BYTES", "SLOTS", "StreamedPart",
@@ -163,7 +164,7 @@ class StreamedPart:
             self.chunks.append(chunk)
         self._plan = ChunkPlan(self.chunk_elems, self.chunks)
         self.staging_bytes = 0  # device bytes of the slots in the last update
-        self.state = KeyedState(lambda: self.keys, self.param_state)
+        self.state = KeyedState(self.state_keys, self.param_state)
         # updates started during backward (``early``: backward-update modes without clipping
         # inside step()), kept by step() when still valid
         if early:
@@ -266,6 +267,19 @@ class StreamedPart:
         q.phase = q.phase.to(UpdatePhase.FINISHED)
         self._queued = None
 
+    def _take_edits(self, edited: dict[int, torch.Tensor]) -> None:
+        """Edited parameters into their masters, once nothing reads or writes those (the last
+        update's copies out and every copy in queued so far have landed)."""
+        dev = self._device
+        self.finish()
+        dev.wait_host(dev.record_event(self.h2d))
+        if self._link.last_out is not None:
+            dev.wait_host(self._link.last_out)
+        masters = self.masters()
+        for index, value in edited.items():
+            if masters[index] is not None:
+                merge_edited(masters[index], value)
+
     def sync(self) -> None:
         """Block until the last update's copies into host memory have landed (before the host
         reads masters or state: ``state_dict``, ``load_state_dict``); device work that reads
@@ -294,14 +308,19 @@ class StreamedPart:
         chunk's copy in (tests remove it: a hazard)."""
         self._device.wait_event(self.update_stream or self._device.current_stream(), event)
 
-    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None) -> None:
+    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None,
+             edited: Optional[dict[int, torch.Tensor]] = None) -> None:
         """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``;
         the host is not blocked). On the compute stream, done when step() returns; overlapped:
         on ``update_stream``, chunks in forward order (the reverse of gradient arrival), still
         running when step() returns (see ``wait_params``, ``order_params``, ``finish``).
         Chunks updated during backward whose inputs did not change since (``backward``) are
         kept: only their new parameter values are copied in, first. ``scale``: the loss scale
-        ``GradScaler`` handed to ``step()`` (each chunk's optimizer runs under it)."""
+        ``GradScaler`` handed to ``step()`` (each chunk's optimizer runs under it): early
+        updates, which ran without it, are redone. ``edited``: parameters (by index) the user
+        changed since the part wrote them, and their values now: chunks updated early from the
+        old values are redone, and a separate master takes the edit (``guards.merge_edited``)
+        before anything reads it."""
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(
@@ -311,7 +330,9 @@ class StreamedPart:
         kept = []
         if self.backward is not None:
             self.backward.settle()  # every update queued in backward is on the device now
-            kept = self.backward.validate(hypers)
+            kept = self.backward.validate(hypers, scale is not None, set(edited or ()))
+        if edited:
+            self._take_edits(edited)
         taken = {rec.chunk for rec in kept}
         live = []
         for ci, c in enumerate(self.chunks):
@@ -347,7 +368,7 @@ class StreamedPart:
                 for pos, (rec, done) in enumerate(zip(kept, self.backward.commit(kept, ustream))):
                     if self.overlapped:
                         for index, landed in rec.seen:
-                            marks[index] = ChunkMark(pos, done, landed.grad)
+                            marks[index] = ChunkMark(pos, done, landed.grad.tensor)
             for i, lc in enumerate(live):
                 chunk, pieces, layout = lc.chunk, lc.pieces, lc.layout
                 slot = slots[i % SLOTS]
@@ -449,6 +470,10 @@ class StreamedPart:
     @property
     def param_groups(self) -> list[dict]:
         return part_param_groups(self.chunks, self.group_ids, self.group_of, self.keys)
+
+    def state_keys(self) -> list[torch.Tensor]:
+        """The tensors ``state`` is keyed by (``keys``)."""
+        return self.keys
 
     def param_state(self, index: int) -> dict[str, Any]:
         """Optimizer state of parameter ``index`` as the wrapped class keeps it (host tensors;
