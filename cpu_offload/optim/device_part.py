@@ -34,22 +34,30 @@ class DevicePart:
         self._params: list[torch.Tensor] = []
         self._written: dict[int, Fingerprint] = {}
 
-    def add_group(self, gi: int, params: Sequence[torch.Tensor], hypers: dict) -> None:
-        keys = []
-        for p in params:
-            if self.fp32_masters and p.dtype in LOW_PRECISION:
-                self.masters[id(p)] = p.detach().float()
-                self._written[id(p)] = Fingerprint.of(p)
-                keys.append(self.masters[id(p)])
-            else:
-                keys.append(p)
-            self._params.append(p)
-        group = {**hypers, "params": keys}
+    def add_groups(self, groups: Sequence[tuple[int, Sequence[torch.Tensor], dict]]) -> None:
+        """``(wrapper group, its device parameters, its hyperparameters)`` per group, all at
+        once: a class that makes state in its constructor (Adagrad) makes it for every group,
+        as it would over the same groups without offloading (``add_param_group`` makes none)."""
+        made = []
+        for gi, params, hypers in groups:
+            keys = []
+            for p in params:
+                if self.fp32_masters and p.dtype in LOW_PRECISION:
+                    self.masters[id(p)] = p.detach().float()
+                    self._written[id(p)] = Fingerprint.of(p)
+                    keys.append(self.masters[id(p)])
+                else:
+                    keys.append(p)
+                self._params.append(p)
+            made.append({**hypers, "params": keys})
+            self.group_ids.append(gi)
+        if not made:
+            return
         if self.optimizer is None:
-            self.optimizer = self._make([group])
-        else:
-            self.optimizer.add_param_group(group)
-        self.group_ids.append(gi)
+            self.optimizer = self._make(made)
+        else:  # a group added after construction (HybridDeviceOptimizer.add_param_group)
+            for group in made:
+                self.optimizer.add_param_group(group)
 
     def key(self, p: torch.Tensor) -> torch.Tensor:
         """What the optimizer updates for ``p``: its master, or ``p`` itself."""

@@ -298,8 +298,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return functools.partial(_build, cls, dict(self._kwargs))
 
     def _attach(self, group_ids: Iterable[int]) -> None:
-        """Partition the parameters of ``group_ids``: zero-size ones stay on the device (nothing
-        to offload); of the rest, ``offload_fraction`` of the bytes by gradient arrival."""
+        """Partition the parameters of ``group_ids``: of those with at least one dimension and
+        one element, ``offload_fraction`` of the bytes by gradient arrival."""
         entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
         for pos, (_, p) in enumerate(entries):
             self._check_param(p, pos)
@@ -307,7 +307,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sizes = [p.numel() * p.element_size() for p in params]
         order = self.options.grad_order
         arrival = arrival_from_order(params, order) if order is not None else default_arrival(len(params))
-        chosen = [i for i in choose_offloaded(sizes, arrival, self.offload_fraction) if sizes[i] > 0]
+        # zero-size and 0-dim parameters stay on the device: nothing (or one number) to offload,
+        # and a 0-dim parameter's state is all shaped like it (AdamW's step count too)
+        chosen = [i for i in choose_offloaded(sizes, arrival, self.offload_fraction)
+                  if sizes[i] > 0 and params[i].dim() > 0]
         offloaded = set(chosen)
         hypers = snapshot_hypers(self.param_groups)
         on_cpu, streamed = self._split([params[i] for i in chosen], chosen, hypers)
@@ -321,10 +324,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for i in on_cpu:
                 if params[i].requires_grad:
                     self._hooks.append(params[i].register_post_accumulate_grad_hook(hook))
+        device_groups = []
         for gi in dict.fromkeys(gi for gi, _ in entries):
             rest = [p for (g, p), i in zip(entries, range(len(entries))) if g == gi and i not in offloaded]
             if rest:
-                self._dev_part.add_group(gi, rest, hypers[gi])
+                device_groups.append((gi, rest, hypers[gi]))
+        self._dev_part.add_groups(device_groups)
 
     def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict]) -> None:
         if self.stream_during_backward and self._launcher is None:
