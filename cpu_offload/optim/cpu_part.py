@@ -82,7 +82,7 @@ class CpuPart:
                            _on_host(hypers), make_optimizer, chunk_elems)
         for k, p in enumerate(params):
             self.where[id(p)] = (len(self.buckets), k)
-            self._written[id(p)] = Fingerprint.of(p)
+        self._wrote(params)
         self.buckets.append(bucket)
         if bucket.scratch_elems > self._scratch.numel():
             self._scratch = torch.empty(bucket.scratch_elems, dtype=torch.float32)
@@ -413,9 +413,7 @@ class CpuPart:
             with st.lock:
                 self.engine.fence_compute(ev if ev is not None else bs.sent)
                 if bs.phase is Phase.SENT:  # what the compute stream sees now is ours
-                    for k, p in enumerate(self.buckets[b].params):
-                        if k in bs.copies:
-                            self._written[id(p)] = Fingerprint.of(p)
+                    self._wrote([p for k, p in enumerate(self.buckets[b].params) if k in bs.copies])
                 if bs.phase in (Phase.SENT, Phase.FAILED):
                     bs.move(Phase.FENCED)
         self._record_stats(st)
@@ -512,7 +510,7 @@ class CpuPart:
             self.engine.read_params(bucket.params)
             for p, m in zip(bucket.params, bucket.masters):
                 m.copy_(self.engine.params.typed(p))
-                self._written[id(p)] = Fingerprint.of(p)
+            self._wrote(bucket.params)
 
     def write_params(self) -> None:
         """Parameters from the masters (after ``load_state_dict``)."""
@@ -520,8 +518,12 @@ class CpuPart:
             for p, m in zip(bucket.params, bucket.masters):
                 self.engine.params.typed(p).copy_(m)
             self.engine.fence_compute(self.engine.params_in(bucket.params, self.engine.compute_event()))
-            for p in bucket.params:
-                self._written[id(p)] = Fingerprint.of(p)
+            self._wrote(bucket.params)
+
+    def _wrote(self, params: Sequence[torch.Tensor]) -> None:
+        """Remember what ``params`` hold now (the optimizer wrote them, and the compute stream
+        sees it): a later difference is a user's edit."""
+        self._written.update((id(fp.tensor), fp) for fp in Fingerprint.of_all(params))
 
     def free_grads(self) -> None:
         """``zero_grad(set_to_none=True)`` is about to drop the gradients (simulation check)."""

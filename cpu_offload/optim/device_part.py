@@ -44,13 +44,13 @@ class DevicePart:
             for p in params:
                 if self.fp32_masters and p.dtype in LOW_PRECISION:
                     self.masters[id(p)] = p.detach().float()
-                    self._written[id(p)] = Fingerprint.of(p)
                     keys.append(self.masters[id(p)])
                 else:
                     keys.append(p)
                 self._params.append(p)
             made.append({**hypers, "params": keys})
             self.group_ids.append(gi)
+        self._wrote()
         if not made:
             return
         if self.optimizer is None:
@@ -80,7 +80,7 @@ class DevicePart:
             for p, m in pairs:
                 if p.grad is not None:
                     p.copy_(m)
-                self._written[id(p)] = Fingerprint.of(p)
+            self._wrote()
         finally:
             for _, m in pairs:
                 m.grad = None
@@ -90,7 +90,7 @@ class DevicePart:
         for p in self._params:
             if id(p) in self.masters:
                 self.masters[id(p)].copy_(p)
-                self._written[id(p)] = Fingerprint.of(p)
+        self._wrote()
 
     def write_params(self) -> None:
         """Parameters from their masters (after ``load_state_dict``)."""
@@ -98,7 +98,12 @@ class DevicePart:
             for p in self._params:
                 if id(p) in self.masters:
                     p.copy_(self.masters[id(p)])
-                    self._written[id(p)] = Fingerprint.of(p)
+        self._wrote()
+
+    def _wrote(self) -> None:
+        """Remember what the parameters with a master hold now, to see a user's later edit."""
+        self._written = {id(fp.tensor): fp for fp in Fingerprint.of_all(
+            [p for p in self._params if id(p) in self.masters])}
 
     def state_of(self, p: torch.Tensor) -> Optional[dict[str, Any]]:
         if self.optimizer is None:

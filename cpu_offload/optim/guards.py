@@ -89,6 +89,16 @@ class Fingerprint:
     def of(cls, t: torch.Tensor) -> "Fingerprint":
         return cls(t, tensor_version(t), bit_sum(t))
 
+    @classmethod
+    def of_all(cls, tensors: Sequence[torch.Tensor]) -> list["Fingerprint"]:
+        """Fingerprints of ``tensors`` (all on one device) whose sums share one allocation: the
+        fingerprints an optimizer keeps between steps cost one small block per call, not one
+        per tensor."""
+        if not tensors:
+            return []
+        sums = torch.stack([bit_sum(t) for t in tensors])
+        return [cls(t, tensor_version(t), sums[k]) for k, t in enumerate(tensors)]
+
     def same_object(self, now: Optional[torch.Tensor]) -> bool:
         """``now`` is the very tensor read, at the same version (content still to compare)."""
         return now is self.tensor and 0 <= self.version == tensor_version(now)

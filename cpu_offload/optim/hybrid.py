@@ -455,10 +455,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _record_streamed(self, params: Sequence[torch.Tensor]) -> None:
         """What the streamed part wrote, once the compute stream is ordered after it: a later
         change is a user edit (``_take_streamed_edits``)."""
+        separate = []  # parameters with a master of their own (an edit must reach it)
         for p in params:
             part, k = self._streamed[id(p)]
             if part.masters()[k] is not None:
-                self._stream_written[id(p)] = Fingerprint.of(p)
+                separate.append(p)
+        self._stream_written.update((id(fp.tensor), fp) for fp in Fingerprint.of_all(separate))
 
     def wait_params(self) -> None:
         """In ``next_forward`` mode: wait for every parameter of the last step (before reading

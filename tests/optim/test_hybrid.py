@@ -696,7 +696,10 @@ def test_fraction_one_holds_no_optimizer_state_on_the_gpu_and_no_late_pinned_all
     sd = opt.state_dict()
     assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values()
                if isinstance(t, torch.Tensor))
-    assert torch.cuda.memory_allocated() == params_only  # gradients were set to None
+    # gradients were set to None; what stays is the fingerprints of what the optimizer wrote
+    # (to tell a user's later edit from its own write): one allocator block per CPU bucket
+    fingerprints = 512 * len(opt._cpu.buckets)
+    assert params_only <= torch.cuda.memory_allocated() <= params_only + fingerprints
     opt.close()
 
 
