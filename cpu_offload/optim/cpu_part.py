@@ -239,9 +239,19 @@ class CpuPart:
                     self._send(st, b)
         for b in sorted(stale):
             self._reset(st, b)
+        self._merge(edited)
+        return len(stale)
+
+    def take_edits(self) -> None:
+        """Outside a step (``state_dict``): parameters edited since the optimizer wrote them
+        into their masters, so that the masters saved are what training continues from."""
+        params = self.params
+        self._merge([p for p, f in zip(params, changed([(self._written[id(p)], p) for p in params])) if f])
+
+    def _merge(self, edited: Sequence[torch.Tensor]) -> None:
         for p in edited:
             merge_edited(self.master(p), p)
-        return len(stale)
+        self._wrote(edited)
 
     def _param(self, pid: int) -> torch.Tensor:
         b, k = self.where[pid]

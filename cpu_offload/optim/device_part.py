@@ -70,9 +70,7 @@ class DevicePart:
             return
         sync_hyperparameters(opt, self.group_ids, hypers)
         pairs = [(p, self.masters[id(p)]) for p in self._params if id(p) in self.masters]
-        for p, edited in zip([p for p, _ in pairs], changed([(self._written[id(p)], p) for p, _ in pairs])):
-            if edited:
-                merge_edited(self.masters[id(p)], p)
+        self.take_edits()
         for p, m in pairs:
             m.grad = None if p.grad is None else p.grad.float()
         try:
@@ -84,6 +82,13 @@ class DevicePart:
         finally:
             for _, m in pairs:
                 m.grad = None
+
+    def take_edits(self) -> None:
+        """Parameters edited since the optimizer wrote them into their masters."""
+        own = [p for p in self._params if id(p) in self.masters]
+        for p, edited in zip(own, changed([(self._written[id(p)], p) for p in own])):
+            if edited:
+                merge_edited(self.masters[id(p)], p)
 
     def reload(self) -> None:
         """Masters from the parameters as they are now."""

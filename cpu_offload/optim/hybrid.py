@@ -584,6 +584,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 edits.setdefault(parts[id(part)], {})[k] = p.detach()
         return edits
 
+    def _take_edits(self) -> None:
+        """Outside a step: parameters edited since the optimizer wrote them, into their masters
+        (``state_dict`` saves what training continues from, as the wrapped class's would)."""
+        self._cpu.take_edits()
+        self._dev_part.take_edits()
+        for n, edits in self._streamed_edits().items():
+            part = self._parts[n]
+            part.take_edits(edits)
+            self._record_streamed([part.params[k] for k in edits])
+
     def _stream_stats(self) -> dict[str, Any]:
         return {
             "stream_fraction": self.stream_fraction,
@@ -686,6 +696,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         (``"master_weight"``), plus a ``"hybrid"`` entry (format, placement, the split chosen);
         ``to_wrapped_format(sd)`` gives the wrapped class's own format."""
         self._drain_all()
+        self._take_edits()
         sd = state_format.gather(self.param_groups, self._placements(), self._implementation)
         sd["hybrid"]["stream_fraction"] = self.stream_fraction
         return sd

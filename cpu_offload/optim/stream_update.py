@@ -267,9 +267,10 @@ class StreamedPart:
         q.phase = q.phase.to(UpdatePhase.FINISHED)
         self._queued = None
 
-    def _take_edits(self, edited: dict[int, torch.Tensor]) -> None:
-        """Edited parameters into their masters, once nothing reads or writes those (the last
-        update's copies out and every copy in queued so far have landed)."""
+    def take_edits(self, edited: dict[int, torch.Tensor]) -> None:
+        """Edited parameters (by index: their values now) into their masters, once nothing
+        reads or writes those (the last update's copies out and every copy in queued so far
+        have landed)."""
         dev = self._device
         self.finish()
         dev.wait_host(dev.record_event(self.h2d))
@@ -332,7 +333,7 @@ class StreamedPart:
             self.backward.settle()  # every update queued in backward is on the device now
             kept = self.backward.validate(hypers, scale is not None, set(edited or ()))
         if edited:
-            self._take_edits(edited)
+            self.take_edits(edited)
         taken = {rec.chunk for rec in kept}
         live = []
         for ci, c in enumerate(self.chunks):

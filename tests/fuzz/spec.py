@@ -445,6 +445,10 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
     if low or scaler == "step":
         mgn = None
     inf_step = opt.inf_step if scaler and opt.inf_step is not None and opt.inf_step < steps else None
+    # fused SGD with momentum makes its momentum buffers with empty_like on a parameter's first
+    # step, and a step skipped for an inf leaves them uninitialized: torch itself differs run to run
+    if inf_step == 0 and opt.cls == "sgd_fused":
+        inf_step = None
     saves = tuple(sorted({(st, kind) for st, kind in opt.saves if st < steps}))
     close = opt.close_step
     # a scheduler and DDP's comm hook hold the closed optimizer: no rebuild with them

@@ -250,3 +250,28 @@ def test_param_edits_after_step_are_kept(made, split, device, edit):
         settle(o)
     assert_same_params(m, ref)
     assert_same_state(opt, ref_opt)
+
+
+@splits()
+def test_a_checkpoint_after_an_edit_keeps_the_edit(made, split):
+    """A parameter clamped after step() and saved before the next one: the state dict's masters
+    carry the edit, so an optimizer rebuilt from it continues as the wrapped class does (the
+    edit was lost on reload while the masters still held the values before it)."""
+    (m, opt), (ref, ref_opt) = pair(made, split, "late", lr=1e-2, weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        loss_of(model, 0).backward()
+        o.step()
+        o.zero_grad()
+        settle(o)
+        PARAM_EDITS["no_grad p.clamp_"](model)
+    saved = opt.state_dict()
+    opt.close()
+    opt = hybrid(m, split, fraction=1.0, lr=1e-2, weight_decay=0.1)
+    made.append(opt)
+    opt.load_state_dict(saved)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        loss_of(model, 1).backward()
+        o.step()
+        o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
