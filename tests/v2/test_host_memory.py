@@ -12,19 +12,9 @@ import torch
 from torch import nn
 
 from cpu_offload import SimulatedDevice, apply_offloading
+from cpu_offload.examples.mlp import ResidualMlp as Block
 
 PAGE = 4096
-
-
-class Block(nn.Module):
-    """``x + Linear(f, h)(gelu(Linear(h, f)(x)))``: the host-memory benchmark's block."""
-
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(x)))
 
 
 class Pow2Device(SimulatedDevice):

@@ -13,8 +13,9 @@ from cpu_offload import CudaDevice, apply_offloading
 from cpu_offload.core import driver
 from cpu_offload.core.host_memory import page_rounded
 from cpu_offload.core.numa import gpu_numa_node
+from cpu_offload.examples.mlp import ResidualMlp as Block
 
-from test_host_memory import Block, assert_same
+from test_host_memory import assert_same
 
 pytestmark = pytest.mark.gpu
 
