@@ -102,7 +102,7 @@ class Runtime:
         self.pool = pool
         self.retain = retain
         self.verify = verify  # checksum every offloaded storage and check it after reload
-        self.max_host_bytes = max_host_bytes  # pinned bytes in use beyond which tensors stay
+        self.max_host_bytes = max_host_bytes  # pinned bytes reserved beyond which tensors stay
         self.threshold = threshold  # min_tensor_size_to_offload, for messages
         self.warned: set = set()
         # layer -> the most bytes it offloads per step, in save order (a plan that offloads a
