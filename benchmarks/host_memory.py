@@ -107,7 +107,7 @@ def torch_pinned_bytes() -> Optional[int]:
     for key in ("allocated_bytes.current", "reserved_bytes.current", "segment_bytes.current"):
         if key in stats:
             return stats[key]
-    return None
+    return 0 if not stats else None  # (empty: nothing pinned by torch yet)
 
 
 def measure(cfg: dict) -> dict:
@@ -116,8 +116,9 @@ def measure(cfg: dict) -> dict:
     where = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
-    layers = nn.ModuleList([Block(cfg["hidden"], cfg["ffn"]) for _ in range(cfg["layers"])])
-    layers = layers.to(where, dtype)
+    with torch.device(where):  # initialised where it runs: a CPU init of 1G parameters is slow
+        layers = nn.ModuleList([Block(cfg["hidden"], cfg["ffn"]) for _ in range(cfg["layers"])])
+    layers = layers.to(dtype)
     x = torch.randn(cfg["seq"], cfg["hidden"], device=where, dtype=dtype, requires_grad=True)
 
     def step() -> float:

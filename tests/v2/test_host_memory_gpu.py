@@ -26,6 +26,8 @@ def torch_pinned_bytes() -> int:
     for key in ("allocated_bytes.current", "reserved_bytes.current", "segment_bytes.current"):
         if key in stats:
             return stats[key]
+    if not stats:  # nothing pinned by torch yet
+        return 0
     raise AssertionError(f"no byte count among torch.cuda.host_memory_stats(): {sorted(stats)}")
 
 
