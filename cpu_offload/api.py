@@ -133,8 +133,9 @@ def get_cpu_offload_context(
             queued, and raise ``OffloadVerifyError`` (naming the layer and the awaited event) on
             a mismatch. For debugging: it adds device work and host synchronizations. ``None``:
             on if the environment variable ``CPU_OFFLOAD_VERIFY=1``.
-        max_host_bytes: V2: pinned host memory this context may use, in bytes (default: no
-            limit). Saved tensors beyond it stay on the device, with one warning.
+        max_host_bytes: V2: pinned host memory this context may reserve, in bytes, page
+            rounding included (default: no limit). Saved tensors beyond it stay on the device,
+            with one warning naming the bytes a step needs.
 
     Returns:
         V2: ``(context, sync_function)``, or ``(context, sync_function, manual)`` with

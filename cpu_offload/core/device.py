@@ -16,6 +16,7 @@ Rules every implementation follows:
   (``copy_after_compute`` and the calls built on it) may name a device storage itself as a
   source (``bytes_of``), and may be queued without telling torch's pinned allocator
   (``CudaDevice`` calls the driver): its host buffers stay referenced until the copies are done.
+  So do blocks from ``reserve_host`` for every copy (``CudaDevice``'s are not torch's memory).
 - During CUDA graph capture, a captured stream never waits for a stream that has no work in the
   capture (``wait_stream`` skips it): CUDA refuses such a dependency
   (``cudaErrorStreamCaptureIsolation``), and the graph could not replay it anyway.
@@ -32,6 +33,7 @@ import torch
 from ..compat import bytes_on_storage
 from .driver import driver_copy_async
 from .errors import public_caller
+from .host_memory import CudaHostMemory, env_flag
 from .launcher import InlineLauncher, Launcher, ThreadLauncher
 
 Stream = Any
@@ -152,6 +154,32 @@ class OffloadDevice(abc.ABC):
     @abc.abstractmethod
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 host buffer the device can copy to and from asynchronously (pinned)."""
+
+    def host_block_size(self, nbytes: int) -> int:
+        """The bytes ``reserve_host(nbytes)`` reserves, known before it is called (a host budget
+        is checked with it). The default: exactly ``nbytes``."""
+        return nbytes
+
+    def reserve_host(self, nbytes: int) -> torch.Tensor:
+        """A pinned block for the pinned pool, which carves its buffers out of it: a flat
+        ``uint8`` host tensor of ``host_block_size(nbytes)`` bytes, all of them usable, so its
+        size is what the host reserved for it. Whoever drops it waits first for every copy
+        that uses it (it need not be memory that torch's pinned allocator tracks). The
+        default: ``alloc_host`` of that size.
+
+        Example::
+
+            >>> import cpu_offload
+            >>> sim = cpu_offload.SimulatedDevice(host_page=4096)   # rounds to whole pages
+            >>> sim.host_block_size(5000), sim.reserve_host(5000).numel()
+            (8192, 8192)
+        """
+        return self.alloc_host(self.host_block_size(nbytes))
+
+    def host_memory_kind(self) -> str:
+        """Which memory ``reserve_host`` gives, for statistics and warnings (why, if it is not
+        the exact kind)."""
+        return "alloc_host blocks"
 
     @abc.abstractmethod
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -327,6 +355,13 @@ class CudaDevice(OffloadDevice):
         time_waits: record timed CUDA events, so that ``ctx.stats()`` reports how long compute
             waited for copies (costs a little on every stream wait). ``None``: on if the
             environment variable ``CPU_OFFLOAD_TIME_WAITS=1``.
+        exact_host_memory: the pinned pool's blocks are page-locked at exact size by the
+            driver (``core/host_memory.py``), instead of taken from torch's pinned allocator,
+            which rounds each up to a power of two. ``None``: on unless
+            ``CPU_OFFLOAD_EXACT_PINNED=0``. Where the driver refuses, torch's allocator is used
+            and ``ctx.stats().summary()`` says why.
+        numa_binding: those blocks are placed on the GPU's NUMA node where the host exposes it.
+            ``None``: on unless ``CPU_OFFLOAD_PINNED_NUMA=0``.
 
     Example::
 
@@ -346,12 +381,19 @@ class CudaDevice(OffloadDevice):
     display_name = "GPU"
     tensor_device_type = "cuda"
 
-    def __init__(self, time_waits: Optional[bool] = None) -> None:
+    def __init__(self, time_waits: Optional[bool] = None,
+                 exact_host_memory: Optional[bool] = None,
+                 numa_binding: Optional[bool] = None) -> None:
         # Timed events cost a little on every stream wait, so timing the copy waits in the
         # statistics is opt-in: CudaDevice(time_waits=True) or CPU_OFFLOAD_TIME_WAITS=1.
         if time_waits is None:
             time_waits = os.environ.get("CPU_OFFLOAD_TIME_WAITS", "0").strip() in ("1", "true")
         self.times_events = bool(time_waits)
+        self.exact_host_memory = (env_flag("CPU_OFFLOAD_EXACT_PINNED")
+                                  if exact_host_memory is None else bool(exact_host_memory))
+        self.numa_binding = (env_flag("CPU_OFFLOAD_PINNED_NUMA")
+                             if numa_binding is None else bool(numa_binding))
+        self._host_memory: dict[int, CudaHostMemory] = {}  # GPU index -> where blocks come from
         self._streams: dict[tuple, Stream] = {}
         # One reusable fence event per device and thread: a fence is recorded and waited on in one
         # call, and the autograd engine's device threads or the optimizer's worker must not
@@ -451,6 +493,24 @@ class CudaDevice(OffloadDevice):
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def host_memory(self) -> CudaHostMemory:
+        """Where the current GPU's pinned blocks come from (made when first asked)."""
+        index = torch._C._cuda_getDevice()
+        memory = self._host_memory.get(index)
+        if memory is None:
+            memory = self._host_memory[index] = CudaHostMemory(
+                index, self.exact_host_memory, self.numa_binding)
+        return memory
+
+    def host_block_size(self, nbytes: int) -> int:
+        return self.host_memory().block_size(nbytes)
+
+    def reserve_host(self, nbytes: int) -> torch.Tensor:
+        return self.host_memory().allocate(nbytes)
+
+    def host_memory_kind(self) -> str:
+        return self.host_memory().kind
 
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)

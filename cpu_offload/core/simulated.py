@@ -90,11 +90,15 @@ class SimulatedDevice(OffloadDevice):
         defer_launches: ``True`` (default): host work queued from backward's hooks
             (``host_launcher``; on CUDA a thread of its own) runs only when waited for, the
             latest it could run. ``False``: at once, in the hook.
+        host_page: the pinned pool's blocks (``reserve_host``) are rounded up to a multiple of
+            this many bytes, as page-locked memory is to whole pages (``1``, the default:
+            exact).
 
     Attributes:
         log: every call in order, e.g. ``("copy", stream, nbytes, "d2h" | "h2d")``,
             ``("wait", stream, event_stream, seq)``, ``("release", layer)``.
-        host_allocs, host_bytes_allocated: pinned host buffers allocated so far.
+        host_allocs, host_bytes_allocated: pinned host buffers allocated so far (the pinned
+            pool's blocks included: ``reserve_host`` allocates them with ``alloc_host``).
         device_allocs: "device" buffers allocated so far.
 
     Raises:
@@ -127,12 +131,14 @@ class SimulatedDevice(OffloadDevice):
     tensor_device_type = "cpu"
     times_events = True  # with no clock: every wait reads as 0 ms once passed
 
-    def __init__(self, defer: bool = True, defer_launches: bool = True) -> None:
+    def __init__(self, defer: bool = True, defer_launches: bool = True,
+                 host_page: int = 1) -> None:
         # a string is true: defer="no" would defer, the opposite of what it says
         check_bool("defer", defer)
         check_bool("defer_launches", defer_launches)
         self.defer = defer
         self.defer_launches = defer_launches
+        self.host_page = host_page
         self._allocs = 0  # device buffers handed out so far (each one's number: ``_alloc_no``)
         self.compute = SimStream("compute", eager=True)
         self.streams: list[SimStream] = [self.compute]
@@ -212,6 +218,15 @@ class SimulatedDevice(OffloadDevice):
         self._host_bufs[buf.data_ptr()] = buf  # forgotten when freed: the address may be reused
         return buf
 
+    def host_block_size(self, nbytes: int) -> int:
+        page = self.host_page
+        return -(-nbytes // page) * page
+
+    def host_memory_kind(self) -> str:
+        if self.host_page == 1:
+            return "simulated, exact blocks"
+        return f"simulated, blocks of whole {self.host_page}-byte pages"
+
     def alloc_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
         self.device_allocs += 1
         buf = torch.full((nbytes,), POISON, dtype=torch.uint8)
@@ -271,8 +286,11 @@ class SimulatedDevice(OffloadDevice):
             src_bytes, src_ptr = src.numel(), src.data_ptr()
         if dst.numel() != src_bytes:
             raise SimulatedHazard(f"copy of {src_bytes} bytes into {dst.numel()}")
-        root = dst._base if dst._base is not None else dst
-        to_host = self._host_bufs.get(root.data_ptr()) is root
+        # Into pinned host memory: a buffer from ``alloc_host`` or any view of its storage
+        # (the pinned pool's buffers are views of its blocks that keep no ``_base``).
+        storage = dst.untyped_storage()
+        host = self._host_bufs.get(storage.data_ptr())
+        to_host = host is not None and host.untyped_storage()._cdata == storage._cdata
         direction = "d2h" if to_host else "h2d"
         nbytes = dst.numel()
 

@@ -15,6 +15,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+# The GPU's NUMA node is found in core (pinned host memory is placed on it too); these names stay
+# importable from here.
+from ..core.numa import cpu_list as _cpu_list, gpu_numa_cpus  # noqa: F401
+
 
 def default_cpu_threads() -> int:
     """All but one of the threads torch would use here (at least one)."""
@@ -27,16 +31,6 @@ def default_chunk_bytes(threads: int) -> int:
     ``optimizer.step()`` call, 40-70 us of Python on the 2-core development machine, and a
     1-thread step of 4 MiB takes about 1 ms there."""
     return max(4, threads) * 2**20
-
-
-def _cpu_list(text: str) -> list[int]:
-    """``"0-3,8,10-11"`` (sysfs CPU list) as CPU numbers."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
-    return out
 
 
 def physical_cores(cpus: Optional[Iterable[int]] = None, sys_cpu: str = "/sys/devices/system/cpu") -> list[int]:
@@ -54,21 +48,6 @@ def physical_cores(cpus: Optional[Iterable[int]] = None, sys_cpu: str = "/sys/de
             seen.add(siblings)
             chosen.append(cpu)
     return chosen
-
-
-def gpu_numa_cpus(cuda_index: Optional[int]) -> Optional[list[int]]:
-    """The CPUs of the NUMA node of GPU ``cuda_index`` where the host exposes it, else None."""
-    if cuda_index is None:
-        return None
-    try:
-        props = torch.cuda.get_device_properties(cuda_index)
-        bdf = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        node = int(Path(f"/sys/bus/pci/devices/{bdf}/numa_node").read_text())
-        if node < 0:
-            return None
-        return _cpu_list(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
-    except (AttributeError, OSError, ValueError, RuntimeError):
-        return None
 
 
 def worker_cores(threads: int, cuda_index: Optional[int] = None) -> list[int]:

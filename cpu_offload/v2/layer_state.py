@@ -50,6 +50,7 @@ from ..core.errors import OffloadUsageError, OffloadVerifyError, stacklevel_outs
 from ..core.markers import MODULE_POLICY, READY_EVENT_ATTR, SKIP_ATTR
 from ..core.pinned_pool import PinnedPool
 from ..core.subclass import tensor_flatten, tensor_unflatten
+from ..core.units import format_bytes
 from ..core.storage import (
     KeptRef,
     ViewMeta,
@@ -101,7 +102,7 @@ class Runtime:
         self.pool = pool
         self.retain = retain
         self.verify = verify  # checksum every offloaded storage and check it after reload
-        self.max_host_bytes = max_host_bytes  # pinned bytes in use beyond which tensors stay
+        self.max_host_bytes = max_host_bytes  # pinned bytes reserved beyond which tensors stay
         self.threshold = threshold  # min_tensor_size_to_offload, for messages
         self.warned: set = set()
         # layer -> the most bytes it offloads per step, in save order (a plan that offloads a
@@ -541,9 +542,10 @@ class LayerState:
                 )
             rt = self.rt
             budget = rt.max_host_bytes
-            if budget is not None and (
-                    rt.pool.in_use_bytes + self.pending_bytes + nbytes > budget):
-                return self._over_host_budget(t, nbytes, budget)
+            if budget is not None:
+                needed = rt.pool.reserved_for(self.pending_bytes + nbytes)
+                if needed > budget:
+                    return self._over_host_budget(t, nbytes, budget, needed)
             if self.limit is not None:
                 if nbytes > self.limit:
                     reason = "over the layer's byte limit (a partial plan)"
@@ -662,11 +664,18 @@ class LayerState:
             self.lstats = lstats
         return lstats
 
-    def _over_host_budget(self, t: torch.Tensor, nbytes: int, budget: int) -> KeptRef:
+    def _over_host_budget(self, t: torch.Tensor, nbytes: int, budget: int, needed: int
+                          ) -> KeptRef:
         self.layer_stats().skipped_bytes["over max_host_bytes"] += nbytes
         self.rt.warn_once(
-            f"pinned host memory reached max_host_bytes={budget}; saved tensors beyond it stay "
-            "on the GPU"
+            f"pinned host memory would exceed max_host_bytes={budget} "
+            f"({format_bytes(budget)}): layer {self.index} saves a tensor of {nbytes} bytes, "
+            f"which needs {needed} bytes of "
+            f"pinned memory reserved ({self.rt.pool.reserved_bytes} are now). It stays on the "
+            "GPU, as do the saved tensors after it that do not fit. ctx.stats().to_dict()"
+            "['pinned_host_bytes_needed'] says what a whole step needs: raise max_host_bytes "
+            "to it, or offload fewer layers (num_layers)",
+            key="over max_host_bytes",
         )
         return KeptRef(t)
 

@@ -14,6 +14,31 @@ from typing import Any, Optional
 
 logger = logging.getLogger("cpu_offload")
 
+# Pinned host memory reserved beyond this many times the bytes a step held at once is worth a
+# warning, if the excess is at least HOST_OVERHEAD_FLOOR (page rounding of a tiny model is not).
+HOST_OVERHEAD = 1.10
+HOST_OVERHEAD_FLOOR = 1 << 20
+
+
+def host_overhead(pool: Any, device: Any) -> Optional[str]:
+    """What the host-memory warning says once a step is over (``pool.trim`` has let go of
+    what it did not need): the pool reserves more than ``HOST_OVERHEAD`` times the bytes the
+    step held at once, by ``HOST_OVERHEAD_FLOOR`` or more. None otherwise."""
+    reserved, held = pool.reserved_bytes, pool.last_peak_in_use_bytes
+    if not held or reserved <= HOST_OVERHEAD * held or reserved - held < HOST_OVERHEAD_FLOOR:
+        return None
+    return (
+        f"{_mib(reserved)} of pinned host memory is reserved for the {_mib(held)} that the "
+        f"last step held at once ({_ratio(reserved, held)}, over {HOST_OVERHEAD:.2f}x). Its "
+        f"blocks are {device.host_memory_kind()}; buffers still held from an earlier step, "
+        "or retain_pinned_cpu_buffers=True (each buffer kept at its largest size), also keep "
+        "blocks. See ctx.stats().summary()"
+    )
+
+
+def _ratio(n: int, of: int) -> str:
+    return f"{n / of:.2f}x" if of else "-"
+
 
 def _mib(n: int) -> str:
     """Bytes for humans: KiB below one MiB, GiB from one GiB."""
@@ -57,7 +82,10 @@ class _Nothing:
     """Device and pinned pool of ``StepStats.empty()``: nothing timed, nothing pinned."""
 
     times_events = False
-    in_use_bytes = peak_in_use_bytes = 0
+    in_use_bytes = peak_in_use_bytes = reserved_bytes = peak_reserved_bytes = 0
+
+    def host_memory_kind(self) -> str:
+        return "none"
 
     def cached_bytes(self) -> int:
         return 0
@@ -134,6 +162,13 @@ class StepStats:
             "pinned_host_bytes_in_use": self._pool.in_use_bytes,
             "pinned_host_bytes_peak": self._pool.peak_in_use_bytes,
             "pinned_host_bytes_cached": self._pool.cached_bytes() + self._pool.retained_bytes(),
+            # What the host reserved (blocks, page rounding included), now and at most this
+            # step; and about what a step needs, with what max_host_bytes kept on the device.
+            "pinned_host_bytes_reserved": self._pool.reserved_bytes,
+            "pinned_host_bytes_reserved_peak": self._pool.peak_reserved_bytes,
+            "pinned_host_bytes_needed": self._pool.peak_reserved_bytes
+            + self.skipped().get("over max_host_bytes", 0),
+            "pinned_host_memory": self._device.host_memory_kind(),
             "compute_wait_ms": wait,
             "waits_pending": pending,
             "layers_without_grad": self.layers_without_grad,
@@ -158,6 +193,10 @@ class StepStats:
                if d["held_elsewhere_bytes"] else ""),
             f"pinned host memory: peak {_mib(d['pinned_host_bytes_peak'])}, in use now "
             f"{_mib(d['pinned_host_bytes_in_use'])}; compute waited for copies {wait}",
+            f"pinned host memory reserved: {_mib(d['pinned_host_bytes_reserved_peak'])} at "
+            f"most ({_ratio(d['pinned_host_bytes_reserved_peak'], d['pinned_host_bytes_peak'])}"
+            f" the peak in use), {_mib(d['pinned_host_bytes_reserved'])} now; "
+            f"{d['pinned_host_memory']}",
         ]
         if d["skipped_bytes"]:
             why = ", ".join(f"{r}: {_mib(n)}" for r, n in sorted(d["skipped_bytes"].items()))

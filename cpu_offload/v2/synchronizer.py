@@ -31,7 +31,7 @@ from ..core.storage import KeptRef
 from ..core.pinned_pool import PinnedPool
 from .schedule import Schedule
 from .selection import SelectionPolicy
-from .stats import StepStats
+from .stats import StepStats, host_overhead
 
 _top_hooks = top_default_hooks  # (in_checkpoint_region is False when no hooks are installed)
 
@@ -299,7 +299,8 @@ class OffloadSynchronizer:
         self.schedule = schedule
         self.policy = policy
         self.rt = Runtime(
-            device, stream, PinnedPool(device, partial(_wait_for_copies, device, stream)),
+            device, stream,
+            PinnedPool(device, partial(_wait_for_copies, device, stream), max_host_bytes),
             retain_pinned_cpu_buffers, verify, max_host_bytes, policy.min_tensor_size_to_offload,
             policy,
         )
@@ -415,6 +416,9 @@ class OffloadSynchronizer:
             self.applied,
         )
         self.rt.pool.trim()
+        reason = host_overhead(self.rt.pool, self.rt.device)
+        if reason is not None:
+            self.rt.warn_once(reason, key="host overhead")
         return step
 
     def end_fwd_layer(self) -> None:
