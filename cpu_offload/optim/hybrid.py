@@ -556,7 +556,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for bs in st.buckets:  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(bs.landed)
         except BaseException:
-            self._cpu.abandon(st)
+            self._abandon(st)
             raise
         if self._mode.forward_waits:
             self._cpu.leave_inflight(st)
@@ -605,8 +605,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "stream_early_kept": sum(p.backward.kept for p in self._parts if p.backward),
         }
 
+    def _abandon(self, st: Any = None) -> None:
+        """A backward that never reached a finished ``step()`` (``zero_grad``, ``state_dict``,
+        an error): every part drops the work it started from it and fences what it queued."""
+        self._cpu.abandon(st)
+        for part in self._parts:
+            if part.backward is not None:
+                part.backward.abandon()
+
     def _drain_all(self) -> None:
-        self._cpu.abandon()
+        self._abandon()
         self._cpu.finish()
         for part in self._parts:
             part.sync()
@@ -616,7 +624,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         abandoned first: its early updates are undone, so parameters and optimizer state are
         those of the last ``step()``."""
         if self._cpu is not None:
-            self._cpu.abandon()
+            self._abandon()
             if set_to_none:
                 self._cpu.free_grads()
             else:  # zeroed in place: after the streamed update read them (set to None: it holds them)

@@ -275,3 +275,22 @@ def test_a_checkpoint_after_an_edit_keeps_the_edit(made, split):
         o.zero_grad()
         settle(o)
     assert_same_params(m, ref)
+
+
+@devices
+@splits()
+def test_gradients_zeroed_in_place_before_step(made, split, device):
+    """``opt.zero_grad(set_to_none=False)`` between backward and step() (found by the fuzzer:
+    with updates streamed during backward the zeroing raced their reads of ``.grad``): the early
+    work is dropped first, and the step equals the wrapped class's over zero gradients."""
+    (m, opt), (ref, ref_opt) = pair(made, split, device, lr=1e-2, weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            if i == 1:
+                o.zero_grad(set_to_none=False)
+            o.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
