@@ -578,3 +578,11 @@ def cpu_offload_policies() -> frozenset:
     policy = getattr(torch.utils.checkpoint, "CheckpointPolicy", None)
     names = ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD")
     return frozenset(getattr(policy, n) for n in names if policy is not None and hasattr(policy, n))
+
+
+def amp_unscale_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``GradScaler.unscale_``'s kernel (``torch._amp_foreach_non_finite_check_and_unscale_``):
+    ``grads`` (one device and dtype) multiplied by ``inv_scale`` in place, ``found_inf`` set if
+    any is not finite. The optimizer offload applies it to optimizers that do not take the
+    scale themselves, exactly as ``GradScaler`` would."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

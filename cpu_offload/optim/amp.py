@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..compat import amp_unscale_
+
 __all__ = ["LossScale", "run_step"]
 
 
@@ -70,5 +72,5 @@ def run_step(optimizer: torch.optim.Optimizer, scale: Optional[LossScale]) -> No
             groups.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), grads in groups.items():
             flag = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
+            amp_unscale_(grads, flag, inv.to(device))
     optimizer.step()
