@@ -14,7 +14,6 @@ from torch import nn
 import cpu_offload
 from cpu_offload import OffloadConfigError, OffloadUsageError
 from cpu_offload.optim import HybridDeviceOptimizer
-from cpu_offload import compat
 
 from .layers import Boom
 
@@ -284,7 +283,7 @@ class Masters(torch.optim.Optimizer):
                             by_dtype.setdefault(m.grad.dtype, []).append(m.grad)
                     inv = scale.double().reciprocal().float()
                     for grads in by_dtype.values():
-                        compat.amp_unscale_(grads, torch.zeros(()), inv)
+                        cpu_offload.compat.amp_unscale_(grads, torch.zeros(()), inv)
                 self.inner.step()
             for p, m in pairs:
                 if m.grad is not None:
