@@ -36,13 +36,16 @@ time = bytes to host / D2H GB/s + bytes to device / H2D GB/s (measured here).
 
 ``--big`` adds a model that does not fit on one 80 GB GPU with plain AdamW (about 5.6B
 parameters: 16 B/param = 90 GB) but trains with optimizer (f=1) + activation offloading
-(needs about 80 GB of host memory), with and without the split. A CPU microbenchmark runs first (``--microbench-only``: just
-that): per worker thread count, raw fused AdamW (fp32 gradients already in place) vs one bucket's
-whole CPU update path (``CpuBucket.update``: bf16 gradient -> fp32, the same fused AdamW, fp32 ->
-bf16 write-back) on the same elements, as G elements/s and time relative to raw AdamW, for each
-chunk size in ``--microbench-chunks`` (MiB of fp32 masters per ``optimizer.step()``; 0: one step
-per bucket; ``default``: the optimizer's default for that thread count). ``--cpu-chunk-mib`` sets
-the chunk size of the training rows.
+(needs about 80 GB of host memory), with and without the split. A CPU microbenchmark runs first
+(``--microbench-only``: just that; ``benchmarks/cpu_update_bench.py``, CPU only): per worker
+thread count, raw fused AdamW (fp32 gradients already in place) against one bucket's whole CPU
+update path (``CpuBucket.update``: bf16 gradient -> fp32, the same fused AdamW, fp32 -> bf16
+write-back, from a staging buffer) on the same elements, and its parts (the chunk steps alone,
+each conversion as a pass, an early update that keeps what it changes), as G elements/s and
+time relative to raw AdamW, for each chunk size in ``--microbench-chunks`` (MiB of fp32 masters
+per ``optimizer.step()``; 0: one step per bucket; ``default``: the optimizer's default for that
+thread count); ``--microbench-compare CHECKOUT`` adds another checkout's bucket update in the same
+rounds. ``--cpu-chunk-mib`` sets the chunk size of the training rows.
 
 GPU (H100 + 16-core host, about 3 minutes; with --big about 5)::
 
@@ -74,10 +77,8 @@ import cpu_offload  # noqa: E402
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
 from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
 from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
-from cpu_offload.optim.cpu_update import CpuBucket  # noqa: E402
-from cpu_offload.optim.worker import (  # noqa: E402
-    CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores,
-)
+from cpu_offload.optim.worker import default_cpu_threads  # noqa: E402
+from cpu_update_bench import microbench, parse_chunks, table as micro_table  # noqa: E402
 from offload_benchmark import measure_link  # noqa: E402
 
 GIB = 1024**3
@@ -275,102 +276,6 @@ class _null:
         return None
 
 
-def _bucket_shapes(elems: int) -> list[tuple[int, ...]]:
-    """Parameter shapes of one CPU bucket holding about ``elems`` elements, like a slice of a
-    transformer layer: three large matrices, their biases and a norm weight."""
-    rows = max(1, elems // 4 // 2048)
-    shapes: list[tuple[int, ...]] = [(rows, 2048), (2048,), (rows, 2048), (2048,), (rows, 2048)]
-    rest = elems - sum(torch.Size(s).numel() for s in shapes)
-    if rest > 0:
-        shapes.append((rest,))
-    return shapes
-
-
-class _RawAdamW:
-    """Fused AdamW over fp32 params with fp32 grads already in place: the baseline."""
-
-    def __init__(self, shapes: list) -> None:
-        params = [torch.randn(s) for s in shapes]
-        for p in params:
-            p.grad = torch.randn_like(p) * 1e-3
-        self.opt = torch.optim.AdamW(params, fused=True, **KW)
-
-    def __call__(self) -> None:
-        self.opt.step()
-
-
-class _BucketUpdate:
-    """One ``CpuBucket.update`` of a bucket of bf16 parameters: bf16 gradients in staging ->
-    fp32, the same fused AdamW on the fp32 masters, masters -> bf16 into staging, in chunks of
-    ``chunk_bytes`` fp32 bytes (0: one step over the whole bucket)."""
-
-    def __init__(self, shapes: list, chunk_bytes: int) -> None:
-        params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-        self.grads = [(torch.randn(s) * 1e-3).to(torch.bfloat16) for s in shapes]
-        self.out = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-        self.hypers = [dict(KW)]
-        self.bucket = CpuBucket(params, [0] * len(params), [torch.randn(s) for s in shapes],
-                                self.hypers, lambda groups: torch.optim.AdamW(groups, fused=True, **KW),
-                                chunk_bytes // 4)
-        self.scratch = torch.empty(self.bucket.scratch_elems)
-
-    def __call__(self) -> None:
-        self.bucket.update(self.grads, self.out, self.scratch, self.hypers, None)
-
-
-def _chunk_label(chunk_bytes: int, default: bool) -> str:
-    if chunk_bytes == 0:
-        return "bucket update, whole bucket"
-    return f"bucket update, chunk {chunk_bytes / 2**20:g} MiB" + (" (default)" if default else "")
-
-
-def _micro_job(shapes: list, reps: int, chunk_mib: Sequence[Optional[float]],
-               threads: int) -> dict[str, float]:
-    """Best seconds per step of each path, timed round-robin (one step of each in turn, so noise
-    from other processes hits every path alike); the first step of each (state allocation) is
-    not timed. ``chunk_mib``: chunk sizes in MiB of fp32 masters (0: whole bucket, ``None``:
-    the optimizer's default for ``threads``)."""
-    paths: dict[str, Any] = {"raw fused AdamW": _RawAdamW(shapes)}
-    for mib in chunk_mib:
-        chunk = default_chunk_bytes(threads) if mib is None else int(mib * 2**20)
-        label = _chunk_label(chunk, mib is None)
-        if label not in paths:
-            paths[label] = _BucketUpdate(shapes, chunk)
-    best = {}
-    for name, fn in paths.items():
-        fn()
-        best[name] = float("inf")
-    for _ in range(reps):
-        for name, fn in paths.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
-def microbench(threads_list: list[int], elems: int, reps: int,
-               chunk_mib: Sequence[Optional[float]] = (0, None), bind: bool = False) -> list[dict]:
-    """CPU update throughput per worker thread count: raw fused AdamW (fp32 grads in place) vs
-    one bucket's full update path (``CpuBucket.update``: bf16 grad -> fp32, AdamW, fp32 -> bf16
-    write-back) on the same elements, measured in the same run, per chunk size."""
-    shapes = _bucket_shapes(elems)
-    elems = sum(torch.Size(s).numel() for s in shapes)
-    out = []
-    for threads in threads_list:
-        worker = CpuWorker(threads, cores=worker_cores(threads) if bind else None)
-        try:
-            best = worker.submit(_micro_job, shapes, reps, chunk_mib, threads).result()
-        finally:
-            worker.shutdown()
-        raw = best["raw fused AdamW"]
-        for name, sec in best.items():
-            out.append({"path": name, "threads": threads, "elems": elems, "s_per_step": sec,
-                        "g_elems_per_s": elems / sec / 1e9, "vs_raw": sec / raw})
-            print(f"  threads {threads:3d} {name:40s} {elems / sec / 1e9:7.3f} G elements/s"
-                  f"  {sec / raw:.2f}x raw", flush=True)
-    return out
-
-
 HEADERS = ("workload", "row", "params", "step ms", "fwd+bwd ms", "CPU upd ms", "link ms",
            "GB/step", "link GB/s", "upd overl. %", "peak GiB", "steady GiB", "max dloss",
            "stream %", "H2D ms", "D2H ms", "balanced ms", "step/bound", "target")
@@ -424,6 +329,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="comma list of CPU update chunk sizes to compare, MiB of fp32 masters "
                         "(0: one optimizer step per bucket, as before chunking; 'default': "
                         "the optimizer's default for the thread count)")
+    p.add_argument("--microbench-compare", metavar="CHECKOUT",
+                   help="another checkout (its root): its cpu_update.CpuBucket timed as 'old ...' rows "
+                        "in the same rounds (benchmarks/cpu_update_bench.py)")
     p.add_argument("--cpu-chunk-mib", type=float,
                    help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
     p.add_argument("--stream-fraction", default="auto",
@@ -465,8 +373,8 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
         if args.microbench_threads:
             counts = [int(t) for t in args.microbench_threads.split(",")]
         reps = args.microbench_reps or (5 if device.is_cuda else 2)
-        chunks = [None if c.strip() == "default" else float(c) for c in args.microbench_chunks.split(",")]
-        micro = microbench(counts, elems, reps, chunks, args.bind_cores)
+        micro = microbench(counts, elems, reps, parse_chunks(args.microbench_chunks), args.bind_cores,
+                           compare=args.microbench_compare)
     rows: list[Row] = []
     link: dict = {}
     if not args.microbench_only:
@@ -490,8 +398,7 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
 
     print()
     if micro:
-        print(format_table(("threads", "CPU update path", "G elements/s", "time / raw AdamW"),
-                           [[m["threads"], m["path"], m["g_elems_per_s"], m["vs_raw"]] for m in micro]))
+        print(micro_table(micro))
         print()
     if rows:
         print(format_table(HEADERS, table_rows(rows)))
