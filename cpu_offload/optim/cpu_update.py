@@ -10,14 +10,14 @@ as its gradients land. That is bit-identical to one optimizer over all parameter
 that update each parameter independently (SGD, Adam, AdamW, ...), which the wrapper requires.
 
 **Chunks.** A bucket is updated chunk by chunk (``chunk_elems`` elements each, about the CPU's
-cache): convert the chunk's gradients to the master dtype, step, write the chunk's new values back, then the
-next chunk, so the fp32 gradient and the fresh master are still in cache when they are read
-again (a whole-bucket pass reads both back from memory: about 1.4-1.9x the time of the AdamW
-step itself). Each chunk has its own optimizer instance over its pieces of parameters, so a
-step's Python work is per chunk, not per bucket. Whole parameters are grouped into chunks for
-any optimizer class; a parameter larger than a chunk is split into pieces (flat views of its
-master) only for the classes in ``ELEMENTWISE``, whose update of an element reads nothing but
-that element's own state. Piece boundaries are multiples of ``ALIGN_ELEMS`` from the
+cache): convert the chunk's gradients to the master dtype, step, write the chunk's new values
+back, then the next chunk, so the fp32 gradient and the fresh master are still in cache when
+they are read again (a whole-bucket pass reads both back from memory: about 1.4-1.9x the time
+of the AdamW step itself). Each chunk has its own optimizer instance over its pieces of
+parameters, so a step's Python work is per chunk, not per bucket. Whole parameters are grouped
+into chunks for any optimizer class; a parameter larger than a chunk is split into pieces (flat
+views of its master) only for the classes in ``ELEMENTWISE``, whose update of an element reads
+nothing but that element's own state. Piece boundaries are multiples of ``ALIGN_ELEMS`` from the
 parameter's start: CPU kernels run a vector loop with a scalar tail, and fused AdamW's tail
 rounds differently, so a piece must put exactly the parameter's own tail elements (its last
 ``numel % vector width``) in its scalar tail -- then each element sees the same instructions as
@@ -25,12 +25,26 @@ in a whole-tensor step, and the result is bit-identical (tested against whole-te
 A split parameter's per-element state (``exp_avg``...) lives in one tensor of the parameter's
 shape; each piece's optimizer state holds a view of it, so ``state`` shows per-parameter state
 as the wrapped class would, without copies.
+
+**Runs.** The masters of a bucket are views of one flat buffer laid out as the staging buffer
+(the same gaps between parameters), and a chunk's fp32 gradients sit in the scratch as their
+masters do. So the pieces of a chunk move between staging and scratch, and between masters and
+staging, in one copy each (``coalesce``): one parallel region and one Python call per chunk and
+direction instead of one per piece. A run holds at most one piece large enough to be split over
+the threads, so that the copy splits it as the optimizer's kernel does and each thread converts
+the elements it then updates. Only the conversions change: bf16 -> fp32 is exact, and fp32 ->
+bf16 rounds to nearest even in any implementation, so every bit is the wrapped class's.
+
+**Early updates** (``update(keep_previous=...)``) first copy what a chunk's step changes, so that
+the update can be undone: with fp32 AdamW that is 12 more bytes read and written per element,
+about as much as the update itself (``benchmarks/cpu_update_bench.py``). A callable
+``keep_previous`` lets the caller stop those copies as soon as it knows the update will stand.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -131,6 +145,85 @@ def plan_chunks(numels: Sequence[int], chunk_elems: int, split: bool) -> list[li
     return chunks
 
 
+MAX_GAP_ELEMS = 64  # padding between a staging buffer's slices (``transfer.ALIGN`` bytes) a run spans
+LARGE_ELEMS = 2**15  # torch's grain: smaller copies run on one thread (see ``coalesce``)
+
+
+def flat_offsets(initial: Sequence[torch.Tensor]) -> list[int]:
+    """Element offsets for the masters of a bucket in one flat buffer: as the ``initial`` values
+    lie in memory where they are slices, in order, of one host buffer (the staging buffer, whose
+    gradient and parameter slices are laid out alike), so that a run of pieces moves between
+    staging and masters in one copy; else packed one after the other."""
+    packed, total = [], 0
+    for t in initial:
+        packed.append(total)
+        total += t.numel()
+    if not initial or any(t.device.type != "cpu" or t.dtype != initial[0].dtype or not t.is_contiguous()
+                          for t in initial):
+        return packed
+    try:
+        base = initial[0].untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() != base for t in initial):
+            return packed
+    except (RuntimeError, NotImplementedError):  # tensors without storage (fakes, ...)
+        return packed
+    size, first = initial[0].element_size(), initial[0].data_ptr()
+    offsets, end = [], None
+    for t in initial:
+        delta, rest = divmod(t.data_ptr() - first, size)
+        if rest or (end is not None and not end <= delta <= end + MAX_GAP_ELEMS):
+            return packed
+        offsets.append(delta)
+        end = delta + t.numel()
+    return offsets
+
+
+def _elem_delta(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+    """Elements from ``a``'s start to ``b``'s, where both view one storage with one dtype."""
+    if a.dtype != b.dtype or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    delta, rest = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    return None if rest else delta
+
+
+def coalesce(pairs: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies ``(dst, src)`` (consecutive pieces of a chunk; ``None`` breaks a run) as few
+    copies: consecutive flat contiguous pairs merge where both sides go on in their buffer at the
+    same element offset from the run's start. The gaps between them (at most ``MAX_GAP_ELEMS``:
+    the staging buffer's padding between parameters, mirrored in the masters and the scratch)
+    are copied along; nothing reads them. A run holds at most one piece of ``LARGE_ELEMS`` or
+    more: a copy splits its range evenly over the threads as the optimizer's kernel splits each
+    piece, so that each thread converts the elements it then updates (in its own cache)."""
+    runs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    run: Optional[list] = None  # [dst, src, elements, holds a large piece]
+    for pair in pairs:
+        flat = pair is not None and all(t.dim() == 1 and t.is_contiguous() for t in pair)
+        if flat and run is not None:
+            dst, src = pair
+            large = dst.numel() >= LARGE_ELEMS
+            delta = _elem_delta(run[0], dst)
+            if (delta is not None and delta == _elem_delta(run[1], src)
+                    and run[2] <= delta <= run[2] + MAX_GAP_ELEMS and not (large and run[3])):
+                run[2], run[3] = delta + dst.numel(), run[3] or large
+                continue
+        if run is not None:
+            runs.append(_extended(run))
+            run = None
+        if flat:
+            run = [pair[0], pair[1], pair[0].numel(), pair[0].numel() >= LARGE_ELEMS]
+        elif pair is not None:
+            runs.append(pair)  # not flat: a copy of its own
+    if run is not None:
+        runs.append(_extended(run))
+    return runs
+
+
+def _extended(run: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run's copy: its first pair's views, extended over its elements."""
+    dst, src, n, _ = run
+    return (dst, src) if n == dst.numel() else (dst.as_strided((n,), (1,)), src.as_strided((n,), (1,)))
+
+
 @dataclass
 class _Piece:
     index: int  # the parameter's position in the bucket
@@ -138,6 +231,7 @@ class _Piece:
     stop: int
     key: torch.Tensor  # what the chunk's optimizer updates: the master, or a flat view of it
     split: bool
+    offset: int  # element offset of the piece in its chunk's scratch layout
 
 
 @dataclass
@@ -145,6 +239,18 @@ class _Chunk:
     pieces: list[_Piece]
     optimizer: torch.optim.Optimizer
     group_ids: list[int]  # wrapper group of each optimizer group
+    bound: bool = False  # every split piece's per-element state is a view of its parameter's (_bind)
+
+
+@dataclass
+class _Plan:
+    """One chunk's update over the current buffers (built once, reused while they come back)."""
+
+    live: list[_Piece]  # the pieces with a gradient
+    grads: list[torch.Tensor]  # theirs, in the master dtype (a scratch view, or the source itself)
+    convert: list[tuple[torch.Tensor, torch.Tensor]]  # (scratch, source) runs: to the master dtype
+    scale: list[torch.Tensor]  # what a clip coefficient multiplies: the gradients, as runs
+    write: list[tuple[torch.Tensor, torch.Tensor]]  # (output, master) runs: new values out
 
 
 class CpuBucket:
@@ -152,7 +258,10 @@ class CpuBucket:
 
     ``params`` are the model's (device) parameters, ``group_ids`` their wrapper param-group
     indices. Masters are CPU tensors of ``master_dtype(param.dtype)``: fp32 for bf16/fp16
-    parameters, a copy in the parameter's dtype for fp32 and fp64 ones.
+    parameters, a copy in the parameter's dtype for fp32 and fp64 ones. Masters of one dtype are
+    views of one flat buffer, laid out as ``initial`` is where that is one buffer's slices (the
+    staging buffer), so that a chunk's gradients come in and its new values go out in one copy
+    each (see ``flat_offsets``, ``coalesce``).
     ``chunk_elems``: elements per chunk (see the module docstring); ``0``: one optimizer step
     over the whole bucket.
 
@@ -171,8 +280,17 @@ class CpuBucket:
         chunk_elems: int = 0,
     ) -> None:
         self.params = list(params)
-        self.masters = [torch.empty(p.shape, dtype=master_dtype(p.dtype)).copy_(v)
-                        for p, v in zip(params, initial)]
+        dtypes = {master_dtype(p.dtype) for p in self.params}
+        if len(dtypes) == 1:
+            self._offsets: Optional[list[int]] = flat_offsets(initial)
+            flat = torch.zeros(max((o + p.numel() for o, p in zip(self._offsets, params)), default=0),
+                               dtype=dtypes.pop())  # zeros: the gaps (copied along) are defined
+            self.masters = [flat[o: o + p.numel()].view(p.shape).copy_(v)
+                            for o, p, v in zip(self._offsets, params, initial)]
+        else:
+            self._offsets = None
+            self.masters = [torch.empty(p.shape, dtype=master_dtype(p.dtype)).copy_(v)
+                            for p, v in zip(params, initial)]
         self.group_of = list(group_ids)
         self.group_ids = list(dict.fromkeys(group_ids))  # wrapper groups, in optimizer-group order
         self._make_optimizer = make_optimizer
@@ -180,25 +298,45 @@ class CpuBucket:
         split = type(first.optimizer) in ELEMENTWISE
         plan = plan_chunks([m.numel() for m in self.masters], chunk_elems, split)
         self.chunks = [first] if len(plan) == 1 else [self._build(c, hypers) for c in plan]
-        self.scratch_elems = max(
-            sum(pc.stop - pc.start for pc in c.pieces if self.params[pc.index].dtype != pc.key.dtype)
-            for c in self.chunks)  # fp32 elements to convert low-precision gradients into
+        self.scratch_elems = max((pc.offset + pc.stop - pc.start for c in self.chunks for pc in c.pieces
+                                  if self._converts(pc)), default=0)  # elements to convert gradients into
         self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, state key) -> split state
         self._synced: list[dict] = []
-        self._views_sig: Optional[tuple] = None
-        self._views_cache: list[list[tuple]] = []
+        self._plans_sig: Optional[tuple] = None
+        self._plans: list[_Plan] = []
         self._kept: Optional[list[tuple]] = None  # what the last update(keep_previous=True) changed
         self._kept_bufs: dict[tuple, torch.Tensor] = {}  # reused copies for it
         self.state = KeyedState(self.state_keys, self.param_state)
+
+    def _converts(self, pc: _Piece) -> bool:
+        """The piece's gradient is converted to the master dtype (into the scratch)."""
+        return self.params[pc.index].dtype != pc.key.dtype
 
     def _build(self, pieces: Sequence[tuple[int, int, int]], hypers: Sequence[dict]) -> _Chunk:
         made = []
         for i, start, stop in pieces:
             m = self.masters[i]
             split = (start, stop) != (0, m.numel())
-            made.append(_Piece(i, start, stop, m.view(-1)[start:stop] if split else m, split))
+            made.append(_Piece(i, start, stop, m.view(-1)[start:stop] if split else m, split, 0))
+        self._place_in_scratch([pc for pc in made if self._converts(pc)])
         gids, groups = chunk_param_groups(made, self.group_of, hypers)
         return _Chunk(made, self._make_optimizer(groups), gids)
+
+    def _place_in_scratch(self, pieces: list[_Piece]) -> None:
+        """Scratch offsets of a chunk's converted ``pieces``: as their masters lie, relative to
+        the first (the gaps between them as small as the staging's), else packed."""
+        packed, total = [], 0
+        for pc in pieces:
+            packed.append(total)
+            total += pc.stop - pc.start
+        offsets = packed
+        if self._offsets is not None and pieces:
+            at = [self._offsets[pc.index] + pc.start for pc in pieces]
+            mirrored = [a - at[0] for a in at]
+            if mirrored[-1] + pieces[-1].stop - pieces[-1].start <= total + MAX_GAP_ELEMS * len(pieces):
+                offsets = mirrored
+        for pc, off in zip(pieces, offsets):
+            pc.offset = off
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -221,7 +359,7 @@ class CpuBucket:
         scratch: torch.Tensor,
         hypers: Sequence[dict],
         clip_coef: Optional[torch.Tensor],
-        keep_previous: bool = False,
+        keep_previous: Union[bool, Callable[[], bool]] = False,
         scale: Optional[LossScale] = None,
     ) -> None:
         """One optimizer step: ``grads`` (model dtype, ``None`` = no gradient this step; converted
@@ -234,14 +372,20 @@ class CpuBucket:
         their optimizer state, the chunk optimizers' group entries), chunk by chunk while the
         data is in cache, so that ``restore()`` undoes this update exactly (``commit()`` drops
         that possibility). The copies are reused from update to update: one more copy of the
-        bucket's masters and state, allocated the first time."""
+        bucket's masters and state, allocated the first time. A callable is asked before each
+        chunk whether that is still wanted: once it answers no (the caller knows by then that
+        it will keep this update, e.g. ``step()`` found an early update valid), the rest is not
+        copied and the update can no longer be restored (``restorable`` is false)."""
         self._kept = [] if keep_previous else None
+        ask = keep_previous if callable(keep_previous) else None
         if all(g is None for g in grads):
             return
         self._sync(hypers)
-        views = self._views(grads, out, scratch)
-        for ci, (chunk, chunk_views) in enumerate(zip(self.chunks, views)):
-            self._update_chunk(chunk, chunk_views, clip_coef, ci if keep_previous else None, scale)
+        plans = self._plan(grads, out, scratch)
+        for ci, (chunk, plan) in enumerate(zip(self.chunks, plans)):
+            if ask is not None and self._kept is not None and not ask():
+                self._kept, ask = None, None  # the caller keeps this update: stop copying
+            self._update_chunk(ci, chunk, plan, clip_coef, scale)
 
     @property
     def restorable(self) -> bool:
@@ -260,6 +404,7 @@ class CpuBucket:
         if kept is None:
             raise RuntimeError("CpuBucket.restore() without a preceding update(keep_previous=True)")
         for chunk, groups, pieces in reversed(kept):
+            chunk.bound = False  # state may be replaced below: bind it again after the next step
             state = chunk.optimizer.state
             for key, master, saved in pieces:
                 key.copy_(master)
@@ -280,85 +425,104 @@ class CpuBucket:
                 group.update(entries)
         self._synced = []  # group entries may differ from the wrapper's now: sync again
 
-    def _keep(self, ci: int, chunk: _Chunk, live: list[tuple]) -> tuple:
-        """Copies of what stepping ``live`` pieces of ``chunk`` (number ``ci``) changes."""
+    def _keep(self, ci: int, chunk: _Chunk, live: list[_Piece]) -> tuple:
+        """Copies of what stepping ``live`` pieces of ``chunk`` (number ``ci``) changes (one
+        ``_foreach_copy_`` into buffers reused from update to update)."""
+        bufs: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+
         def copy(name: tuple, t: torch.Tensor) -> torch.Tensor:
             buf = self._kept_bufs.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
                 buf = self._kept_bufs[name] = torch.empty_like(t)
-            return buf.copy_(t)
+            bufs.append(buf)
+            srcs.append(t)
+            return buf
 
         pieces = []
-        for pc, _, _, _ in live:
+        for pc in live:
             st = chunk.optimizer.state.get(pc.key)
             saved = None
             if st:
                 saved = {k: copy((ci, pc.index, pc.start, k), v) if torch.is_tensor(v) else v
                          for k, v in st.items()}
             pieces.append((pc.key, copy((ci, pc.index, pc.start, None), pc.key), saved))
+        torch._foreach_copy_(bufs, srcs)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in chunk.optimizer.param_groups]
         return chunk, groups, pieces
 
-    def _views(self, grads: Sequence[Optional[torch.Tensor]], out: Sequence[torch.Tensor],
-               scratch: torch.Tensor) -> list[list[tuple]]:
-        """Per chunk, per piece: (piece, gradient source, gradient in the master dtype, output)
-        views (the source itself where the dtypes agree, else a slice of the fp32 ``scratch``), built
-        once and reused while the same buffers come back (the staging buffers do, every step):
+    def _plan(self, grads: Sequence[Optional[torch.Tensor]], out: Sequence[torch.Tensor],
+              scratch: torch.Tensor) -> list[_Plan]:
+        """Per chunk, what its update reads, converts, steps and writes (``_Plan``), built once
+        and reused while the same buffers come back (the staging buffers do, every step):
         making views costs about as much Python time per piece as a small copy."""
         sig = (scratch.data_ptr(),) + tuple(
             (-1, None) if g is None else (g.data_ptr(), g.dtype) for g in grads) + tuple(
             o.data_ptr() for o in out)
-        if sig == self._views_sig:
-            return self._views_cache
-        views = []
+        if sig == self._plans_sig:
+            return self._plans
+        plans = []
         for chunk in self.chunks:
-            chunk_views, offset = [], 0
+            live, ready, direct, convert, write = [], [], [], [], []
             for pc in chunk.pieces:
                 g, o = grads[pc.index], out[pc.index]
                 if g is None:
-                    chunk_views.append((pc, None, None, None))
+                    convert.append(None)  # no gradient: runs stop here
+                    write.append(None)
                     continue
                 if pc.split:
                     g, o = g.view(-1)[pc.start:pc.stop], o.view(-1)[pc.start:pc.stop]
+                live.append(pc)
                 if g.dtype == pc.key.dtype:
-                    dst = g
+                    ready.append(g)
+                    direct.append(g)
+                    convert.append(None)
                 else:
-                    n = pc.stop - pc.start
-                    dst = scratch[offset: offset + n].view(g.shape)
-                    offset += n
-                chunk_views.append((pc, g, dst, o))
-            views.append(chunk_views)
-        self._views_sig, self._views_cache = sig, views
-        return views
+                    dst = scratch[pc.offset: pc.offset + pc.stop - pc.start]
+                    ready.append(dst.view(g.shape))
+                    convert.append((dst, g.view(-1)) if g.is_contiguous() else (dst.view(g.shape), g))
+                write.append((o.view(-1), pc.key.view(-1)) if o.is_contiguous() else (o, pc.key))
+            runs = coalesce(convert)
+            plans.append(_Plan(live, ready, runs, [d for d, _ in runs] + direct, coalesce(write)))
+        self._plans_sig, self._plans = sig, plans
+        return plans
 
-    def _update_chunk(self, chunk: _Chunk, views: list[tuple], clip_coef: Optional[torch.Tensor],
-                      keep: Optional[int] = None, scale: Optional[LossScale] = None) -> None:
-        live = [v for v in views if v[1] is not None]
-        if not live:
+    def _update_chunk(self, ci: int, chunk: _Chunk, plan: _Plan, clip_coef: Optional[torch.Tensor],
+                      scale: Optional[LossScale]) -> None:
+        if not plan.live:
             return
-        if keep is not None:
-            self._kept.append(self._keep(keep, chunk, live))
+        if self._kept is not None:
+            self._kept.append(self._keep(ci, chunk, plan.live))
         try:
-            for pc, src, dst, _ in live:
-                pc.key.grad = dst if dst is src else dst.copy_(src)
+            for dst, src in plan.convert:
+                dst.copy_(src)
+            for pc, g in zip(plan.live, plan.grads):
+                pc.key.grad = g
             if clip_coef is not None:
-                torch._foreach_mul_([dst for _, _, dst, _ in live], clip_coef)
+                torch._foreach_mul_(plan.scale, clip_coef)
             run_step(chunk.optimizer, scale)
-            for pc, _, _, o in live:
-                o.copy_(pc.key)
+            for dst, src in plan.write:
+                dst.copy_(src)
         finally:
-            for pc, _, _, _ in live:
+            for pc in plan.live:
                 pc.key.grad = None
-            self._bind(chunk)
+            if not chunk.bound:
+                chunk.bound = self._bind(chunk)
 
-    def _bind(self, chunk: _Chunk) -> None:
+    def _bind(self, chunk: _Chunk) -> bool:
         """Make the per-element state of split pieces views of one tensor per parameter (the
-        optimizer allocates it per piece on its first step, and ``load_state_dict`` replaces it)."""
+        optimizer allocates it per piece on its first step, and ``load_state_dict`` replaces it).
+        True when every split piece has state and all of it is bound: the optimizer updates it
+        in place from then on, so nothing is left to do until it is replaced again."""
+        done = True
         for pc in chunk.pieces:
             if not pc.split:
                 continue
             st = chunk.optimizer.state.get(pc.key)
-            for k, v in (st or {}).items():
+            if not st:
+                done = False
+                continue
+            for k, v in st.items():
                 if not (torch.is_tensor(v) and v.shape == pc.key.shape):
                     continue
                 full = self._full.get((pc.index, k))
@@ -368,6 +532,7 @@ class CpuBucket:
                     full = self._full[(pc.index, k)] = torch.empty(
                         self.masters[pc.index].shape, dtype=v.dtype, device=v.device)
                 st[k] = full.view(-1)[pc.start:pc.stop].copy_(v)
+        return done
 
     # -- the bucket as one optimizer over ``masters`` (state_dict support) ---------------------
 
@@ -398,7 +563,7 @@ class CpuBucket:
         for c, chunk_state in chunk_state_dicts(self.chunks, self.group_ids, self.group_of,
                                                 state_dict, shapes):
             c.optimizer.load_state_dict(chunk_state)
-            self._bind(c)
+            c.bound = self._bind(c)
 
 
 def chunk_param_groups(pieces: Sequence[Any], group_of: Sequence[int],
