@@ -16,8 +16,10 @@ call of each, which allocates the optimizer state, is not timed). Paths, over th
   new parameters written back into the same slices (pinned gradients and parameters share them);
 - ``update+keep, chunk X``: ``update(keep_previous=True)`` then ``commit()``: an *early* update
   (one started before ``step()`` validated the bucket), which first copies what it changes;
-- ``old ...``: the same two from another checkout's ``cpu_update.py`` (``--compare``), in the
-  same rounds.
+- ``update+GIL load, chunk X``: the update while another Python thread works (Python with a
+  small op every 20 us or so, as the training thread's forward): what waiting for the GIL costs;
+- ``old ...``: the same from another checkout's ``cpu_update.py`` (``--compare``), in the same
+  rounds.
 
 Chunk sizes are MiB of fp32 masters per ``optimizer.step()`` (``0``: one step per bucket;
 ``default``: the optimizer's default for the thread count, ``worker.default_chunk_bytes``). Each
@@ -37,6 +39,7 @@ import importlib.util
 import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -141,6 +144,46 @@ class StepsOnly:
             opt.step()
 
 
+class PythonLoad:
+    """Another Python thread working while ``active``, as the training thread does while the
+    CPU update runs (forward: module code, a small op every ``work_us`` or so, each op
+    releasing the GIL): the update's Python work then waits for the GIL."""
+
+    def __init__(self, work_us: float = 20.0) -> None:
+        self.active = threading.Event()
+        self._stop = False
+        self._work = max(1, int(work_us * 25))  # sum(range(n)): about 40 ns per element
+        self._thread = threading.Thread(target=self._run, name="python-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t = torch.zeros(16)
+        while not self._stop:
+            if not self.active.wait(0.05):
+                continue
+            sum(range(self._work))
+            t.add_(1)
+
+    def close(self) -> None:
+        self._stop = True
+        self.active.clear()
+        self._thread.join()
+
+
+class UnderLoad:
+    """``fn`` while a ``PythonLoad`` works."""
+
+    def __init__(self, fn: Callable, load: PythonLoad) -> None:
+        self.fn, self.load = fn, load
+
+    def __call__(self) -> None:
+        self.load.active.set()
+        try:
+            self.fn()
+        finally:
+            self.load.active.clear()
+
+
 class Convert:
     """One conversion pass over the bucket, a ``copy_`` per parameter: ``"in"`` bf16 staging ->
     fp32, ``"out"`` fp32 -> bf16 staging."""
@@ -169,8 +212,10 @@ def chunk_name(mib: Optional[float], threads: int, worker: ModuleType = worker_m
 
 
 def build_paths(shapes: list, threads: int, chunks: Sequence[Optional[float]], parts: bool,
-                keep: bool, compared: Optional[tuple[ModuleType, ModuleType]]) -> dict[str, Callable]:
-    """The paths to time at ``threads`` (see the module docstring)."""
+                keep: bool, compared: Optional[tuple[ModuleType, ModuleType]],
+                load: Optional[PythonLoad] = None) -> dict[str, Callable]:
+    """The paths to time at ``threads`` (see the module docstring); with ``load``, the default
+    chunk's update also while that thread runs Python."""
     paths: dict[str, Callable] = {RAW: Raw(shapes)}
     if parts:
         paths["convert in (bucket pass)"] = Convert(shapes, "in")
@@ -187,6 +232,8 @@ def build_paths(shapes: list, threads: int, chunks: Sequence[Optional[float]], p
             paths.setdefault(f"{prefix}update, {name}", Update(module, shapes, size))
             if keep and mib is None:
                 paths.setdefault(f"{prefix}update+keep, {name}", Update(module, shapes, size, keep=True))
+            if load is not None and mib is None:
+                paths.setdefault(f"{prefix}update+GIL load, {name}", UnderLoad(paths[f"{prefix}update, {name}"], load))
     return paths
 
 
@@ -232,25 +279,37 @@ def region_us(gap_s: float = 30e-6, count: int = 200, reps: int = 5) -> float:
 
 
 def _job(shapes: list, threads: int, chunks: Sequence[Optional[float]], reps: int, parts: bool,
-         keep: bool, compare: Optional[str]) -> tuple[dict[str, dict[str, Any]], float]:
+         keep: bool, compare: Optional[str], gil: bool) -> tuple[dict[str, dict[str, Any]], float]:
     compared = load_compared(compare) if compare else None
-    paths = build_paths(shapes, threads, chunks, parts, keep, compared)
-    return time_paths(paths, reps), region_us()
+    load = PythonLoad() if gil else None
+    try:
+        paths = build_paths(shapes, threads, chunks, parts, keep, compared, load)
+        return time_paths(paths, reps), region_us()
+    finally:
+        if load is not None:
+            load.close()
 
 
 def microbench(threads_list: Sequence[int], elems: int, reps: int,
                chunks: Sequence[Optional[float]] = (0, None), bind: bool = False, parts: bool = True,
-               keep: bool = True, compare: Optional[str] = None) -> list[dict]:
+               keep: bool = True, compare: Optional[str] = None, gil: bool = True,
+               main_team: bool = False) -> list[dict]:
     """Time every path per worker thread count (see the module docstring); one result per
-    (threads, path), printed as it comes."""
+    (threads, path), printed as it comes. ``main_team``: this (main) thread first runs a
+    parallel op with all its threads, as a training script does (model init, data): libgomp
+    then manages more threads than there are CPUs and makes idle ones sleep at once instead
+    of spinning, so every parallel region wakes them (``region_us`` shows what that costs)."""
     shapes = bucket_shapes(elems)
     elems = sum(torch.Size(s).numel() for s in shapes)
     out = []
-    print(f"CPU: {cpu_description()}; bucket of {elems / 2**20:g} Mi elements, {reps} rounds", flush=True)
+    if main_team:
+        torch.randn(2**22).add_(1)
+    print(f"CPU: {cpu_description()}; bucket of {elems / 2**20:g} Mi elements, {reps} rounds"
+          + (", main thread's OpenMP team started" if main_team else ""), flush=True)
     for threads in threads_list:
         worker = CpuWorker(threads, cores=worker_cores(threads) if bind else None)
         try:
-            res, region = worker.submit(_job, shapes, threads, chunks, reps, parts, keep, compare).result()
+            res, region = worker.submit(_job, shapes, threads, chunks, reps, parts, keep, compare, gil).result()
         finally:
             worker.shutdown()
         print(f"  threads {threads:3d} a parallel region after 30 us of Python costs {region:.1f} us "
@@ -316,13 +375,17 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     p.add_argument("--compare", help="another checkout (root, or its cpu_update.py) timed as 'old'")
     p.add_argument("--no-parts", action="store_true", help="skip steps-only and conversion passes")
     p.add_argument("--no-keep", action="store_true", help="skip the early (keep_previous) update")
+    p.add_argument("--no-gil-load", action="store_true", help="skip the update under a Python thread's load")
+    p.add_argument("--main-team", action="store_true",
+                   help="the main thread runs a parallel op first, as training does (see microbench())")
     p.add_argument("--bind-cores", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     threads = ([int(t) for t in args.threads.split(",")] if args.threads
                else [worker_mod.default_cpu_threads()])
     micro = microbench(threads, args.elems, args.reps, parse_chunks(args.chunks), args.bind_cores,
-                       not args.no_parts, not args.no_keep, args.compare)
+                       not args.no_parts, not args.no_keep, args.compare, not args.no_gil_load,
+                       args.main_team)
     print()
     print(table(micro))
     if args.out:
