@@ -248,9 +248,11 @@ class _Plan:
 
     live: list[_Piece]  # the pieces with a gradient
     grads: list[torch.Tensor]  # theirs, in the master dtype (a scratch view, or the source itself)
-    convert: list[tuple[torch.Tensor, torch.Tensor]]  # (scratch, source) runs: to the master dtype
+    convert_dst: list[torch.Tensor]  # runs of scratch <- runs of staging: gradients to the master dtype
+    convert_src: list[torch.Tensor]
     scale: list[torch.Tensor]  # what a clip coefficient multiplies: the gradients, as runs
-    write: list[tuple[torch.Tensor, torch.Tensor]]  # (output, master) runs: new values out
+    write_dst: list[torch.Tensor]  # runs of output <- runs of masters: the new values out
+    write_src: list[torch.Tensor]
 
 
 class CpuBucket:
@@ -382,10 +384,27 @@ class CpuBucket:
             return
         self._sync(hypers)
         plans = self._plan(grads, out, scratch)
-        for ci, (chunk, plan) in enumerate(zip(self.chunks, plans)):
-            if ask is not None and self._kept is not None and not ask():
-                self._kept, ask = None, None  # the caller keeps this update: stop copying
-            self._update_chunk(ci, chunk, plan, clip_coef, scale)
+        # One copy call per chunk: the previous chunk's new values out, this chunk's copies to
+        # keep, its gradients in (each call releases and takes back the GIL, which the training
+        # thread may hold meanwhile).
+        written: tuple[list, list] = ([], [])  # the last stepped chunk's write-back, not done yet
+        try:
+            for ci, (chunk, plan) in enumerate(zip(self.chunks, plans)):
+                if not plan.live:
+                    continue
+                if ask is not None and self._kept is not None and not ask():
+                    self._kept, ask = None, None  # the caller keeps this update: stop copying
+                dsts, srcs = written[0] + plan.convert_dst, written[1] + plan.convert_src
+                if self._kept is not None:
+                    entry, bufs, kept = self._keep(ci, chunk, plan.live)
+                    self._kept.append(entry)
+                    dsts, srcs = written[0] + bufs + plan.convert_dst, written[1] + kept + plan.convert_src
+                written = ([], [])
+                self._step_chunk(chunk, plan, dsts, srcs, clip_coef, scale)
+                written = (plan.write_dst, plan.write_src)
+        finally:
+            if written[0]:
+                torch._foreach_copy_(*written)
 
     @property
     def restorable(self) -> bool:
@@ -425,9 +444,10 @@ class CpuBucket:
                 group.update(entries)
         self._synced = []  # group entries may differ from the wrapper's now: sync again
 
-    def _keep(self, ci: int, chunk: _Chunk, live: list[_Piece]) -> tuple:
-        """Copies of what stepping ``live`` pieces of ``chunk`` (number ``ci``) changes (one
-        ``_foreach_copy_`` into buffers reused from update to update)."""
+    def _keep(self, ci: int, chunk: _Chunk, live: list[_Piece]) -> tuple[tuple, list, list]:
+        """What stepping ``live`` pieces of ``chunk`` (number ``ci``) changes: the entry
+        ``restore`` reads, and the copies that fill it (buffers reused from update to update,
+        and their sources), for the caller to make before the step."""
         bufs: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
 
@@ -447,9 +467,8 @@ class CpuBucket:
                 saved = {k: copy((ci, pc.index, pc.start, k), v) if torch.is_tensor(v) else v
                          for k, v in st.items()}
             pieces.append((pc.key, copy((ci, pc.index, pc.start, None), pc.key), saved))
-        torch._foreach_copy_(bufs, srcs)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in chunk.optimizer.param_groups]
-        return chunk, groups, pieces
+        return (chunk, groups, pieces), bufs, srcs
 
     def _plan(self, grads: Sequence[Optional[torch.Tensor]], out: Sequence[torch.Tensor],
               scratch: torch.Tensor) -> list[_Plan]:
@@ -482,27 +501,23 @@ class CpuBucket:
                     ready.append(dst.view(g.shape))
                     convert.append((dst, g.view(-1)) if g.is_contiguous() else (dst.view(g.shape), g))
                 write.append((o.view(-1), pc.key.view(-1)) if o.is_contiguous() else (o, pc.key))
-            runs = coalesce(convert)
-            plans.append(_Plan(live, ready, runs, [d for d, _ in runs] + direct, coalesce(write)))
+            runs, writes = coalesce(convert), coalesce(write)
+            plans.append(_Plan(live, ready, [d for d, _ in runs], [s for _, s in runs], [d for d, _ in runs] + direct,
+                               [d for d, _ in writes], [s for _, s in writes]))
         self._plans_sig, self._plans = sig, plans
         return plans
 
-    def _update_chunk(self, ci: int, chunk: _Chunk, plan: _Plan, clip_coef: Optional[torch.Tensor],
-                      scale: Optional[LossScale]) -> None:
-        if not plan.live:
-            return
-        if self._kept is not None:
-            self._kept.append(self._keep(ci, chunk, plan.live))
+    def _step_chunk(self, chunk: _Chunk, plan: _Plan, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
+                    clip_coef: Optional[torch.Tensor], scale: Optional[LossScale]) -> None:
+        """Make the copies ``dsts <- srcs`` (among them the chunk's gradients in), then step it."""
         try:
-            for dst, src in plan.convert:
-                dst.copy_(src)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
             for pc, g in zip(plan.live, plan.grads):
                 pc.key.grad = g
             if clip_coef is not None:
                 torch._foreach_mul_(plan.scale, clip_coef)
             run_step(chunk.optimizer, scale)
-            for dst, src in plan.write:
-                dst.copy_(src)
         finally:
             for pc in plan.live:
                 pc.key.grad = None

@@ -87,7 +87,7 @@ def test_masters_mirror_the_staging_and_runs_cover_whole_chunks():
     bucket.update(views, views, torch.empty(bucket.scratch_elems), hypers, None)
     plan = bucket._plans[0]
     # one large piece (70_001) and small ones: one copy in, one copy out
-    assert len(plan.convert) == 1 and len(plan.write) == 1
+    assert len(plan.convert_dst) == 1 and len(plan.write_dst) == 1
     # tensors that are not one buffer's slices: packed
     assert flat_offsets([torch.zeros(3), torch.zeros(4)]) == [0, 3]
 
@@ -109,17 +109,24 @@ def test_coalesce_merges_neighbours_and_keeps_large_pieces_apart():
     assert len(coalesce(shifted)) == 2
 
 
-@pytest.mark.parametrize("answers", [[True] * 9, [True, False], [False]])
-def test_keep_previous_asked_per_chunk(answers):
-    """A callable ``keep_previous`` is asked before each chunk; after its first no, nothing more
-    is copied and the update can no longer be undone. The update itself is the same."""
+def _packed_buckets(chunk):
+    """A maker of buckets over bf16 parameters from copies of staged values (not one buffer's
+    slices: packed masters), the staged views and the hyperparameters."""
     params, views = _staged([torch.bfloat16] * len(SHAPES))
     hypers = [dict(HYPERS)]
 
     def make():
         return CpuBucket(params, [0] * len(params), [v.clone() for v in views], hypers,
-                         lambda groups: torch.optim.AdamW(groups, fused=True, **HYPERS), 40_000)
+                         lambda groups: torch.optim.AdamW(groups, fused=True, **HYPERS), chunk)
 
+    return make, views, hypers
+
+
+@pytest.mark.parametrize("answers", [[True] * 9, [True, False], [False]])
+def test_keep_previous_asked_per_chunk(answers):
+    """A callable ``keep_previous`` is asked before each chunk; after its first no, nothing more
+    is copied and the update can no longer be undone. The update itself is the same."""
+    make, views, hypers = _packed_buckets(40_000)
     plain, asked = make(), make()
     assert len(plain.chunks) > 2
     gen = torch.Generator().manual_seed(2)
@@ -142,3 +149,25 @@ def test_keep_previous_asked_per_chunk(answers):
         else:
             with pytest.raises(RuntimeError):
                 asked.restore()
+
+
+def test_a_failing_chunk_leaves_the_chunks_before_it_written_and_the_rest_untouched():
+    make, views, hypers = _packed_buckets(20_000)
+    good, failing = make(), make()
+    assert len(good.chunks) > 3
+
+    def boom():
+        raise RuntimeError("boom")
+
+    failing.chunks[2].optimizer.step = boom
+    grads = [torch.randn(s).to(torch.bfloat16) for s in SHAPES]
+    out_good = [torch.zeros_like(v) for v in views]
+    out_failing = [torch.zeros_like(v) for v in views]
+    good.update(grads, out_good, torch.empty(good.scratch_elems), hypers, None)
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.update(grads, out_failing, torch.empty(failing.scratch_elems), hypers, None)
+    for ci, chunk in enumerate(failing.chunks):
+        for pc in chunk.pieces:
+            got = out_failing[pc.index].view(-1)[pc.start:pc.stop]
+            want = out_good[pc.index].view(-1)[pc.start:pc.stop] if ci < 2 else torch.zeros_like(got)
+            assert torch.equal(got, want), (ci, pc.index)
