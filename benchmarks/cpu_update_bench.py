@@ -2,7 +2,7 @@
 
 Per worker thread count, in a ``CpuWorker`` thread as in training, each path timed round-robin
 (one call of each in turn, ``--reps`` rounds, so the host's drift hits every path alike; the first
-call of each, which allocates the optimizer state, is not timed). Paths, over the same elements
+two calls of each, which allocate the optimizer state and the kept copies, are not timed). Paths, over the same elements
 (a bucket shaped like a slice of a transformer layer: three large matrices, two biases, a norm):
 
 - ``raw fused AdamW``: fp32 parameters with fp32 gradients in place, one
@@ -25,10 +25,14 @@ Chunk sizes are MiB of fp32 masters per ``optimizer.step()`` (``0``: one step pe
 ``default``: the optimizer's default for the thread count, ``worker.default_chunk_bytes``). Each
 line gives the best time as G elements/s and as a multiple of raw AdamW's best, the median's
 multiple of raw's median, and page faults per call (0 in steady state: nothing is allocated).
+Per thread count it also prints what one parallel region costs beyond its work after 30 us of
+Python (``region_us``: OpenMP threads that went to sleep must be woken). ``--pinned`` puts the
+staging in page-locked memory as training does (needs CUDA); ``--main-team`` starts the main
+thread's OpenMP team first, as a training script does (see ``microbench``).
 
-Run (the H100 host: 16 cores; about 2 minutes; ``$OLD`` a checkout of the code to compare)::
+Run (the H100 host: 16 cores; a few minutes; ``$OLD`` a checkout of the code to compare)::
 
-    python benchmarks/cpu_update_bench.py --threads 15 --chunks 0,default,1,2,4,8 --compare $OLD
+    python benchmarks/cpu_update_bench.py --threads 15,8 --chunks 0,default,4,8 --pinned --compare $OLD
 
 or through ``optim_benchmark.py --microbench-only`` (the same paths, its flags).
 """
@@ -98,11 +102,27 @@ class Raw:
         self.opt.step()
 
 
+class _Pinned:
+    """The one device call ``Staging`` makes for pinned buffers."""
+
+    @staticmethod
+    def alloc_host(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+PINNED = [False]  # staging buffers page-locked, as in training (``--pinned``; needs CUDA)
+
+
+def _staging(params: list) -> Staging:
+    staging = Staging(_Pinned() if PINNED[0] else None, pinned=PINNED[0])
+    staging.add_bucket(params)
+    return staging
+
+
 def _new_bucket(module: ModuleType, shapes: list, chunk_bytes: int):
     """A bucket of bf16 parameters as ``CpuPart`` builds one: masters from the staging slices."""
     params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-    staging = Staging(None, pinned=False)
-    staging.add_bucket(params)
+    staging = _staging(params)
     views = [staging.typed(p) for p in params]
     for v in views:
         v.copy_(torch.randn(v.shape) * 1e-3)
@@ -190,8 +210,7 @@ class Convert:
 
     def __init__(self, shapes: list, direction: str) -> None:
         params = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-        staging = Staging(None, pinned=False)
-        staging.add_bucket(params)
+        staging = _staging(params)
         low = [staging.typed(p) for p in params]
         high = [torch.randn(s) for s in shapes]
         self.pairs = list(zip(high, low)) if direction == "in" else list(zip(low, high))
@@ -293,7 +312,7 @@ def _job(shapes: list, threads: int, chunks: Sequence[Optional[float]], reps: in
 def microbench(threads_list: Sequence[int], elems: int, reps: int,
                chunks: Sequence[Optional[float]] = (0, None), bind: bool = False, parts: bool = True,
                keep: bool = True, compare: Optional[str] = None, gil: bool = True,
-               main_team: bool = False) -> list[dict]:
+               main_team: bool = False, pinned: bool = False) -> list[dict]:
     """Time every path per worker thread count (see the module docstring); one result per
     (threads, path), printed as it comes. ``main_team``: this (main) thread first runs a
     parallel op with all its threads, as a training script does (model init, data): libgomp
@@ -302,10 +321,12 @@ def microbench(threads_list: Sequence[int], elems: int, reps: int,
     shapes = bucket_shapes(elems)
     elems = sum(torch.Size(s).numel() for s in shapes)
     out = []
+    PINNED[0] = pinned
     if main_team:
         torch.randn(2**22).add_(1)
     print(f"CPU: {cpu_description()}; bucket of {elems / 2**20:g} Mi elements, {reps} rounds"
-          + (", main thread's OpenMP team started" if main_team else ""), flush=True)
+          + (", main thread's OpenMP team started" if main_team else "")
+          + (", pinned staging" if pinned else ""), flush=True)
     for threads in threads_list:
         worker = CpuWorker(threads, cores=worker_cores(threads) if bind else None)
         try:
@@ -376,6 +397,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     p.add_argument("--no-parts", action="store_true", help="skip steps-only and conversion passes")
     p.add_argument("--no-keep", action="store_true", help="skip the early (keep_previous) update")
     p.add_argument("--no-gil-load", action="store_true", help="skip the update under a Python thread's load")
+    p.add_argument("--pinned", action="store_true", help="page-locked staging, as in training (needs CUDA)")
     p.add_argument("--main-team", action="store_true",
                    help="the main thread runs a parallel op first, as training does (see microbench())")
     p.add_argument("--bind-cores", action="store_true")
@@ -385,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                else [worker_mod.default_cpu_threads()])
     micro = microbench(threads, args.elems, args.reps, parse_chunks(args.chunks), args.bind_cores,
                        not args.no_parts, not args.no_keep, args.compare, not args.no_gil_load,
-                       args.main_team)
+                       args.main_team, args.pinned)
     print()
     print(table(micro))
     if args.out:
