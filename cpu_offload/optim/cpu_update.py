@@ -28,12 +28,15 @@ as the wrapped class would, without copies.
 
 **Runs.** The masters of a bucket are views of one flat buffer laid out as the staging buffer
 (the same gaps between parameters), and a chunk's fp32 gradients sit in the scratch as their
-masters do. So the pieces of a chunk move between staging and scratch, and between masters and
-staging, in one copy each (``coalesce``): one parallel region and one Python call per chunk and
-direction instead of one per piece. A run holds at most one piece large enough to be split over
-the threads, so that the copy splits it as the optimizer's kernel does and each thread converts
-the elements it then updates. Only the conversions change: bf16 -> fp32 is exact, and fp32 ->
-bf16 rounds to nearest even in any implementation, so every bit is the wrapped class's.
+masters do. So the pieces of a chunk come in from the staging in one copy (``coalesce``; the
+padding between parameters is converted along into the scratch, where nothing reads it) and go
+out in one copy per stretch without padding (the staging's padding is not the update's to
+write). A run holds at most one piece large enough to be split over the threads, so that the
+copy splits it as the optimizer's kernel does and each thread converts the elements it then
+updates. Each chunk makes one copy call: the previous chunk's new values out, its own gradients
+in (each call gives up the GIL, which the training thread may then hold for a while). Only the
+conversions change: bf16 -> fp32 is exact, and fp32 -> bf16 rounds to nearest even in any
+implementation, so every bit is the wrapped class's.
 
 **Early updates** (``update(keep_previous=...)``) first copy what a chunk's step changes, so that
 the update can be undone: with fp32 AdamW that is 12 more bytes read and written per element,
@@ -186,14 +189,17 @@ def _elem_delta(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     return None if rest else delta
 
 
-def coalesce(pairs: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def coalesce(pairs: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]],
+             max_gap: int = MAX_GAP_ELEMS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copies ``(dst, src)`` (consecutive pieces of a chunk; ``None`` breaks a run) as few
     copies: consecutive flat contiguous pairs merge where both sides go on in their buffer at the
-    same element offset from the run's start. The gaps between them (at most ``MAX_GAP_ELEMS``:
-    the staging buffer's padding between parameters, mirrored in the masters and the scratch)
-    are copied along; nothing reads them. A run holds at most one piece of ``LARGE_ELEMS`` or
-    more: a copy splits its range evenly over the threads as the optimizer's kernel splits each
-    piece, so that each thread converts the elements it then updates (in its own cache)."""
+    same element offset from the run's start. The gaps between them (at most ``max_gap``
+    elements: the staging buffer's padding between parameters, mirrored in the masters and the
+    scratch) are copied along, so ``dst``'s gaps must be free to overwrite (the scratch's are;
+    the update writes into the staging with ``max_gap=0``). A run holds at most one piece of
+    ``LARGE_ELEMS`` or more: a copy splits its range evenly over the threads as the optimizer's
+    kernel splits each piece, so that each thread converts the elements it then updates (in its
+    own cache)."""
     runs: list[tuple[torch.Tensor, torch.Tensor]] = []
     run: Optional[list] = None  # [dst, src, elements, holds a large piece]
     for pair in pairs:
@@ -203,7 +209,7 @@ def coalesce(pairs: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> li
             large = dst.numel() >= LARGE_ELEMS
             delta = _elem_delta(run[0], dst)
             if (delta is not None and delta == _elem_delta(run[1], src)
-                    and run[2] <= delta <= run[2] + MAX_GAP_ELEMS and not (large and run[3])):
+                    and run[2] <= delta <= run[2] + max_gap and not (large and run[3])):
                 run[2], run[3] = delta + dst.numel(), run[3] or large
                 continue
         if run is not None:
@@ -501,7 +507,7 @@ class CpuBucket:
                     ready.append(dst.view(g.shape))
                     convert.append((dst, g.view(-1)) if g.is_contiguous() else (dst.view(g.shape), g))
                 write.append((o.view(-1), pc.key.view(-1)) if o.is_contiguous() else (o, pc.key))
-            runs, writes = coalesce(convert), coalesce(write)
+            runs, writes = coalesce(convert), coalesce(write, max_gap=0)  # the staging's gaps: not ours
             plans.append(_Plan(live, ready, [d for d, _ in runs], [s for _, s in runs], [d for d, _ in runs] + direct,
                                [d for d, _ in writes], [s for _, s in writes]))
         self._plans_sig, self._plans = sig, plans

@@ -79,15 +79,25 @@ def test_masters_mirror_the_staging_and_runs_cover_whole_chunks():
     params, views = _staged([torch.bfloat16] * len(SHAPES))
     offsets = flat_offsets(views)
     assert offsets == [(v.data_ptr() - views[0].data_ptr()) // 2 for v in views]
-    assert any(b - a > v.numel() for a, b, v in zip(offsets, offsets[1:], views))  # padded
+    gaps = [b - a - v.numel() for a, b, v in zip(offsets, offsets[1:], views)]
+    assert any(gaps) and not all(gaps)  # padded after some parameters
     hypers = [dict(HYPERS)]
     bucket = CpuBucket(params, [0] * len(params), views, hypers,
                        lambda groups: torch.optim.AdamW(groups, fused=True, **HYPERS), 0)
     assert [m.data_ptr() - bucket.masters[0].data_ptr() for m in bucket.masters] == [4 * o for o in offsets]
+    # the staging's padding is not the update's to write: fill it, and see it stays
+    buf = torch.empty(0, dtype=torch.bfloat16).set_(views[0].untyped_storage()).view(-1)
+    padding = torch.ones(buf.numel(), dtype=torch.bool)
+    for o, v in zip(offsets, views):
+        padding[o: o + v.numel()] = False
+    buf[padding] = 7.0
     bucket.update(views, views, torch.empty(bucket.scratch_elems), hypers, None)
+    assert bool((buf[padding] == 7.0).all())
     plan = bucket._plans[0]
-    # one large piece (70_001) and small ones: one copy in, one copy out
-    assert len(plan.convert_dst) == 1 and len(plan.write_dst) == 1
+    # one large piece (70_001) and small ones: one copy in (over the padding, into the scratch);
+    # out, one copy per stretch without padding
+    assert len(plan.convert_dst) == 1
+    assert len(plan.write_dst) == 1 + sum(1 for g in gaps if g)
     # tensors that are not one buffer's slices: packed
     assert flat_offsets([torch.zeros(3), torch.zeros(4)]) == [0, 3]
 
@@ -97,6 +107,7 @@ def test_coalesce_merges_neighbours_and_keeps_large_pieces_apart():
     small = [(dst[i * 100: i * 100 + 90], src[i * 100: i * 100 + 90]) for i in range(3)]  # gaps of 10
     runs = coalesce(small)
     assert len(runs) == 1 and runs[0][0].numel() == 290
+    assert len(coalesce(small, max_gap=0)) == 3  # gaps not to be written: no merge
     assert len(coalesce(small[:1] + [None] + small[2:])) == 2  # no gradient between: two runs
     n = LARGE_ELEMS
     large = [(dst[:n], src[:n]), (dst[n: 2 * n], src[n: 2 * n]), (dst[2 * n: 2 * n + 5], src[2 * n: 2 * n + 5])]
