@@ -28,7 +28,8 @@ multiple of raw's median, and page faults per call (0 in steady state: nothing i
 Per thread count it also prints what one parallel region costs beyond its work after 30 us of
 Python (``region_us``: OpenMP threads that went to sleep must be woken). ``--pinned`` puts the
 staging in page-locked memory as training does (needs CUDA); ``--main-team`` starts the main
-thread's OpenMP team first, as a training script does (see ``microbench``).
+thread's OpenMP team first, as a training script does, ``--main-team K`` then shrinks it to K
+threads (see ``microbench``).
 
 Run (the H100 host: 16 cores; a few minutes; ``$OLD`` a checkout of the code to compare)::
 
@@ -312,20 +313,24 @@ def _job(shapes: list, threads: int, chunks: Sequence[Optional[float]], reps: in
 def microbench(threads_list: Sequence[int], elems: int, reps: int,
                chunks: Sequence[Optional[float]] = (0, None), bind: bool = False, parts: bool = True,
                keep: bool = True, compare: Optional[str] = None, gil: bool = True,
-               main_team: bool = False, pinned: bool = False) -> list[dict]:
+               main_team: Optional[int] = None, pinned: bool = False) -> list[dict]:
     """Time every path per worker thread count (see the module docstring); one result per
     (threads, path), printed as it comes. ``main_team``: this (main) thread first runs a
     parallel op with all its threads, as a training script does (model init, data): libgomp
     then manages more threads than there are CPUs and makes idle ones sleep at once instead
-    of spinning, so every parallel region wakes them (``region_us`` shows what that costs)."""
+    of spinning, so every parallel region wakes them (``region_us`` shows what that costs);
+    ``main_team=K > 0``: then shrinks that team to K threads (``worker.release_idle_threads``)."""
     shapes = bucket_shapes(elems)
     elems = sum(torch.Size(s).numel() for s in shapes)
     out = []
     PINNED[0] = pinned
-    if main_team:
+    if main_team is not None:
         torch.randn(2**22).add_(1)
+        if main_team > 0:
+            worker_mod.release_idle_threads(main_team)
     print(f"CPU: {cpu_description()}; bucket of {elems / 2**20:g} Mi elements, {reps} rounds"
-          + (", main thread's OpenMP team started" if main_team else "")
+          + ("" if main_team is None else ", main thread's OpenMP team started"
+             + (f", then shrunk to {main_team} threads" if main_team else ""))
           + (", pinned staging" if pinned else ""), flush=True)
     for threads in threads_list:
         worker = CpuWorker(threads, cores=worker_cores(threads) if bind else None)
@@ -398,8 +403,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     p.add_argument("--no-keep", action="store_true", help="skip the early (keep_previous) update")
     p.add_argument("--no-gil-load", action="store_true", help="skip the update under a Python thread's load")
     p.add_argument("--pinned", action="store_true", help="page-locked staging, as in training (needs CUDA)")
-    p.add_argument("--main-team", action="store_true",
-                   help="the main thread runs a parallel op first, as training does (see microbench())")
+    p.add_argument("--main-team", type=int, nargs="?", const=0, metavar="K",
+                   help="the main thread runs a parallel op first, as training does; with K, its team "
+                        "is then shrunk to K threads (worker.release_idle_threads; see microbench())")
     p.add_argument("--bind-cores", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
