@@ -697,8 +697,9 @@ def test_fraction_one_holds_no_optimizer_state_on_the_gpu_and_no_late_pinned_all
     assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values()
                if isinstance(t, torch.Tensor))
     # gradients were set to None; what stays is the fingerprints of what the optimizer wrote
-    # (to tell a user's later edit from its own write): one allocator block per CPU bucket
-    fingerprints = 512 * len(opt._cpu.buckets)
+    # (to tell a user's later edit from its own write): one 512-byte block per CPU bucket and per
+    # module waiting for streamed parameters, never more than one per offloaded parameter
+    fingerprints = 512 * (len(opt.offloaded_params()) + len(opt.streamed_params()))
     assert params_only <= torch.cuda.memory_allocated() <= params_only + fingerprints
     opt.close()
 
