@@ -27,13 +27,17 @@ class MasterWeightOptimizer:
     and copies the masters back (rounded to the parameter dtype). ``optimizer`` is the wrapped
     optimizer (for LR schedulers). ``master_device``: where the masters live (default: each
     parameter's device). ``in_place``: parameters stepped as they are, without a master.
+    ``follow_edits=False`` skips taking edits (a full pass over every master each step): what a
+    mixed-precision loop without offloading does, the benchmarks' baseline.
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
                  optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
                  master_device: Optional[torch.device] = None,
-                 in_place: Iterable[torch.Tensor] = (), **kwargs: Any) -> None:
+                 in_place: Iterable[torch.Tensor] = (), follow_edits: bool = True,
+                 **kwargs: Any) -> None:
         self.params = list(params)
+        self.follow_edits = follow_edits
         direct = {id(p) for p in in_place}
         self.masters = [p if id(p) in direct else p.detach().to(
             master_device or p.device, master_dtype(p.dtype), copy=True) for p in self.params]
@@ -45,7 +49,7 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         masters = [(m, p) for m, p in zip(self.masters, self.params) if m is not p]
-        for m, p in masters:
+        for m, p in masters if self.follow_edits else ():
             merge_edited(m, p)  # a parameter edited since the last step: its master follows
         for m, p in masters:
             m.grad = None if p.grad is None else p.grad.to(m.device, m.dtype)

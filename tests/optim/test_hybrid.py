@@ -755,3 +755,35 @@ def test_loss_matches_the_gpu_baseline_and_checkpoint_scheduler_clipping():
     assert more2 == more
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
+    """An update queued during backward but started after ``step()`` validated its bucket (the
+    CPU behind: the usual case at large fractions) is final: it keeps no copy to undo itself
+    (one more read and write of its masters and state). Only the one that started before is
+    speculative."""
+    import threading
+
+    gate, kept = threading.Event(), []
+    real_update, real_validate = CpuBucket.update, CpuPart.validate
+
+    def update(self, *args, keep_previous=False, **kw):
+        gate.wait(30)  # the first update starts before step(), the others queue behind it
+        kept.append(keep_previous)
+        return real_update(self, *args, keep_previous=keep_previous, **kw)
+
+    def validate(self, *args, **kw):
+        out = real_validate(self, *args, **kw)
+        gate.set()
+        return out
+
+    monkeypatch.setattr(CpuBucket, "update", update)
+    monkeypatch.setattr(CpuPart, "validate", validate)
+    ref, _ = reference(1)
+    m = model()
+    opt = hybrid(m, 1.0, "backward_update", bucket_bytes=2**14)
+    train(m, opt, 1)
+    assert len(kept) == len(opt._cpu.buckets) > 2
+    assert kept[0] and not any(kept[1:]), kept
+    assert_same_params(m, ref)
+    opt.close()
