@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
 import weakref
-from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -21,6 +19,7 @@ from ..core.launcher import Launcher
 from . import balance, ddp
 from . import state as state_format
 from .amp import LossScale
+from .classes import build, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS
 from .device_part import DevicePart
@@ -31,84 +30,6 @@ from .partition import arrival_from_order, check_fraction, choose_offloaded, def
 from .stream_update import StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores
-
-def _build(cls: Callable[..., torch.optim.Optimizer], kwargs: dict, groups: list[dict]) -> torch.optim.Optimizer:
-    return cls(groups, **kwargs)
-
-
-REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
-
-
-def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
-    """``torch.optim.AdamW`` with ``fused=True`` (on CPU and GPU alike), unless ``kwargs`` choose
-    the implementation themselves (``fused`` or ``foreach``)."""
-    if "fused" in kwargs or "foreach" in kwargs:
-        return torch.optim.AdamW
-
-    def adamw_fused(params: Any, **kw: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, fused=True, **kw)
-
-    return adamw_fused
-
-
-_WARMED = threading.Event()
-
-
-def _warm_torch_optim() -> None:
-    """Build a first torch optimizer on a thread of its own. torch's first optimizer in a
-    process imports its compiler lazily and leaves the frames of that call in a reference cycle;
-    called from ``__init__`` those frames would hold the hybrid optimizer (and its pinned
-    memory) until the cycle collector runs. Here they hold nothing of the user's."""
-    if _WARMED.is_set():
-        return
-    t = threading.Thread(target=lambda: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
-                         name="cpu_offload-optim-warmup")
-    t.start()
-    t.join()
-    _WARMED.set()
-
-
-def _probe(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
-    """Instantiate ``cls`` on a dummy CPU parameter: check its API, return its defaults."""
-    name = getattr(cls, "__name__", repr(cls))
-    try:
-        probe = cls([torch.zeros(1, requires_grad=True)], **kwargs)
-    except Exception as exc:
-        raise OffloadConfigError(
-            f"{role}={name} could not be built with the optimizer arguments {sorted(kwargs)}: "
-            f"{exc}; pass arguments that class accepts") from exc
-    missing = [a for a in REQUIRED_API if not callable(getattr(probe, a, None))]
-    missing += [a for a in ("param_groups", "state", "defaults") if not hasattr(probe, a)]
-    if missing:
-        raise OffloadConfigError(
-            f"{role}={name} lacks {', '.join(missing)}: the hybrid optimizer needs a "
-            "torch.optim.Optimizer-like class (param_groups, state, defaults, step, zero_grad, "
-            "state_dict, load_state_dict, add_param_group); subclass torch.optim.Optimizer")
-    return dict(probe.defaults)
-
-
-class _StateView(Mapping):
-    """``opt.state``: each stepped parameter -> its state, live (the parts' own tensors), as a
-    torch optimizer's ``state`` maps them."""
-
-    def __init__(self, owner: "weakref.ref[HybridDeviceOptimizer]") -> None:
-        self._owner = owner  # weakly: no cycle through the optimizer's own attribute
-
-    def __getitem__(self, p: torch.Tensor) -> dict:
-        opt = self._owner()
-        st = opt.state_of(p) if opt is not None and isinstance(p, torch.Tensor) else None
-        if not st:
-            raise KeyError(p)
-        return st
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        opt = self._owner()
-        params = [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
-        return (p for p in params if opt.state_of(p))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     r"""Keep ``offload_fraction`` of the optimizer state, and its update, in CPU memory.
@@ -189,7 +110,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         options: Optional[OptimizerOffloadOptions] = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        _warm_torch_optim()
+        warm_torch_optim()
         self._closed = False
         opts, optimizer_kwargs = split_options(options, optimizer_kwargs)
         self.options = opts
@@ -230,8 +151,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu_cls = cpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
         self._gpu_cls = gpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
         self._kwargs = dict(optimizer_kwargs)
-        defaults = _probe(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
-        defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
+        defaults = probe_class(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
+        defaults.update(probe_class(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
         # implementation choices (fused, foreach, ...) stay out of the wrapper's groups, so each
         # part keeps its own; state_dict() reports them as the wrapped class would
         self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
@@ -258,7 +179,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._dev_part = DevicePart(self._make(self._gpu_cls), param_update_in_fp32)
         self._cpu: Optional[CpuPart] = None
         super().__init__(params, defaults)
-        self.state = _StateView(weakref.ref(self))
+        self.state = state_format.StateView(weakref.ref(self))
         index = self._torch_device.index if self._torch_device is not None else None
         cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
         self._worker = CpuWorker(self._cpu_threads, cuda_index,
@@ -295,7 +216,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _make(self, cls: Callable[..., torch.optim.Optimizer]) -> Callable[[list[dict]], torch.optim.Optimizer]:
         """A factory of ``cls`` over given groups; it holds no reference to the optimizer (no
         cycle: the optimizer is freed as soon as it is dropped)."""
-        return functools.partial(_build, cls, dict(self._kwargs))
+        return functools.partial(build, cls, dict(self._kwargs))
 
     def _attach(self, group_ids: Iterable[int]) -> None:
         """Partition the parameters of ``group_ids``: of those with at least one dimension and
@@ -358,7 +279,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         def rates() -> dict:
             if request == "auto":
                 return balance.planning_rates(self._device)
-            return balance.rates(self._device, params[0].device, lambda: balance.cpu_update_probe(
+            return balance.rates(self._device, params[0].device, lambda: balance.cpu_updateprobe_class(
                 params[0].dtype, self._make(self._cpu_cls), hypers[0], self._chunk_elems), self._cpu_threads)
 
         on_cpu, self._balance = balance.split(params, request, self._state_probe[0], rates,
