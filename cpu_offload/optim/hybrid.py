@@ -1,6 +1,7 @@
 """``HybridDeviceOptimizer``: the facade over the three update paths (``device_part``,
 ``cpu_part``, ``stream_update`` with ``stream_backward``). It partitions the parameters, installs
-the hooks, and runs one step in order: validate the early work, copy the rest, clip, update."""
+the hooks, and runs one step in order: validate the early work, copy the rest, clip, update.
+The parts see plain tensors: for a DTensor parameter (FSDP2) its local shard (``sharded``)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ from .guards import Fingerprint, changed, snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
+from .sharded import ShardedParams, fsdp_roots
 from .stream_update import StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores
@@ -41,6 +43,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ``gpu_optimizer_cls`` from state streamed through it; the rest by ``cpu_optimizer_cls`` on
     a CPU worker thread, overlapped with backward (and with the next forward in
     ``overlap="next_forward"``). The other parameters are updated on the device as usual.
+    FSDP2 (``fully_shard``) parameters: each rank does this over its own local shards, with the
+    gradients FSDP2 reduce-scattered, and keeps DTensor state (docs/optimizer.md).
 
     **Exact.** With ``device=SimulatedDevice()`` the result equals the wrapped classes run
     directly. On a GPU the CPU part equals ``cpu_optimizer_cls`` run on the CPU over the same
@@ -178,6 +182,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._worker: Optional[CpuWorker] = None
         self._dev_part = DevicePart(self._make(self._gpu_cls), param_update_in_fp32)
         self._cpu: Optional[CpuPart] = None
+        self._shards = ShardedParams()  # DTensor parameters and the local tensors the parts update
         super().__init__(params, defaults)
         self.state = state_format.StateView(weakref.ref(self))
         index = self._torch_device.index if self._torch_device is not None else None
@@ -199,6 +204,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._attach([len(self.param_groups) - 1])
 
     def _check_param(self, p: torch.Tensor, pos: int) -> None:
+        """``p``: what the parts update (a DTensor parameter's local shard)."""
         if not self._device.is_device_tensor(p):
             raise OffloadConfigError(
                 f"parameter {pos} is on {p.device}, not on the {self._device.name} device: move "
@@ -222,10 +228,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Partition the parameters of ``group_ids``: of those with at least one dimension and
         one element, ``offload_fraction`` of the bytes by gradient arrival."""
         entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
-        for pos, (_, p) in enumerate(entries):
-            self._check_param(p, pos)
+        keys = [self._shards.add(p) for _, p in entries]  # a DTensor's local shard, else p
+        for pos, key in enumerate(keys):
+            self._check_param(key, pos)
+        if self._shards and self.max_grad_norm is not None:
+            raise OffloadConfigError(
+                "max_grad_norm clips this rank's gradients, and FSDP2's norm spans every rank: "
+                "call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between "
+                "backward() and step() instead (exact; step() redoes the copies it makes stale)")
         params = [p for _, p in entries]
-        sizes = [p.numel() * p.element_size() for p in params]
+        sizes = [k.numel() * k.element_size() for k in keys]
         order = self.options.grad_order
         arrival = arrival_from_order(params, order) if order is not None else default_arrival(len(params))
         # zero-size and 0-dim parameters stay on the device: nothing (or one number) to offload,
@@ -234,25 +246,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                   if sizes[i] > 0 and params[i].dim() > 0]
         offloaded = set(chosen)
         hypers = snapshot_hypers(self.param_groups)
-        on_cpu, streamed = self._split([params[i] for i in chosen], chosen, hypers)
+        on_cpu, streamed = self._split([keys[i] for i in chosen], chosen, hypers)
         if streamed:
-            self._add_streamed([params[i] for i in streamed], [entries[i][0] for i in streamed], hypers)
+            self._add_streamed([keys[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
+                               [params[i] for i in streamed])
         for order_ in make_buckets(on_cpu, sizes, self.options.bucket_bytes):
-            self._cpu.add_bucket([params[i] for i in order_], [entries[i][0] for i in order_], hypers,
+            self._cpu.add_bucket([keys[i] for i in order_], [entries[i][0] for i in order_], hypers,
                                  self._make(self._cpu_cls), self._chunk_elems)
-        if self._mode.copies_in_backward:
+        if self._mode.copies_in_backward:  # on the user's parameter: FSDP2 runs a shard's hooks
             hook = weak_call(self, "_on_grad")
             for i in on_cpu:
                 if params[i].requires_grad:
                     self._hooks.append(params[i].register_post_accumulate_grad_hook(hook))
         device_groups = []
         for gi in dict.fromkeys(gi for gi, _ in entries):
-            rest = [p for (g, p), i in zip(entries, range(len(entries))) if g == gi and i not in offloaded]
+            rest = [k for (g, _), k, i in zip(entries, keys, range(len(entries))) if g == gi and i not in offloaded]
             if rest:
                 device_groups.append((gi, rest, hypers[gi]))
         self._dev_part.add_groups(device_groups)
 
-    def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict]) -> None:
+    def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict],
+                      hooked: list[torch.Tensor]) -> None:
         if self.stream_during_backward and self._launcher is None:
             self._launcher = self._device.host_launcher(params[0].device)
         part = StreamedPart(self._device, params, group_ids, hypers, self._make(self._gpu_cls),
@@ -263,7 +277,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._record_streamed(part.params)
         if part.backward is not None:  # chunks start updating as their gradients land
             hook = weak_call(self, "_on_streamed_grad")
-            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in part.params if p.requires_grad]
+            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in hooked if p.requires_grad]
 
     def _split(self, params: list[torch.Tensor], chosen: list[int],
                hypers: list[dict]) -> tuple[list[int], list[int]]:
@@ -292,11 +306,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def offloaded_params(self) -> list[torch.Tensor]:
         """The parameters updated on the CPU, in gradient-arrival order."""
-        return self._cpu.params
+        return [self._shards.param(k) for k in self._cpu.params]
 
     def streamed_params(self) -> list[torch.Tensor]:
         """The offloaded parameters updated on the device from streamed state (see
         ``stream_fraction``), in gradient-arrival order."""
+        return [self._shards.param(k) for k in self._streamed_keys()]
+
+    def _streamed_keys(self) -> list[torch.Tensor]:
         return [p for part in self._parts for p in part.params]
 
     @property
@@ -311,15 +328,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not self._balance or self._balance["rates"] is None:
             return None
         b = self._balance
-        n = sum(p.numel() for p in self.offloaded_params() + self.streamed_params())
+        n = sum(p.numel() for p in self._cpu.params + self._streamed_keys())  # this rank's
         share = self.stream_fraction or 0.0
         return {"stream_fraction": share, "rates": dict(b["rates"]), "cpu_bytes": b["cpu_bytes"],
                 "stream_bytes": b["stream_bytes"],
                 **balance.balanced_seconds(n, 1.0 - share, b["rates"], b["cpu_bytes"], b["stream_bytes"])}
 
     def state_of(self, p: torch.Tensor) -> Optional[dict]:
-        """``p``'s optimizer state as the wrapped class keeps it (live tensors), or ``None``
-        before its first step. ``opt.state[p]`` reads it."""
+        """``p``'s optimizer state as the wrapped class keeps it (live tensors; DTensors for a
+        DTensor parameter), or ``None`` before its first step. ``opt.state[p]`` reads it."""
+        return self._shards.state_view(p, self._state_of(self._shards.key(p)))
+
+    def _state_of(self, p: torch.Tensor) -> Optional[dict]:
         if self._cpu is not None and self._cpu.owns(p):
             self._cpu.finish()
             b, k = self._cpu.where[id(p)]
@@ -343,12 +363,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def register_forward_waits(self, model: nn.Module) -> Any:
         """Make each submodule of ``model`` wait, before its forward, for its own offloaded
         parameters from the last ``step()`` (needed by ``overlap="next_forward"``; harmless
-        otherwise). Returns a handle whose ``remove()`` unregisters the hooks."""
+        otherwise). An FSDP2 module waits for every parameter before its root pre-forward
+        (FSDP2 orders its all-gathers after the compute stream there only). Returns a handle
+        whose ``remove()`` unregisters the hooks."""
         handles = []
         parts = {id(part): k for k, part in enumerate(self._parts)}
         wait_cpu, wait_streamed = weak_call(self, "_wait_cpu"), weak_call(self, "_wait_streamed")
+        under_fsdp: set[int] = set()  # ids of the parameters a root's hook covers
+        for root in fsdp_roots(model):
+            wait_all = weak_call(self, "wait_params")
+            handles.append(root.register_forward_pre_hook(lambda m, a: wait_all(), prepend=True))
+            under_fsdp.update(id(p) for p in root.parameters())
+            self._covered.update(id(self._shards.key(p)) for p in root.parameters())
         for module in model.modules():
-            own = list(module.parameters(recurse=False))
+            own = [self._shards.key(p) for p in module.parameters(recurse=False) if id(p) not in under_fsdp]
             buckets = sorted({self._cpu.where[id(p)][0] for p in own if self._cpu.owns(p)})
             if buckets:
                 handles.append(module.register_forward_pre_hook(lambda m, a, b=buckets: wait_cpu(b)))
@@ -423,14 +451,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._no_sync or p.grad is None or self._closed:
             return
-        self._cpu.on_grad(p, p.grad, self._hypers_now)
+        key, grad = self._shards.grad(p)  # under FSDP2: the local shard of the reduced gradient
+        self._cpu.on_grad(key, grad, self._hypers_now)
 
     def _on_streamed_grad(self, p: torch.Tensor) -> None:
         if self._no_sync or p.grad is None or self._ddp or self._closed:
             return
         self._cpu.finish()
-        part, k = self._streamed[id(p)]
-        part.backward.on_grad(k, p.grad, self._hypers_now())
+        key, grad = self._shards.grad(p)
+        part, k = self._streamed[id(key)]
+        part.backward.on_grad(k, grad, self._hypers_now())
 
     # -- step -------------------------------------------------------------------------------------
 
@@ -461,6 +491,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         st = self._cpu.take_step()
         st.step_called = time.perf_counter()
         try:
+            self._shards.sync_grads()
             self._cpu.validate(st, hypers, scale)
             edits = self._streamed_edits()
             self._cpu.flush(st)
@@ -479,6 +510,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._abandon(st)
             raise
+        finally:
+            self._shards.drop_grads()
         if self._mode.forward_waits:
             self._cpu.leave_inflight(st)
         else:
@@ -496,7 +529,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _streamed_edits(self) -> dict[int, dict[int, torch.Tensor]]:
         """Per streamed part (by position): its parameters edited since it wrote them, by index,
         with their values now (one host synchronization)."""
-        pairs = [(self._stream_written[id(p)], p) for p in self.streamed_params() if id(p) in self._stream_written]
+        pairs = [(self._stream_written[id(p)], p) for p in self._streamed_keys() if id(p) in self._stream_written]
         edits: dict[int, dict[int, torch.Tensor]] = {}
         parts = {id(part): n for n, part in enumerate(self._parts)}
         for (_, p), edited in zip(pairs, changed(pairs)):
@@ -545,6 +578,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         abandoned first: its early updates are undone, so parameters and optimizer state are
         those of the last ``step()``."""
         if self._cpu is not None:
+            self._shards.sync_grads()
             self._abandon()
             if set_to_none:
                 self._cpu.free_grads()
@@ -554,6 +588,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     for p in part.params:
                         if p.grad is not None:
                             self._device.will_write(p.grad)
+            self._shards.drop_grads()
         super().zero_grad(set_to_none)
 
     # -- clipping ----------------------------------------------------------------------------------
@@ -609,7 +644,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _placements(self) -> list[state_format.Placement]:
         out = []
         for g in self.param_groups:
-            for p in g["params"]:
+            for p in map(self._shards.key, g["params"]):
                 if id(p) in self._streamed:
                     part, k = self._streamed[id(p)]
                     out.append(state_format.Placement(p, part, part.keys[k], True))
@@ -628,7 +663,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._take_edits()
         sd = state_format.gather(self.param_groups, self._placements(), self._implementation)
         sd["hybrid"]["stream_fraction"] = self.stream_fraction
-        return sd
+        return self._shards.shard_state(sd, [p for g in self.param_groups for p in g["params"]])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
@@ -640,6 +675,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             sub_groups[id(self._dev_part.optimizer)] = self._dev_part.group_ids
         sub_groups.update((id(part), part.group_ids) for part in self._parts)
         placements = self._placements()
+        state_dict = self._shards.local_state(state_dict, [p for g in self.param_groups for p in g["params"]])
         state_format.scatter(state_dict, self.param_groups, placements, sub_groups)
         self._dev_part.write_params()
         self._cpu.write_params()
@@ -666,6 +702,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         would see local, unreduced ones); ``inner`` (default: DDP's ``allreduce_hook``) reduces
         each bucket. At the end of backward the optimizer records the ``.grad`` DDP wrote, so
         that ``step()`` sees later changes as without DDP."""
+        if self._shards:
+            raise OffloadUsageError("ddp_comm_hook() is for DistributedDataParallel; under FSDP2 "
+                                    "the optimizer takes the reduced gradient shards by itself")
         state_and_hook = ddp.comm_hook(weak_call(self, "_on_reduced_bucket"), inner,
                                        on_start=weak_call(self, "_queue_ddp_record"))
         self._ddp = True
