@@ -636,7 +636,22 @@ def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     meta = TensorMeta(like.shape, like.stride(), local.dtype)
     spec = dataclasses.replace(like._spec, tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
+    return DTensor(at_offset_zero(local), spec, requires_grad=False)
+
+
+def at_offset_zero(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, where it starts inside its storage, a tensor over the same memory (a
+    storage sliced from ``t``'s, which keeps it alive) that starts at offset 0. A DTensor takes
+    its local tensor's storage offset (2.13 to 2.15 at least), and one with a nonzero offset can
+    be neither deep-copied nor ``torch.save``'d ("invalid python storage"; FSDP2's own gradients
+    too): the optimizer's state tensors are views into larger pinned buffers."""
+    if t.storage_offset() == 0 or t.numel() == 0:
+        return t
+    size = t.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    start = t.storage_offset() * size
+    storage = t.untyped_storage()[start: start + span * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
 
 
 def dtensor_layout(t: torch.Tensor) -> tuple:
