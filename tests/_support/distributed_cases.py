@@ -8,11 +8,14 @@ marked ``multigpu``, 2 GPUs: NCCL + real streams), or by hand::
 Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
 ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and
 ``HybridDeviceOptimizer``), ``ddp-optim-clip`` (the optimizer's early updates under DDP's small
-buckets, with ``clip_grad_norm_`` between backward and step on some steps). Each one runs the
-same training step with and without offloading on the same model and inputs and checks on every
-rank that every gradient is ``torch.equal`` to the run without offloading (``ddp-optim*``: every
-parameter after the optimizer steps, against ``cpu_offload.optim.reference.PlacedReference``
-built from the hybrid optimizer's placement, and the same on every rank); on CUDA it also
+buckets, with ``clip_grad_norm_`` between backward and step on some steps), ``fsdp2-optim``
+(``HybridDeviceOptimizer`` over FSDP2 and HSDP shards, with activation offloading) and
+``zero-optim`` (``HybridDeviceOptimizer`` as ``ZeroRedundancyOptimizer``'s local optimizer).
+Each one runs the same training step with and without offloading on the same model and inputs
+and checks on every rank that every gradient is ``torch.equal`` to the run without offloading
+(``*-optim*``: every parameter, or shard, after the optimizer steps, against
+``cpu_offload.optim.reference.PlacedReference`` built from the hybrid optimizer's placement, and
+what is replicated the same on every rank); on CUDA it also
 measures peak memory above the pre-step baseline (and checks it shrinks where the case says so).
 Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
 torchrun reports the case as failed. After the last case every rank destroys the process group,
@@ -46,7 +49,7 @@ from cpu_offload import compat
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_layers
 
 CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim",
-         "ddp-optim-clip", "fsdp2-optim")
+         "ddp-optim-clip", "fsdp2-optim", "zero-optim")
 
 # Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
 # core.subclass.tensor_flatten for them (non-tensor inner attributes such as DTensor's
@@ -782,6 +785,66 @@ def fsdp2_optim_refusals(env: Env, cfg: GPTConfig) -> List[str]:
     return seen
 
 
+def case_zero_optim(env: Env) -> dict:
+    """``ZeroRedundancyOptimizer`` (ZeRO-1 over DDP) with ``HybridDeviceOptimizer`` as each rank's
+    local optimizer, given as ``functools.partial`` (its own arguments stay out of ZeRO's param
+    groups): each rank offloads half of its partition and takes the offloaded gradients from
+    DDP's reduced buckets (``ddp_comm_hook`` of ``zero.optim``), updating during backward.
+    Three steps, a different batch per rank and step: parameters ``torch.equal`` to the same
+    ZeRO run whose local optimizer is ``PlacedReference`` of that rank's hybrid (same partition),
+    the same on both ranks; ``consolidate_state_dict`` gathers the hybrid's state on rank 0.
+    ``overlap="next_forward"`` is left out: ZeRO broadcasts each partition right after
+    ``step()`` returns, before its updates land."""
+    import functools
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.reference import PlacedReference
+
+    cfg = env.config(2)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ids = [env.device.index] if env.cuda else None
+    device = {} if env.cuda else {"device": SimulatedDevice()}
+    ddp = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
+    local_cls = functools.partial(HybridDeviceOptimizer, offload_fraction=0.5, stream_fraction=0.5,
+                                  overlap="backward_update", **device)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=local_cls, **kw)
+    hybrid = zero.optim
+    ddp.register_comm_hook(*hybrid.ddp_comm_hook())
+
+    class Placed(torch.optim.Optimizer):
+        """This rank's partition stepped as ``PlacedReference`` of its hybrid."""
+
+        def __init__(self, groups: Any, **hyper: Any) -> None:
+            super().__init__(groups, hyper)
+            mine = [p for g in self.param_groups for p in g["params"]]
+            theirs = [p for g in hybrid.param_groups for p in g["params"]]
+            self.ref = PlacedReference.like(hybrid, theirs, mine, **hyper)
+
+        def step(self, closure: Any = None) -> None:
+            self.ref.step()
+
+    ref = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
+    ref_zero = ZeroRedundancyOptimizer(ref.parameters(), optimizer_class=Placed, **kw)
+    for step in range(3):
+        x = make_input(cfg, env.device, seed=10 * step + env.rank, requires_grad=False)
+        for net, opt in ((ddp, zero), (ref, ref_zero)):
+            loss_of(net(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert hybrid.offloaded_params() and hybrid.streamed_params(), "nothing offloaded"
+    got = [p.detach() for p in ddp.parameters()]
+    assert_equal(got, [p.detach() for p in ref.parameters()],
+                 "ZeroRedundancyOptimizer(HybridDeviceOptimizer) against PlacedReference")
+    assert_same_on_ranks(got, "ZeroRedundancyOptimizer(HybridDeviceOptimizer)")
+    zero.consolidate_state_dict(to=0)
+    states = len(zero.state_dict()["state"]) if env.rank == 0 else None
+    hybrid.close()
+    return {"consolidated_states": states, "params": len(got)}
+
+
 def run_cases(cases: List[str], device_kind: str) -> None:
     """Run ``cases`` one after the other in one process group; stop at the first failure."""
     env = Env(device_kind)
@@ -805,6 +868,8 @@ def run_cases(cases: List[str], device_kind: str) -> None:
                 result = case_ddp_optim_clip(env)
             elif case == "fsdp2-optim":
                 result = case_fsdp2_optim(env)
+            elif case == "zero-optim":
+                result = case_zero_optim(env)
             elif case in ("pipeline-gpipe", "pipeline-1f1b"):
                 result = case_pipeline(env, case.split("-", 1)[1])
             elif case == "tp":
