@@ -88,6 +88,8 @@ def test_distributed_benchmark_runs_on_cpu():
     assert code == 0, out[-6000:]
     for name in wrappers:
         assert f"{name} + offload k=2" in out, out[-3000:]
+    for name in set(wrappers) & {"ddp", "fsdp2"}:  # the optimizer rows, exact
+        assert f"{name} + hybrid f=0.25" in out and f"{name} + hybrid f=1 " in out, out[-3000:]
     assert " NO" not in out, out[-3000:]
 
 
