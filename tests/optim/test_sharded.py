@@ -149,3 +149,26 @@ def test_grad_arrival_order_sees_fsdp2_gradients(gloo, made):
     opt = HybridDeviceOptimizer(m.parameters(), 0.3, grad_order=order, device=SimulatedDevice(), **KW)
     made.append(opt)
     assert {names[id(p)] for p in opt.offloaded_params()} <= {"l3.weight", "l3.bias", "l2.weight", "l2.bias"}
+
+
+@splits(("backward_update", "next_forward"), during_backward=False)
+def test_clipping_between_backward_and_step_is_seen(gloo, made, split):
+    """``clip_grad_norm_`` over the FSDP2 model scales the DTensor gradients in place after the
+    hooks copied them: ``step()`` redoes that work (the first step; later ones start no early
+    work while every step changes the gradients), as without FSDP2."""
+    a, b = sharded(), sharded()
+    opt = make_hybrid(a, split, fraction=1.0, **KW)
+    made.append(opt)
+    ref = torch.optim.AdamW(b.parameters(), fused=True, **KW)
+    redone = []
+    for i in range(3):
+        for m, o in ((a, opt), (b, ref)):
+            loss_of(m, i).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            o.step()
+            o.zero_grad()
+        settle(opt)
+        redone.append(opt.last_step_stats.get("redone_buckets"))
+    assert_same_shards(a, b)
+    if opt.offloaded_params():
+        assert redone[0] > 0, redone
