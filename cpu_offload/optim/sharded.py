@@ -23,7 +23,7 @@ same shapes (even sharding; HSDP replicas) make the same choice.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -78,9 +78,6 @@ class ShardedParams:
 
     def is_sharded(self, p: torch.Tensor) -> bool:
         return id(p) in self._stand_in
-
-    def params(self) -> Iterator[torch.Tensor]:
-        return (self._param[id(s)] for s in self._stand_in.values())
 
     # -- gradients ---------------------------------------------------------------------------
 
