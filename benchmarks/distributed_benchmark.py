@@ -20,6 +20,19 @@ at once (a lower bound for the copies alone); and whether every gradient on this
 ``torch.equal`` to the wrapper's run without offloading. Rank 0 prints the table (the maximum over
 ranks) and writes ``distributed.json`` under ``--out``.
 
+Optimizer rows (``--optim-fractions``, default 0.25 and 1; empty for none), for ``ddp`` and
+``fsdp2``: a full training step (forward, backward, ``step()``, ``zero_grad()``) with plain fused
+AdamW on the GPU, then with ``HybridDeviceOptimizer`` at each fraction (default overlap and
+split; under DDP through its communication hook, under FSDP2 over each rank's shards). "peak GiB"
+there is the whole allocated peak (model, gradients, optimizer state, activations) and "held GiB"
+what stays allocated between steps, so the offloaded state shows; "exact" says that the
+parameters (each rank's shards under FSDP2) after the timed steps equal, bit for bit, those of
+``PlacedReference`` built from the hybrid's placement and stepped on the same inputs, and under
+DDP that both ranks hold the same bits.
+
+``--reference-size`` is the specification's reference workload per rank: hidden 4096, 32 heads,
+sequence 4096, 8 layers (``--hidden 4096 --heads 32 --seq 4096 --layers 8``).
+
 ``--device cpu`` runs the same code on the CPU with gloo and the simulated device (a smoke test
 of the script: times there mean nothing); it is the default where CUDA is not available.
 """
@@ -39,9 +52,12 @@ import torch.distributed as dist  # noqa: E402
 
 from cpu_offload import SimulatedDevice, compat, get_cpu_offload_context  # noqa: E402
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input  # noqa: E402
+from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
+from cpu_offload.optim.reference import PlacedReference  # noqa: E402
 
 
 DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTIM_KW = {"lr": 1e-4, "weight_decay": 0.1}  # the optimizer rows' hyperparameters
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,8 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--wrappers", default="single,ddp,fsdp2")
     p.add_argument("--link-mib", type=int, default=1024, help="buffer for the link measurement")
+    p.add_argument("--optim-fractions", default="0.25,1",
+                   help="offload_fraction of the HybridDeviceOptimizer rows (ddp, fsdp2); '' for none")
+    p.add_argument("--reference-size", action="store_true",
+                   help="hidden 4096, 32 heads, seq 4096, 8 layers per rank (the reference workload)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.reference_size:
+        args.hidden, args.heads, args.seq, args.layers = 4096, 32, 4096, 8
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but CUDA is not available here; run with --device cpu (gloo and "
                 "the simulated device), the default on such machines")
@@ -164,6 +186,69 @@ class Runner:
         return {"time_s": median(times), "host_s": median(hosts), "peak_bytes": max(peaks),
                 "out_bytes": out_bytes, "grads": grads}
 
+    def optimizer(self, name: str, model: torch.nn.Module, fraction) -> object:
+        """Plain fused AdamW (``fraction`` None), or ``HybridDeviceOptimizer`` (under DDP through
+        its communication hook)."""
+        if fraction is None:
+            return torch.optim.AdamW(model.parameters(), fused=True, **OPTIM_KW)
+        kw = {} if self.cuda else {"device": SimulatedDevice()}
+        opt = HybridDeviceOptimizer(model.parameters(), fraction, **kw, **OPTIM_KW)
+        if name == "ddp":
+            model.register_comm_hook(*opt.ddp_comm_hook())
+        return opt
+
+    def train_step(self, model, opt, x) -> float:
+        """Forward, backward, ``step()``, ``zero_grad()``; returns the host seconds until
+        ``backward()`` returned."""
+        t0 = time.perf_counter()
+        model(x).float().square().mean().backward()
+        host = time.perf_counter() - t0
+        opt.step()
+        opt.zero_grad()
+        return host
+
+    def measure_optim(self, name: str, fraction) -> dict:
+        """A training step of wrapper ``name`` with plain AdamW (``fraction`` None) or the
+        hybrid at ``fraction``: times, whole peak and held memory, and whether the parameters
+        after the timed steps are the reference's (see the module docstring)."""
+        model = self.wrap(name)
+        x = make_input(self.cfg, self.device, seed=10 + self.rank, requires_grad=False)
+        opt = self.optimizer(name, model, fraction)
+        for _ in range(self.args.warmup):
+            self.train_step(model, opt, x)
+        times, hosts, peaks, held = [], [], [], []
+        for _ in range(self.args.steps):
+            self.sync()
+            dist.barrier()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+                held.append(torch.cuda.memory_allocated())
+            t0 = time.perf_counter()
+            hosts.append(self.train_step(model, opt, x))
+            self.sync()
+            times.append(time.perf_counter() - t0)
+            peaks.append(torch.cuda.max_memory_allocated() if self.cuda else 0)
+        exact = True
+        got = [compat_local(p).detach().clone() for p in model.parameters()]
+        if fraction is not None:
+            opt.wait_params()
+            got = [compat_local(p).detach().clone() for p in model.parameters()]
+            ref_model = self.wrap(name)
+            ref = PlacedReference.like(opt, list(model.parameters()), ref_model.parameters(), **OPTIM_KW)
+            for _ in range(self.args.warmup + self.args.steps):
+                self.train_step(ref_model, ref, x)
+            exact = all(torch.equal(a, compat_local(b).detach()) for a, b in zip(got, ref_model.parameters()))
+            opt.close()
+            del ref_model, ref
+        if name == "ddp":  # replicas: every rank the same bits
+            for t in got:
+                theirs = t.clone()
+                dist.broadcast(theirs, src=0)
+                exact = exact and torch.equal(theirs, t)
+        del model, opt, got
+        return {"time_s": median(times), "host_s": median(hosts), "peak_bytes": max(peaks),
+                "held_bytes": max(held) if held else 0, "exact": exact}
+
     def gather_max(self, value: float) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64,
                          device=self.device if self.cuda else "cpu")
@@ -175,10 +260,33 @@ def compat_local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def optim_rows(r: Runner, fractions: list) -> tuple:
+    """The optimizer rows (DDP and FSDP2 among ``--wrappers``): table rows and records."""
+    rows, records = [], []
+    for name in [w for w in r.args.wrappers.split(",") if w in ("ddp", "fsdp2")]:
+        t0 = p0 = None
+        for fraction in [None] + fractions:
+            m = r.measure_optim(name, fraction)
+            exact = r.gather_max(0.0 if m["exact"] else 1.0) == 0.0
+            t, peak = r.gather_max(m["time_s"]), r.gather_max(m["peak_bytes"])
+            host, held = r.gather_max(m["host_s"]), r.gather_max(m["held_bytes"])
+            t0, p0 = (t, peak) if fraction is None else (t0, p0)
+            method = f"{name} + AdamW" if fraction is None else f"{name} + hybrid f={fraction:g}"
+            rec = {"method": method, "offload_fraction": fraction, "step_ms": t * 1e3,
+                   "host_ms": host * 1e3, "time_x": t / t0, "peak_gib": peak / 2**30,
+                   "peak_x": (peak / p0) if p0 else None, "held_gib": held / 2**30, "exact": exact}
+            records.append(rec)
+            rows.append([method, f"{rec['step_ms']:.1f}", f"{rec['host_ms']:.1f}", f"{rec['time_x']:.3f}",
+                         f"{rec['peak_gib']:.2f}", "" if rec["peak_x"] is None else f"{rec['peak_x']:.3f}",
+                         f"{rec['held_gib']:.2f}", "yes" if exact else "NO"])
+    return rows, records
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     r = Runner(args)
     ks = [int(k) for k in args.ks.split(",") if k]
+    fractions = [float(f) for f in args.optim_fractions.split(",") if f]
     rows, records = [], []
     try:
         gbps = r.link_gbps()
@@ -202,6 +310,7 @@ def main(argv=None) -> None:
                              "" if rec["peak_x"] is None else f"{rec['peak_x']:.3f}",
                              f"{rec['out_gb']:.2f}", f"{rec['link_ms']:.1f}",
                              "yes" if all_exact else "NO"])
+        opt_rows, opt_records = optim_rows(r, fractions) if fractions else ([], [])
         if r.rank == 0:
             cfg = r.cfg
             print(f"torch {torch.__version__} | {r.world} ranks | {args.device} | hidden "
@@ -210,12 +319,16 @@ def main(argv=None) -> None:
                   f"D2H {gbps:.1f} GB/s per rank with both ranks copying")
             print(format_table(["method", "step ms", "host ms", "time x", "peak GiB", "peak x",
                                 "GB out", "link ms", "exact"], rows))
+            if opt_rows:
+                print("\nwith an optimizer (whole peak; held: between steps):")
+                print(format_table(["method", "step ms", "host ms", "time x", "peak GiB", "peak x",
+                                    "held GiB", "exact"], opt_rows))
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 write_json(args.out / "distributed.json",
                            {"args": {k: str(v) for k, v in vars(args).items()},
                             "torch": torch.__version__, "world": r.world, "d2h_gbps": gbps,
-                            "rows": records})
+                            "rows": records, "optim_rows": opt_records})
         dist.barrier()  # gloo on torch 2.1 hangs in teardown when one rank gets there first
     finally:
         dist.destroy_process_group()

@@ -131,8 +131,8 @@ def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: 
                     device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
                     stream: Any = 0, bind: bool = False, budget_mib: Optional[float] = None,
                     during_backward: bool = False) -> Any:
-    if fraction is None:
-        return MasterWeightOptimizer(model.parameters(), **KW)
+    if fraction is None:  # what a mixed-precision loop does without offloading
+        return MasterWeightOptimizer(model.parameters(), follow_edits=False, **KW)
     if fraction == "torchao":  # the peer users compare with: bf16 state on the CPU, no masters
         try:
             from torchao.optim import CPUOffloadOptimizer

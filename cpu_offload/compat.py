@@ -586,3 +586,102 @@ def amp_unscale_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) 
     any is not finite. The optimizer offload applies it to optimizers that do not take the
     scale themselves, exactly as ``GradScaler`` would."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# --- DTensor parameters and FSDP2 (``HybridDeviceOptimizer`` over sharded parameters) ---------
+#
+# How FSDP2 hands over sharded gradients (torch 2.13 ``distributed/fsdp/_fully_shard``): after a
+# group's backward, ``FSDPParamGroup.post_backward`` (``_fsdp_param_group.py``) calls
+# ``foreach_reduce`` (``_fsdp_collectives.py``), which reduce-scatters the group's gradients on the
+# reduce-scatter stream (HSDP: then all-reduces them on the all-reduce stream) and, under
+# ``with device_handle.stream(post_reduce_stream)``, sets each sharded parameter's ``.grad`` (a
+# DTensor over a view of the reduce-scatter output, or adds into the one there) and then runs
+# the ``register_post_accumulate_grad_hook`` hooks of that sharded parameter itself (autograd
+# never reaches the sharded parameters). So the hook sees the final, reduced shard, and the
+# current stream inside it is the stream that wrote it. Every release this package supports
+# (2.6 and later) does this (pytorch#129450, since torch 2.5); some releases skip the loop under
+# compiled autograd. No hook runs for a backward without gradient sync
+# (``set_requires_gradient_sync(False)``, or HSDP without ``set_requires_all_reduce``).
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (where that module was never
+    imported, nothing is one: no import here)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank: the very tensor object it holds (``_local_tensor``, in
+    every release). Not ``to_local()``: with autograd enabled that returns a new view each call,
+    and from torch 2.13 also without it for an ``nn.Parameter`` (pytorch#166156); the
+    optimizer recognises a gradient by its identity."""
+    return t._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor over ``local`` (this rank's shard, ``like``'s local shape, any dtype and
+    device) laid out as the DTensor ``like``: same mesh, placements and global shape, the dtype
+    of ``local``. ``local`` is used as it is, not moved: ``DTensor.from_local`` copies it to the
+    mesh's device type (an offloaded optimizer state would land on the GPU); FSDP2 builds its
+    DTensors this way (``_fsdp_common._from_local_no_grad``), which also keeps CPU shards of a
+    CUDA mesh where they are (its ``CPUOffloadPolicy``)."""
+    import dataclasses
+
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    spec = dataclasses.replace(like._spec, tensor_meta=meta)
+    return DTensor(at_offset_zero(local), spec, requires_grad=False)
+
+
+def at_offset_zero(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, where it starts inside its storage, a tensor over the same memory (a
+    storage sliced from ``t``'s, which keeps it alive) that starts at offset 0. A DTensor takes
+    its local tensor's storage offset (2.13 to 2.15 at least), and one with a nonzero offset can
+    be neither deep-copied nor ``torch.save``'d ("invalid python storage"; FSDP2's own gradients
+    too): the optimizer's state tensors are views into larger pinned buffers."""
+    if t.storage_offset() == 0 or t.numel() == 0:
+        return t
+    size = t.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    start = t.storage_offset() * size
+    storage = t.untyped_storage()[start: start + span * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
+def dtensor_layout(t: torch.Tensor) -> tuple:
+    """``(mesh, placements, global shape)`` of a DTensor: what must match for its local shard
+    to be another DTensor's."""
+    return (t.device_mesh, tuple(t.placements), tuple(t.shape))
+
+
+def fsdp_module_class() -> Optional[type]:
+    """``FSDPModule`` (the class ``fully_shard`` gives a module; under
+    ``torch.distributed._composable.fsdp`` in 2.4-2.5), or None without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        return FSDPModule
+    except ImportError:  # pragma: no cover - FSDP2 is in every supported release
+        return None
+
+
+def fsdp_offloads_to_cpu(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard(module, offload_policy=CPUOffloadPolicy())`` keeps ``module``'s
+    own sharded parameters on the CPU (``FSDPParam.offload_to_cpu`` of the state's param groups:
+    ``_fsdp_param_groups`` in newer releases, ``_fsdp_param_group`` in older ones). False where
+    this torch keeps it elsewhere."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return False
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return any(getattr(fp, "offload_to_cpu", False) for g in groups for fp in getattr(g, "fsdp_params", ()))

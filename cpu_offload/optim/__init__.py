@@ -4,6 +4,7 @@ offloading"; docs/architecture.md, "The optimizer").
 Modules, one job each:
 
 - ``hybrid``       the optimizer itself: a facade that partitions and runs the parts in order;
+- ``classes``      the wrapped optimizer classes: the default, the API check, the factory;
 - ``device_part``  parameters updated on the device by the wrapped class, as without offloading;
 - ``cpu_part``     parameters updated on the CPU (``cpu_step``: one step's typed records and phases;
   ``cpu_update``: one bucket's masters, optimizers and update);
@@ -18,9 +19,10 @@ Modules, one job each:
 - ``balance``      how the offloaded parameters split between the CPU and the streamed part;
 - ``transfer``     pinned staging buffers and the copies to/from the device;
 - ``worker``       the CPU thread that runs the updates;
-- ``state``        state_dict format and conversion to the wrapped optimizer's format;
+- ``state``        state_dict format and conversion to the wrapped optimizer's format, ``opt.state``;
 - ``overlap``      the overlap modes: what runs during backward and what ``step()`` waits for;
 - ``ddp``          DistributedDataParallel's communication hook;
+- ``sharded``      DTensor (FSDP2) parameters: the local shards the parts update, DTensor state;
 - ``reference``    the plain optimizers the hybrid is compared with (tests, benchmarks).
 """
 from .hybrid import HybridDeviceOptimizer

@@ -358,15 +358,18 @@ class CpuPart:
             bs = st.buckets[b]
             bs.move(Phase.RUNNING)
             job = bs.job
+            # queued in backward but starting after step() found it valid: nothing to keep
+            speculative = job.early and bs.verdict is not True
         job.future.set_running_or_notify_cancel()
         try:
-            job.future.set_result(self._run_update(st, b, job))
+            job.future.set_result(self._run_update(st, b, job, speculative))
         except BaseException as exc:  # noqa: BLE001 - raised to whoever waits for the bucket
             job.future.set_exception(exc)
 
-    def _run_update(self, st: CpuStep, b: int, job: UpdateJob) -> Optional[Event]:
-        """Update bucket ``b``; an early one keeps what it changes (restorable) and stays on the
-        host until ``step()`` found it valid. Returns the event of its parameters' copy in."""
+    def _run_update(self, st: CpuStep, b: int, job: UpdateJob, speculative: bool) -> Optional[Event]:
+        """Update bucket ``b``; a ``speculative`` one (started before ``step()`` found the bucket
+        valid) keeps a copy of what it changes (restorable) and stays on the host until then.
+        Returns the event of its parameters' copy in."""
         t0 = time.perf_counter()
         bs = st.buckets[b]
         self.engine.wait_landed(bs.landed)
@@ -375,8 +378,8 @@ class CpuPart:
         grads = [self.engine.grads.typed(p) if k in bs.copies else None for k, p in enumerate(bucket.params)]
         out = [self.engine.params.typed(p) for p in bucket.params]
         try:
-            bucket.update(grads, out, self._scratch, _on_host(job.hypers), job.coef, keep_previous=job.early,
-                          scale=job.scale)
+            bucket.update(grads, out, self._scratch, _on_host(job.hypers), job.coef,
+                          keep_previous=speculative, scale=job.scale)
         except BaseException:
             if bucket.restorable:  # an early update that failed leaves no trace
                 bucket.restore()
@@ -387,7 +390,7 @@ class CpuPart:
         with st.lock:
             st.cpu_update_s += t2 - t1
             st.jobs.append((t0, t1, t2))
-            if job.early and bs.verdict is not True:
+            if speculative and bs.verdict is not True:
                 bs.move(Phase.UPDATED)
                 return None
             return self._send(st, b)

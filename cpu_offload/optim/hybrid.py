@@ -1,14 +1,13 @@
 """``HybridDeviceOptimizer``: the facade over the three update paths (``device_part``,
 ``cpu_part``, ``stream_update`` with ``stream_backward``). It partitions the parameters, installs
-the hooks, and runs one step in order: validate the early work, copy the rest, clip, update."""
+the hooks, and runs one step in order: validate the early work, copy the rest, clip, update.
+The parts see plain tensors: for a DTensor parameter (FSDP2) its local shard (``sharded``)."""
 from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
 import weakref
-from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -21,6 +20,7 @@ from ..core.launcher import Launcher
 from . import balance, ddp
 from . import state as state_format
 from .amp import LossScale
+from .classes import build, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS
 from .device_part import DevicePart
@@ -28,87 +28,10 @@ from .guards import Fingerprint, changed, snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
+from .sharded import ShardedParams, fsdp_roots
 from .stream_update import StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores
-
-def _build(cls: Callable[..., torch.optim.Optimizer], kwargs: dict, groups: list[dict]) -> torch.optim.Optimizer:
-    return cls(groups, **kwargs)
-
-
-REQUIRED_API = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
-
-
-def default_optimizer_cls(kwargs: dict) -> Callable[..., torch.optim.Optimizer]:
-    """``torch.optim.AdamW`` with ``fused=True`` (on CPU and GPU alike), unless ``kwargs`` choose
-    the implementation themselves (``fused`` or ``foreach``)."""
-    if "fused" in kwargs or "foreach" in kwargs:
-        return torch.optim.AdamW
-
-    def adamw_fused(params: Any, **kw: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, fused=True, **kw)
-
-    return adamw_fused
-
-
-_WARMED = threading.Event()
-
-
-def _warm_torch_optim() -> None:
-    """Build a first torch optimizer on a thread of its own. torch's first optimizer in a
-    process imports its compiler lazily and leaves the frames of that call in a reference cycle;
-    called from ``__init__`` those frames would hold the hybrid optimizer (and its pinned
-    memory) until the cycle collector runs. Here they hold nothing of the user's."""
-    if _WARMED.is_set():
-        return
-    t = threading.Thread(target=lambda: torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
-                         name="cpu_offload-optim-warmup")
-    t.start()
-    t.join()
-    _WARMED.set()
-
-
-def _probe(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
-    """Instantiate ``cls`` on a dummy CPU parameter: check its API, return its defaults."""
-    name = getattr(cls, "__name__", repr(cls))
-    try:
-        probe = cls([torch.zeros(1, requires_grad=True)], **kwargs)
-    except Exception as exc:
-        raise OffloadConfigError(
-            f"{role}={name} could not be built with the optimizer arguments {sorted(kwargs)}: "
-            f"{exc}; pass arguments that class accepts") from exc
-    missing = [a for a in REQUIRED_API if not callable(getattr(probe, a, None))]
-    missing += [a for a in ("param_groups", "state", "defaults") if not hasattr(probe, a)]
-    if missing:
-        raise OffloadConfigError(
-            f"{role}={name} lacks {', '.join(missing)}: the hybrid optimizer needs a "
-            "torch.optim.Optimizer-like class (param_groups, state, defaults, step, zero_grad, "
-            "state_dict, load_state_dict, add_param_group); subclass torch.optim.Optimizer")
-    return dict(probe.defaults)
-
-
-class _StateView(Mapping):
-    """``opt.state``: each stepped parameter -> its state, live (the parts' own tensors), as a
-    torch optimizer's ``state`` maps them."""
-
-    def __init__(self, owner: "weakref.ref[HybridDeviceOptimizer]") -> None:
-        self._owner = owner  # weakly: no cycle through the optimizer's own attribute
-
-    def __getitem__(self, p: torch.Tensor) -> dict:
-        opt = self._owner()
-        st = opt.state_of(p) if opt is not None and isinstance(p, torch.Tensor) else None
-        if not st:
-            raise KeyError(p)
-        return st
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        opt = self._owner()
-        params = [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
-        return (p for p in params if opt.state_of(p))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     r"""Keep ``offload_fraction`` of the optimizer state, and its update, in CPU memory.
@@ -120,6 +43,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ``gpu_optimizer_cls`` from state streamed through it; the rest by ``cpu_optimizer_cls`` on
     a CPU worker thread, overlapped with backward (and with the next forward in
     ``overlap="next_forward"``). The other parameters are updated on the device as usual.
+    FSDP2 (``fully_shard``) parameters: each rank does this over its own local shards, with the
+    gradients FSDP2 reduce-scattered, and keeps DTensor state (docs/optimizer.md).
 
     **Exact.** With ``device=SimulatedDevice()`` the result equals the wrapped classes run
     directly. On a GPU the CPU part equals ``cpu_optimizer_cls`` run on the CPU over the same
@@ -189,7 +114,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         options: Optional[OptimizerOffloadOptions] = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        _warm_torch_optim()
+        warm_torch_optim()
         self._closed = False
         opts, optimizer_kwargs = split_options(options, optimizer_kwargs)
         self.options = opts
@@ -230,8 +155,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu_cls = cpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
         self._gpu_cls = gpu_optimizer_cls or default_optimizer_cls(optimizer_kwargs)
         self._kwargs = dict(optimizer_kwargs)
-        defaults = _probe(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
-        defaults.update(_probe(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
+        defaults = probe_class(self._gpu_cls, self._kwargs, "gpu_optimizer_cls")
+        defaults.update(probe_class(self._cpu_cls, self._kwargs, "cpu_optimizer_cls"))
         # implementation choices (fused, foreach, ...) stay out of the wrapper's groups, so each
         # part keeps its own; state_dict() reports them as the wrapped class would
         self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
@@ -257,8 +182,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._worker: Optional[CpuWorker] = None
         self._dev_part = DevicePart(self._make(self._gpu_cls), param_update_in_fp32)
         self._cpu: Optional[CpuPart] = None
+        self._shards = ShardedParams()  # DTensor parameters and the local tensors the parts update
         super().__init__(params, defaults)
-        self.state = _StateView(weakref.ref(self))
+        self.state = state_format.StateView(weakref.ref(self))
         index = self._torch_device.index if self._torch_device is not None else None
         cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
         self._worker = CpuWorker(self._cpu_threads, cuda_index,
@@ -278,6 +204,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._attach([len(self.param_groups) - 1])
 
     def _check_param(self, p: torch.Tensor, pos: int) -> None:
+        """``p``: what the parts update (a DTensor parameter's local shard)."""
         if not self._device.is_device_tensor(p):
             raise OffloadConfigError(
                 f"parameter {pos} is on {p.device}, not on the {self._device.name} device: move "
@@ -295,16 +222,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _make(self, cls: Callable[..., torch.optim.Optimizer]) -> Callable[[list[dict]], torch.optim.Optimizer]:
         """A factory of ``cls`` over given groups; it holds no reference to the optimizer (no
         cycle: the optimizer is freed as soon as it is dropped)."""
-        return functools.partial(_build, cls, dict(self._kwargs))
+        return functools.partial(build, cls, dict(self._kwargs))
 
     def _attach(self, group_ids: Iterable[int]) -> None:
         """Partition the parameters of ``group_ids``: of those with at least one dimension and
         one element, ``offload_fraction`` of the bytes by gradient arrival."""
         entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
-        for pos, (_, p) in enumerate(entries):
-            self._check_param(p, pos)
+        keys = [self._shards.add(p) for _, p in entries]  # a DTensor's local shard, else p
+        for pos, key in enumerate(keys):
+            self._check_param(key, pos)
+        if self._shards and self.max_grad_norm is not None:
+            raise OffloadConfigError(
+                "max_grad_norm clips this rank's gradients, and FSDP2's norm spans every rank: "
+                "call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) between "
+                "backward() and step() instead (exact; step() redoes the copies it makes stale)")
         params = [p for _, p in entries]
-        sizes = [p.numel() * p.element_size() for p in params]
+        sizes = [k.numel() * k.element_size() for k in keys]
         order = self.options.grad_order
         arrival = arrival_from_order(params, order) if order is not None else default_arrival(len(params))
         # zero-size and 0-dim parameters stay on the device: nothing (or one number) to offload,
@@ -313,25 +246,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                   if sizes[i] > 0 and params[i].dim() > 0]
         offloaded = set(chosen)
         hypers = snapshot_hypers(self.param_groups)
-        on_cpu, streamed = self._split([params[i] for i in chosen], chosen, hypers)
+        on_cpu, streamed = self._split([keys[i] for i in chosen], chosen, hypers)
         if streamed:
-            self._add_streamed([params[i] for i in streamed], [entries[i][0] for i in streamed], hypers)
+            self._add_streamed([keys[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
+                               [params[i] for i in streamed])
         for order_ in make_buckets(on_cpu, sizes, self.options.bucket_bytes):
-            self._cpu.add_bucket([params[i] for i in order_], [entries[i][0] for i in order_], hypers,
+            self._cpu.add_bucket([keys[i] for i in order_], [entries[i][0] for i in order_], hypers,
                                  self._make(self._cpu_cls), self._chunk_elems)
-        if self._mode.copies_in_backward:
+        if self._mode.copies_in_backward:  # on the user's parameter: FSDP2 runs a shard's hooks
             hook = weak_call(self, "_on_grad")
             for i in on_cpu:
                 if params[i].requires_grad:
                     self._hooks.append(params[i].register_post_accumulate_grad_hook(hook))
         device_groups = []
         for gi in dict.fromkeys(gi for gi, _ in entries):
-            rest = [p for (g, p), i in zip(entries, range(len(entries))) if g == gi and i not in offloaded]
+            rest = [k for (g, _), k, i in zip(entries, keys, range(len(entries))) if g == gi and i not in offloaded]
             if rest:
                 device_groups.append((gi, rest, hypers[gi]))
         self._dev_part.add_groups(device_groups)
 
-    def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict]) -> None:
+    def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict],
+                      hooked: list[torch.Tensor]) -> None:
         if self.stream_during_backward and self._launcher is None:
             self._launcher = self._device.host_launcher(params[0].device)
         part = StreamedPart(self._device, params, group_ids, hypers, self._make(self._gpu_cls),
@@ -342,7 +277,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._record_streamed(part.params)
         if part.backward is not None:  # chunks start updating as their gradients land
             hook = weak_call(self, "_on_streamed_grad")
-            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in part.params if p.requires_grad]
+            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in hooked if p.requires_grad]
 
     def _split(self, params: list[torch.Tensor], chosen: list[int],
                hypers: list[dict]) -> tuple[list[int], list[int]]:
@@ -358,7 +293,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         def rates() -> dict:
             if request == "auto":
                 return balance.planning_rates(self._device)
-            return balance.rates(self._device, params[0].device, lambda: balance.cpu_update_probe(
+            return balance.rates(self._device, params[0].device, lambda: balance.cpu_updateprobe_class(
                 params[0].dtype, self._make(self._cpu_cls), hypers[0], self._chunk_elems), self._cpu_threads)
 
         on_cpu, self._balance = balance.split(params, request, self._state_probe[0], rates,
@@ -371,11 +306,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def offloaded_params(self) -> list[torch.Tensor]:
         """The parameters updated on the CPU, in gradient-arrival order."""
-        return self._cpu.params
+        return [self._shards.param(k) for k in self._cpu.params]
 
     def streamed_params(self) -> list[torch.Tensor]:
         """The offloaded parameters updated on the device from streamed state (see
         ``stream_fraction``), in gradient-arrival order."""
+        return [self._shards.param(k) for k in self._streamed_keys()]
+
+    def _streamed_keys(self) -> list[torch.Tensor]:
         return [p for part in self._parts for p in part.params]
 
     @property
@@ -390,15 +328,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not self._balance or self._balance["rates"] is None:
             return None
         b = self._balance
-        n = sum(p.numel() for p in self.offloaded_params() + self.streamed_params())
+        n = sum(p.numel() for p in self._cpu.params + self._streamed_keys())  # this rank's
         share = self.stream_fraction or 0.0
         return {"stream_fraction": share, "rates": dict(b["rates"]), "cpu_bytes": b["cpu_bytes"],
                 "stream_bytes": b["stream_bytes"],
                 **balance.balanced_seconds(n, 1.0 - share, b["rates"], b["cpu_bytes"], b["stream_bytes"])}
 
     def state_of(self, p: torch.Tensor) -> Optional[dict]:
-        """``p``'s optimizer state as the wrapped class keeps it (live tensors), or ``None``
-        before its first step. ``opt.state[p]`` reads it."""
+        """``p``'s optimizer state as the wrapped class keeps it (live tensors; DTensors for a
+        DTensor parameter), or ``None`` before its first step. ``opt.state[p]`` reads it."""
+        return self._shards.state_view(p, self._state_of(self._shards.key(p)))
+
+    def _state_of(self, p: torch.Tensor) -> Optional[dict]:
         if self._cpu is not None and self._cpu.owns(p):
             self._cpu.finish()
             b, k = self._cpu.where[id(p)]
@@ -422,12 +363,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def register_forward_waits(self, model: nn.Module) -> Any:
         """Make each submodule of ``model`` wait, before its forward, for its own offloaded
         parameters from the last ``step()`` (needed by ``overlap="next_forward"``; harmless
-        otherwise). Returns a handle whose ``remove()`` unregisters the hooks."""
+        otherwise). An FSDP2 module waits for every parameter before its root pre-forward
+        (FSDP2 orders its all-gathers after the compute stream there only). Returns a handle
+        whose ``remove()`` unregisters the hooks."""
         handles = []
         parts = {id(part): k for k, part in enumerate(self._parts)}
         wait_cpu, wait_streamed = weak_call(self, "_wait_cpu"), weak_call(self, "_wait_streamed")
+        under_fsdp: set[int] = set()  # ids of the parameters a root's hook covers
+        for root in fsdp_roots(model):
+            wait_all = weak_call(self, "wait_params")
+            handles.append(root.register_forward_pre_hook(lambda m, a: wait_all(), prepend=True))
+            under_fsdp.update(id(p) for p in root.parameters())
+            self._covered.update(id(self._shards.key(p)) for p in root.parameters())
         for module in model.modules():
-            own = list(module.parameters(recurse=False))
+            own = [self._shards.key(p) for p in module.parameters(recurse=False) if id(p) not in under_fsdp]
             buckets = sorted({self._cpu.where[id(p)][0] for p in own if self._cpu.owns(p)})
             if buckets:
                 handles.append(module.register_forward_pre_hook(lambda m, a, b=buckets: wait_cpu(b)))
@@ -502,14 +451,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._no_sync or p.grad is None or self._closed:
             return
-        self._cpu.on_grad(p, p.grad, self._hypers_now)
+        key, grad = self._shards.grad(p)  # under FSDP2: the local shard of the reduced gradient
+        self._cpu.on_grad(key, grad, self._hypers_now)
 
     def _on_streamed_grad(self, p: torch.Tensor) -> None:
         if self._no_sync or p.grad is None or self._ddp or self._closed:
             return
         self._cpu.finish()
-        part, k = self._streamed[id(p)]
-        part.backward.on_grad(k, p.grad, self._hypers_now())
+        key, grad = self._shards.grad(p)
+        part, k = self._streamed[id(key)]
+        part.backward.on_grad(k, grad, self._hypers_now())
 
     # -- step -------------------------------------------------------------------------------------
 
@@ -540,6 +491,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         st = self._cpu.take_step()
         st.step_called = time.perf_counter()
         try:
+            self._shards.sync_grads()
             self._cpu.validate(st, hypers, scale)
             edits = self._streamed_edits()
             self._cpu.flush(st)
@@ -558,6 +510,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._abandon(st)
             raise
+        finally:
+            self._shards.drop_grads()
         if self._mode.forward_waits:
             self._cpu.leave_inflight(st)
         else:
@@ -575,7 +529,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _streamed_edits(self) -> dict[int, dict[int, torch.Tensor]]:
         """Per streamed part (by position): its parameters edited since it wrote them, by index,
         with their values now (one host synchronization)."""
-        pairs = [(self._stream_written[id(p)], p) for p in self.streamed_params() if id(p) in self._stream_written]
+        pairs = [(self._stream_written[id(p)], p) for p in self._streamed_keys() if id(p) in self._stream_written]
         edits: dict[int, dict[int, torch.Tensor]] = {}
         parts = {id(part): n for n, part in enumerate(self._parts)}
         for (_, p), edited in zip(pairs, changed(pairs)):
@@ -624,6 +578,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         abandoned first: its early updates are undone, so parameters and optimizer state are
         those of the last ``step()``."""
         if self._cpu is not None:
+            self._shards.sync_grads()
             self._abandon()
             if set_to_none:
                 self._cpu.free_grads()
@@ -633,6 +588,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     for p in part.params:
                         if p.grad is not None:
                             self._device.will_write(p.grad)
+            self._shards.drop_grads()
         super().zero_grad(set_to_none)
 
     # -- clipping ----------------------------------------------------------------------------------
@@ -688,7 +644,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _placements(self) -> list[state_format.Placement]:
         out = []
         for g in self.param_groups:
-            for p in g["params"]:
+            for p in map(self._shards.key, g["params"]):
                 if id(p) in self._streamed:
                     part, k = self._streamed[id(p)]
                     out.append(state_format.Placement(p, part, part.keys[k], True))
@@ -707,7 +663,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._take_edits()
         sd = state_format.gather(self.param_groups, self._placements(), self._implementation)
         sd["hybrid"]["stream_fraction"] = self.stream_fraction
-        return sd
+        return self._shards.shard_state(sd, [p for g in self.param_groups for p in g["params"]])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
@@ -719,6 +675,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             sub_groups[id(self._dev_part.optimizer)] = self._dev_part.group_ids
         sub_groups.update((id(part), part.group_ids) for part in self._parts)
         placements = self._placements()
+        state_dict = self._shards.local_state(state_dict, [p for g in self.param_groups for p in g["params"]])
         state_format.scatter(state_dict, self.param_groups, placements, sub_groups)
         self._dev_part.write_params()
         self._cpu.write_params()
@@ -745,6 +702,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         would see local, unreduced ones); ``inner`` (default: DDP's ``allreduce_hook``) reduces
         each bucket. At the end of backward the optimizer records the ``.grad`` DDP wrote, so
         that ``step()`` sees later changes as without DDP."""
+        if self._shards:
+            raise OffloadUsageError("ddp_comm_hook() is for DistributedDataParallel; under FSDP2 "
+                                    "the optimizer takes the reduced gradient shards by itself")
         state_and_hook = ddp.comm_hook(weak_call(self, "_on_reduced_bucket"), inner,
                                        on_start=weak_call(self, "_queue_ddp_record"))
         self._ddp = True

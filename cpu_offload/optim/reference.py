@@ -16,6 +16,7 @@ import torch
 
 from .cpu_update import master_dtype
 from .guards import merge_edited
+from .sharded import ShardedParams
 
 
 class MasterWeightOptimizer:
@@ -27,13 +28,17 @@ class MasterWeightOptimizer:
     and copies the masters back (rounded to the parameter dtype). ``optimizer`` is the wrapped
     optimizer (for LR schedulers). ``master_device``: where the masters live (default: each
     parameter's device). ``in_place``: parameters stepped as they are, without a master.
+    ``follow_edits=False`` skips taking edits (a full pass over every master each step): what a
+    mixed-precision loop without offloading does, the benchmarks' baseline.
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
                  optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
                  master_device: Optional[torch.device] = None,
-                 in_place: Iterable[torch.Tensor] = (), **kwargs: Any) -> None:
+                 in_place: Iterable[torch.Tensor] = (), follow_edits: bool = True,
+                 **kwargs: Any) -> None:
         self.params = list(params)
+        self.follow_edits = follow_edits
         direct = {id(p) for p in in_place}
         self.masters = [p if id(p) in direct else p.detach().to(
             master_device or p.device, master_dtype(p.dtype), copy=True) for p in self.params]
@@ -45,7 +50,7 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         masters = [(m, p) for m, p in zip(self.masters, self.params) if m is not p]
-        for m, p in masters:
+        for m, p in masters if self.follow_edits else ():
             merge_edited(m, p)  # a parameter edited since the last step: its master follows
         for m, p in masters:
             m.grad = None if p.grad is None else p.grad.to(m.device, m.dtype)
@@ -81,7 +86,9 @@ class PlacedReference:
     equals the wrapped class; on a GPU it is the exact reference.
 
     ``params`` are the reference model's (a copy of the hybrid's model), ``on_cpu`` and
-    ``in_place`` positions in them; ``like`` reads both from a hybrid optimizer.
+    ``in_place`` positions in them; ``like`` reads both from a hybrid optimizer. DTensor
+    parameters (FSDP2) are stepped as the hybrid steps them: each rank over its local shards,
+    from the local shards of their gradients.
 
     Example::
 
@@ -106,9 +113,11 @@ class PlacedReference:
                  gpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
                  in_place: Iterable[int] = (), **kwargs: Any) -> None:
         self.params = list(params)
+        self._shards = ShardedParams()
+        keys = [self._shards.add(p) for p in self.params]  # a DTensor's local shard, else p
         cpu, direct = set(on_cpu), set(in_place)
-        here = [p for i, p in enumerate(self.params) if i in cpu]
-        there = [p for i, p in enumerate(self.params) if i not in cpu]
+        here = [p for i, p in enumerate(keys) if i in cpu]
+        there = [p for i, p in enumerate(keys) if i not in cpu]
         self.parts: list[MasterWeightOptimizer] = []
         if here:
             self.parts.append(MasterWeightOptimizer(
@@ -117,7 +126,7 @@ class PlacedReference:
         if there:
             self.parts.append(MasterWeightOptimizer(
                 there, gpu_optimizer_cls or default_cls(kwargs),
-                in_place=[self.params[i] for i in direct], **kwargs))
+                in_place=[keys[i] for i in direct], **kwargs))
 
     @classmethod
     def like(cls, opt: Any, hybrid_params: Sequence[torch.Tensor], params: Iterable[torch.Tensor],
@@ -137,9 +146,16 @@ class PlacedReference:
                    **kwargs)
 
     def step(self) -> None:
-        for part in self.parts:
-            part.step()
+        self._shards.sync_grads()
+        try:
+            for part in self.parts:
+                part.step()
+        finally:
+            self._shards.drop_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for part in self.parts:
-            part.zero_grad(set_to_none)
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()

@@ -22,8 +22,10 @@ wrapped optimizer's own state dict and starts master weights from the current pa
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -182,3 +184,26 @@ def scatter(
             hp = {k: v for k, v in hyperparameters(saved_groups[gi]).items() if k not in IMPLEMENTATION_KEYS}
             groups.append({**hyperparameters(group), **hp, "params": ids})
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+class StateView(Mapping):
+    """``opt.state``: each stepped parameter -> its state, live (the parts' own tensors), as a
+    torch optimizer's ``state`` maps them."""
+
+    def __init__(self, owner: "weakref.ref[Any]") -> None:
+        self._owner = owner  # the optimizer, weakly: no cycle through its own attribute
+
+    def __getitem__(self, p: torch.Tensor) -> dict:
+        opt = self._owner()
+        st = opt.state_of(p) if opt is not None and isinstance(p, torch.Tensor) else None
+        if not st:
+            raise KeyError(p)
+        return st
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        opt = self._owner()
+        params = [] if opt is None else [p for g in opt.param_groups for p in g["params"]]
+        return (p for p in params if opt.state_of(p))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

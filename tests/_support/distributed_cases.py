@@ -8,11 +8,14 @@ marked ``multigpu``, 2 GPUs: NCCL + real streams), or by hand::
 Cases (``--case``): ``ddp``, ``fsdp2``, ``fsdp2-apply`` (``apply_offloading`` on an FSDP2 model),
 ``pipeline-gpipe``, ``pipeline-1f1b``, ``tp``, ``ddp-optim`` (DDP with activation offloading and
 ``HybridDeviceOptimizer``), ``ddp-optim-clip`` (the optimizer's early updates under DDP's small
-buckets, with ``clip_grad_norm_`` between backward and step on some steps). Each one runs the
-same training step with and without offloading on the same model and inputs and checks on every
-rank that every gradient is ``torch.equal`` to the run without offloading (``ddp-optim*``: every
-parameter after the optimizer steps, against ``cpu_offload.optim.reference.PlacedReference``
-built from the hybrid optimizer's placement, and the same on every rank); on CUDA it also
+buckets, with ``clip_grad_norm_`` between backward and step on some steps), ``fsdp2-optim``
+(``HybridDeviceOptimizer`` over FSDP2 and HSDP shards, with activation offloading) and
+``zero-optim`` (``HybridDeviceOptimizer`` as ``ZeroRedundancyOptimizer``'s local optimizer).
+Each one runs the same training step with and without offloading on the same model and inputs
+and checks on every rank that every gradient is ``torch.equal`` to the run without offloading
+(``*-optim*``: every parameter, or shard, after the optimizer steps, against
+``cpu_offload.optim.reference.PlacedReference`` built from the hybrid optimizer's placement, and
+what is replicated the same on every rank); on CUDA it also
 measures peak memory above the pre-step baseline (and checks it shrinks where the case says so).
 Rank 0 prints one ``RESULT {json}`` line. Any failure raises, so the rank exits non-zero and
 torchrun reports the case as failed. After the last case every rank destroys the process group,
@@ -46,7 +49,7 @@ from cpu_offload import compat
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_layers
 
 CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim",
-         "ddp-optim-clip")
+         "ddp-optim-clip", "fsdp2-optim", "zero-optim")
 
 # Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
 # core.subclass.tensor_flatten for them (non-tensor inner attributes such as DTensor's
@@ -191,18 +194,19 @@ def case_ddp(env: Env) -> dict:
 # Seen on the tox releases: FSDP2 creates CUDA streams even for CPU parameters before torch 2.8
 # (fails on 2.4.1 and 2.6.0), and Schedule1F1B over gloo hangs in its fused send/recv before 2.8
 # (2.4.1, 2.6.0). Both work on 2.8.0 and later; on GPUs (NCCL) they are run on every release.
-CPU_NEEDS_2_8 = ("fsdp2", "fsdp2-apply", "pipeline-1f1b")
+CPU_NEEDS_2_8 = ("fsdp2", "fsdp2-apply", "pipeline-1f1b", "fsdp2-optim")
 
 
-def fsdp2_model(env: Env, cfg: GPTConfig) -> Optional[nn.Module]:
-    """A GPT stack with ``fully_shard`` on every block and on the stack (None before FSDP2)."""
+def fsdp2_model(env: Env, cfg: GPTConfig, **shard: Any) -> Optional[nn.Module]:
+    """A GPT stack with ``fully_shard(..., **shard)`` on every block and on the stack (None
+    before FSDP2)."""
     fully_shard = compat.fully_shard()
     if fully_shard is None:
         return None
     model = build_model(cfg, env.device, seed=0)
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **shard)
+    fully_shard(model, **shard)
     return model
 
 
@@ -496,6 +500,351 @@ def case_ddp_optim_clip(env: Env) -> dict:
     return {"redone_buckets": redone}
 
 
+# (offload_fraction, overlap, stream_fraction, stream_during_backward, mesh): fractions 0.25 and
+# 1; a CPU part alone, a streamed part alone, both, and streaming during backward; plain FSDP2
+# (``Shard(0)`` over both ranks) and HSDP (both ranks hold the same shards: replicated state).
+FSDP2_OPTIM_VARIANTS = (
+    (0.25, "backward_update", 0.0, False, "fsdp"),
+    (1.0, "next_forward", 0.5, False, "fsdp"),
+    (0.25, "backward_copies", 1.0, False, "hsdp"),
+    (1.0, "backward_update", 0.5, True, "fsdp"),
+)
+
+
+def case_fsdp2_optim(env: Env) -> dict:
+    """FSDP2 (``fully_shard`` per block and on the stack) and ``HybridDeviceOptimizer``: each
+    rank offloads a share of its own local shards, taking the gradients FSDP2 reduce-scattered
+    (FSDP2 runs the sharded parameters' post-accumulate-grad hooks), with activation offloading
+    on the same blocks. Per variant (``FSDP2_OPTIM_VARIANTS``), three steps with a different
+    batch per rank and step, then:
+
+    - every local shard ``torch.equal`` to ``PlacedReference`` built from the hybrid's placement
+      (each rank's CPU part stepped by the CPU class on CPU masters of its shards, the rest by
+      the device class), stepped from the same FSDP2 model without activation offloading; on
+      the CPU (one class everywhere) also to plain ``torch.optim.AdamW(fused=True)`` over the
+      FSDP2 model, shards and state;
+    - ``state_dict()`` holds DTensor state laid out as the parameters (offloaded state in CPU
+      memory); what must be replicated is the same on both ranks (step counts, groups, the
+      placement: both ranks' shards have the same shapes), and under HSDP every shard and
+      state tensor;
+    - ``get_optimizer_state_dict`` steps nothing; ``torch.distributed.checkpoint`` saves it and
+      loads it into a fresh optimizer over a copy of the model (``set_optimizer_state_dict``),
+      and one more step on both gives the same bits;
+    - on a GPU, the device memory the trained model and its optimizer hold is below the
+      reference's (the offloaded state is on the host).
+
+    Also: ``max_grad_norm`` and FSDP2's ``CPUOffloadPolicy`` are refused with the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cpu_offload.core.errors import OffloadConfigError
+    from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.reference import PlacedReference
+
+    n, k = 4, 2
+    cfg = env.config(n)
+    if fsdp2_model(env, cfg) is None:
+        return {"skipped": f"no FSDP2 fully_shard in torch {torch.__version__}"}
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    meshes = {"fsdp": {}, "hsdp": {"mesh": init_device_mesh(
+        env.device.type, (env.world, 1), mesh_dim_names=("replicate", "shard"))}}
+    opt_devices: dict = {}  # id(optimizer) -> its simulated device
+    opt_log_start: dict = {}  # id(optimizer) -> where its device's log of this backward starts
+
+    def train(model: nn.Module, opt: Any, steps: range, ctx=None, sync=None,
+              before_step: Callable[[], None] = lambda: None) -> None:
+        for i in steps:
+            x = make_input(cfg, env.device, seed=100 * i + env.rank, requires_grad=False)
+            loss_of(model(x, ctx, sync)).backward()
+            before_step()
+            opt.step()
+            opt.zero_grad()
+
+    def copied_in_backward(opt: Any) -> Callable[[], None]:
+        """Before ``step()``: the CPU part's gradient copies were queued from FSDP2's hooks
+        (on the simulated device, whose log shows them; on a GPU nothing is checked)."""
+        sim = opt_devices.get(id(opt))
+
+        def check() -> None:
+            if sim is not None and opt.offloaded_params() and opt.overlap != "none":
+                d2h = [e for e in sim.log[opt_log_start[id(opt)]:] if e[0] == "copy" and e[-1] == "d2h"]
+                assert d2h, f"{opt.overlap}: no gradient was copied during backward"
+                opt_log_start[id(opt)] = len(sim.log)
+
+        return check
+
+    def held(build: Callable[[], Any]) -> tuple:
+        """``build()`` and the device bytes it leaves allocated (0 on the CPU)."""
+        env.sync()
+        base = compat.cuda_allocated_bytes() if env.cuda else 0
+        out = build()
+        env.sync()
+        return out, (compat.cuda_allocated_bytes() - base if env.cuda else 0)
+
+    ratios = []
+    for fraction, overlap, stream, early, layout in FSDP2_OPTIM_VARIANTS:
+        what = f"FSDP2 + HybridDeviceOptimizer({fraction}, {overlap}, stream {stream}" + \
+            (", during backward" if early else "") + f", {layout})"
+        args = dict(offload_fraction=fraction, overlap=overlap, stream_fraction=stream,
+                    stream_during_backward=early, **kw)
+
+        def hybrid(model: nn.Module) -> Any:
+            sim = None if env.cuda else SimulatedDevice()
+            opt = HybridDeviceOptimizer(model.parameters(), device=sim, **args)
+            opt.register_forward_waits(model)
+            opt_devices[id(opt)] = sim
+            opt_log_start[id(opt)] = len(sim.log) if sim is not None else 0
+            return opt
+
+        def trained() -> tuple:
+            model = fsdp2_model(env, cfg, **meshes[layout])
+            opt = hybrid(model)
+            ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,
+                                                **env.offload_kwargs())
+            train(model, opt, range(3), ctx, sync, before_step=copied_in_backward(opt))
+            opt.wait_params()
+            if early:  # the streamed part's updates started in backward, and were kept
+                stats = opt.last_step_stats
+                assert 0 < stats["stream_early_kept"] == stats["stream_early_chunks"], stats
+            return model, opt
+
+        (model, opt), hybrid_bytes = held(trained)
+        params = list(model.parameters())
+        got = [local(p).detach().clone() for p in params]
+
+        def reference() -> tuple:
+            ref_model = fsdp2_model(env, cfg, **meshes[layout])
+            ref_opt = PlacedReference.like(opt, params, ref_model.parameters(), **kw)
+            train(ref_model, ref_opt, range(3))
+            return ref_model, ref_opt
+
+        (ref_model, ref_opt), ref_bytes = held(reference)
+        assert_equal(got, [local(p).detach() for p in ref_model.parameters()],
+                     f"{what}: shards against PlacedReference")
+        del ref_model, ref_opt
+        sd = opt.state_dict()
+        if not env.cuda:  # one class everywhere: plain AdamW over the FSDP2 model
+            plain_model = fsdp2_model(env, cfg, **meshes[layout])
+            plain = torch.optim.AdamW(plain_model.parameters(), fused=True, **kw)
+            train(plain_model, plain, range(3))
+            assert_equal(got, [local(p).detach() for p in plain_model.parameters()],
+                         f"{what}: shards against torch.optim.AdamW")
+            psd = plain.state_dict()
+            for i, entry in psd["state"].items():
+                for name, v in entry.items():
+                    mine = sd["state"][i][name]
+                    assert compat.is_dtensor(mine) == compat.is_dtensor(v), (what, i, name)
+                    assert_equal([local(mine).cpu()], [local(v).cpu()], f"{what}: state {i} {name}")
+        check_sharded_state(opt, params, sd, what)
+        replicated = (sd["hybrid"]["offloaded"], sd["param_groups"],
+                      {i: int(e["step"]) for i, e in sd["state"].items()})
+        everyone: List[Any] = [None] * env.world
+        dist.all_gather_object(everyone, replicated)
+        assert all(r == everyone[0] for r in everyone), f"{what}: replicated state differs between ranks"
+        if layout == "hsdp":
+            assert_same_on_ranks(got + [local(v) for e in sd["state"].values() for v in e.values()
+                                        if compat.is_dtensor(v)], what)
+        dcp_round_trip(env, cfg, model, opt, lambda: fsdp2_model(env, cfg, **meshes[layout]),
+                       hybrid,
+                       lambda m, o: train(m, o, range(3, 4)), what)
+        opt.close()
+        if env.cuda:
+            assert hybrid_bytes < ref_bytes, f"{what}: holds {hybrid_bytes} B, reference {ref_bytes}"
+            ratios.append(hybrid_bytes / ref_bytes)
+    refused = fsdp2_optim_refusals(env, cfg)
+    fsdp2_optim_uneven(env)
+    return {"held_ratio": max(ratios) if ratios else None, "variants": len(FSDP2_OPTIM_VARIANTS),
+            "refused": refused}
+
+
+def fsdp2_optim_uneven(env: Env) -> None:
+    """Uneven shards (rows 3 and 1 over 2 ranks: one rank's shard of the last layer is empty):
+    each rank places its own shards (the placements differ), and the result is still
+    ``PlacedReference``'s, shard by shard."""
+    from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.reference import PlacedReference
+
+    fully_shard = compat.fully_shard()
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        with torch.device(env.device):
+            m = nn.Sequential(nn.Linear(16, 3), nn.Tanh(), nn.Linear(3, 16), nn.Linear(16, 1))
+        for layer in m:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(m)
+        return m
+
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    a, b = model(), model()
+    opt = HybridDeviceOptimizer(a.parameters(), 1.0, stream_fraction=0.5, overlap="backward_update",
+                                **({} if env.cuda else {"device": SimulatedDevice()}), **kw)
+    ref = PlacedReference.like(opt, list(a.parameters()), b.parameters(), **kw)
+    for step in range(3):
+        x = torch.randn(8, 16, device=env.device, generator=torch.Generator(env.device).manual_seed(step + 10 * env.rank))
+        for m, o in ((a, opt), (b, ref)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_equal([local(p).detach() for p in a.parameters()], [local(p).detach() for p in b.parameters()],
+                 "FSDP2 + HybridDeviceOptimizer, uneven shards")
+    assert any(local(p).numel() == 0 for p in a.parameters()) == (env.rank == 1), "no empty shard"
+    opt.close()
+
+
+def check_sharded_state(opt: Any, params: List[torch.Tensor], sd: dict, what: str) -> None:
+    """Each parameter's state tensors shaped like it are DTensors laid out as it (``opt.state``
+    too); those of offloaded parameters are in CPU memory."""
+    offloaded = {id(p) for p in opt.offloaded_params() + opt.streamed_params()}
+    assert offloaded, f"{what}: nothing offloaded"
+    for i, p in enumerate(params):
+        for name, v in sd["state"][i].items():
+            if v.dim() == 0:
+                continue
+            assert compat.is_dtensor(v) and v.placements == p.placements and v.shape == p.shape, \
+                f"{what}: state {i} {name} is not laid out as its parameter"
+            assert (local(v).device.type == "cpu") or id(p) not in offloaded, \
+                f"{what}: offloaded state {i} {name} on {local(v).device}"
+        live = opt.state[p]
+        assert all(compat.is_dtensor(v) for v in live.values() if v.dim() > 0), what
+
+
+def dcp_round_trip(env: Env, cfg: GPTConfig, model: nn.Module, opt: Any,
+                   new_model: Callable[[], nn.Module], new_opt: Callable[[nn.Module], Any],
+                   step: Callable[[nn.Module, Any], None], what: str) -> None:
+    """``get_optimizer_state_dict`` steps nothing; saved with ``torch.distributed.checkpoint``
+    and loaded into ``new_opt`` over a copy of ``model``, one more ``step`` on both gives the
+    same bits."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    before = [local(p).detach().clone() for p in model.parameters()]
+    steps = {i: int(e["step"]) for i, e in opt.state_dict()["state"].items()}
+    osd = get_optimizer_state_dict(model, opt)
+    assert_equal([local(p).detach() for p in model.parameters()], before,
+                 f"{what}: get_optimizer_state_dict changed a parameter")
+    assert {i: int(e["step"]) for i, e in opt.state_dict()["state"].items()} == steps, \
+        f"{what}: get_optimizer_state_dict stepped"
+    where = [tempfile.mkdtemp(prefix="fsdp2-optim-") if env.rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        dcp.save(osd, checkpoint_id=where[0])
+        other = new_model()
+        with torch.no_grad():
+            for mine, theirs in zip(other.parameters(), model.parameters()):
+                local(mine).copy_(local(theirs))
+        other_opt = new_opt(other)
+        loaded = get_optimizer_state_dict(other, other_opt)  # the layout to load into
+        dcp.load(loaded, checkpoint_id=where[0])
+        set_optimizer_state_dict(other, other_opt, loaded)
+        dist.barrier()
+    finally:
+        if env.rank == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+    step(model, opt)
+    step(other, other_opt)
+    opt.wait_params()
+    other_opt.wait_params()
+    assert_equal([local(p).detach() for p in other.parameters()],
+                 [local(p).detach() for p in model.parameters()],
+                 f"{what}: a step after the DCP round trip")
+    other_opt.close()
+
+
+def fsdp2_optim_refusals(env: Env, cfg: GPTConfig) -> List[str]:
+    """``max_grad_norm`` over FSDP2 parameters, and FSDP2's ``CPUOffloadPolicy``, raise an
+    ``OffloadConfigError`` naming the fix (the policy: at construction on a GPU, where the shards
+    are on the CPU; at ``register_forward_waits`` on the CPU, where they are anyway)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from cpu_offload.core.errors import OffloadConfigError
+    from cpu_offload.optim import HybridDeviceOptimizer
+
+    device = {} if env.cuda else {"device": SimulatedDevice()}
+    seen = []
+    model = fsdp2_model(env, cfg)
+    try:
+        HybridDeviceOptimizer(model.parameters(), 0.5, max_grad_norm=1.0, **device)
+    except OffloadConfigError as e:
+        assert "clip_grad_norm_" in str(e), e
+        seen.append("max_grad_norm")
+    model = fsdp2_model(env, cfg, offload_policy=CPUOffloadPolicy(pin_memory=env.cuda))
+    try:
+        opt = HybridDeviceOptimizer(model.parameters(), 0.5, **device)
+        try:
+            opt.register_forward_waits(model)
+        finally:
+            opt.close()
+    except OffloadConfigError as e:
+        assert "CPUOffloadPolicy" in str(e), e
+        seen.append("CPUOffloadPolicy")
+    assert seen == ["max_grad_norm", "CPUOffloadPolicy"], seen
+    return seen
+
+
+def case_zero_optim(env: Env) -> dict:
+    """``ZeroRedundancyOptimizer`` (ZeRO-1 over DDP) with ``HybridDeviceOptimizer`` as each rank's
+    local optimizer, given as ``functools.partial`` (its own arguments stay out of ZeRO's param
+    groups): each rank offloads half of its partition and takes the offloaded gradients from
+    DDP's reduced buckets (``ddp_comm_hook`` of ``zero.optim``), updating during backward.
+    Three steps, a different batch per rank and step: parameters ``torch.equal`` to the same
+    ZeRO run whose local optimizer is ``PlacedReference`` of that rank's hybrid (same partition),
+    the same on both ranks; ``consolidate_state_dict`` gathers the hybrid's state on rank 0.
+    ``overlap="next_forward"`` is left out: ZeRO broadcasts each partition right after
+    ``step()`` returns, before its updates land."""
+    import functools
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.reference import PlacedReference
+
+    cfg = env.config(2)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ids = [env.device.index] if env.cuda else None
+    device = {} if env.cuda else {"device": SimulatedDevice()}
+    ddp = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
+    local_cls = functools.partial(HybridDeviceOptimizer, offload_fraction=0.5, stream_fraction=0.5,
+                                  overlap="backward_update", **device)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=local_cls, **kw)
+    hybrid = zero.optim
+    ddp.register_comm_hook(*hybrid.ddp_comm_hook())
+
+    class Placed(torch.optim.Optimizer):
+        """This rank's partition stepped as ``PlacedReference`` of its hybrid."""
+
+        def __init__(self, groups: Any, **hyper: Any) -> None:
+            super().__init__(groups, hyper)
+            mine = [p for g in self.param_groups for p in g["params"]]
+            theirs = [p for g in hybrid.param_groups for p in g["params"]]
+            self.ref = PlacedReference.like(hybrid, theirs, mine, **hyper)
+
+        def step(self, closure: Any = None) -> None:
+            self.ref.step()
+
+    ref = DDP(build_model(cfg, env.device, seed=0), device_ids=ids)
+    ref_zero = ZeroRedundancyOptimizer(ref.parameters(), optimizer_class=Placed, **kw)
+    for step in range(3):
+        x = make_input(cfg, env.device, seed=10 * step + env.rank, requires_grad=False)
+        for net, opt in ((ddp, zero), (ref, ref_zero)):
+            loss_of(net(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert hybrid.offloaded_params() and hybrid.streamed_params(), "nothing offloaded"
+    got = [p.detach() for p in ddp.parameters()]
+    assert_equal(got, [p.detach() for p in ref.parameters()],
+                 "ZeroRedundancyOptimizer(HybridDeviceOptimizer) against PlacedReference")
+    assert_same_on_ranks(got, "ZeroRedundancyOptimizer(HybridDeviceOptimizer)")
+    zero.consolidate_state_dict(to=0)
+    states = len(zero.state_dict()["state"]) if env.rank == 0 else None
+    hybrid.close()
+    return {"consolidated_states": states, "params": len(got)}
+
+
 def run_cases(cases: List[str], device_kind: str) -> None:
     """Run ``cases`` one after the other in one process group; stop at the first failure."""
     env = Env(device_kind)
@@ -517,6 +866,10 @@ def run_cases(cases: List[str], device_kind: str) -> None:
                 result = case_ddp_optim(env)
             elif case == "ddp-optim-clip":
                 result = case_ddp_optim_clip(env)
+            elif case == "fsdp2-optim":
+                result = case_fsdp2_optim(env)
+            elif case == "zero-optim":
+                result = case_zero_optim(env)
             elif case in ("pipeline-gpipe", "pipeline-1f1b"):
                 result = case_pipeline(env, case.split("-", 1)[1])
             elif case == "tp":

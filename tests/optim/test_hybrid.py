@@ -697,8 +697,9 @@ def test_fraction_one_holds_no_optimizer_state_on_the_gpu_and_no_late_pinned_all
     assert all(t.device.type == "cpu" for s in sd["state"].values() for t in s.values()
                if isinstance(t, torch.Tensor))
     # gradients were set to None; what stays is the fingerprints of what the optimizer wrote
-    # (to tell a user's later edit from its own write): one allocator block per CPU bucket
-    fingerprints = 512 * len(opt._cpu.buckets)
+    # (to tell a user's later edit from its own write): one 512-byte block per CPU bucket and per
+    # module waiting for streamed parameters, never more than one per offloaded parameter
+    fingerprints = 512 * (len(opt.offloaded_params()) + len(opt.streamed_params()))
     assert params_only <= torch.cuda.memory_allocated() <= params_only + fingerprints
     opt.close()
 
@@ -754,3 +755,35 @@ def test_loss_matches_the_gpu_baseline_and_checkpoint_scheduler_clipping():
     assert more2 == more
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
+    """An update queued during backward but started after ``step()`` validated its bucket (the
+    CPU behind: the usual case at large fractions) is final: it keeps no copy to undo itself
+    (one more read and write of its masters and state). Only the one that started before is
+    speculative."""
+    import threading
+
+    gate, kept = threading.Event(), []
+    real_update, real_validate = CpuBucket.update, CpuPart.validate
+
+    def update(self, *args, keep_previous=False, **kw):
+        gate.wait(30)  # the first update starts before step(), the others queue behind it
+        kept.append(keep_previous)
+        return real_update(self, *args, keep_previous=keep_previous, **kw)
+
+    def validate(self, *args, **kw):
+        out = real_validate(self, *args, **kw)
+        gate.set()
+        return out
+
+    monkeypatch.setattr(CpuBucket, "update", update)
+    monkeypatch.setattr(CpuPart, "validate", validate)
+    ref, _ = reference(1)
+    m = model()
+    opt = hybrid(m, 1.0, "backward_update", bucket_bytes=2**14)
+    train(m, opt, 1)
+    assert len(kept) == len(opt._cpu.buckets) > 2
+    assert kept[0] and not any(kept[1:]), kept
+    assert_same_params(m, ref)
+    opt.close()
