@@ -72,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ks", default="2,4", help="layers offloaded (the first k), comma-separated")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--wrappers", default="single,ddp,fsdp2")
+    p.add_argument("--wrappers", default=None,
+                   help="comma-separated among single, ddp, fsdp2; default: all three (on the CPU "
+                        "fsdp2 only from torch 2.8, where FSDP2 runs on gloo)")
     p.add_argument("--link-mib", type=int, default=1024, help="buffer for the link measurement")
     p.add_argument("--optim-fractions", default="0.25,1",
                    help="offload_fraction of the HybridDeviceOptimizer rows (ddp, fsdp2); '' for none")
@@ -82,6 +84,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reference_size:
         args.hidden, args.heads, args.seq, args.layers = 4096, 32, 4096, 8
+    fsdp2_here = args.device == "cuda" or compat.TORCH_VERSION >= compat.Version("2.8")
+    if args.wrappers is None:
+        args.wrappers = "single,ddp,fsdp2" if fsdp2_here else "single,ddp"
+        if not fsdp2_here:
+            print(f"distributed_benchmark: no fsdp2 rows: FSDP2 runs on the CPU (gloo) from torch "
+                  f"2.8, this is {torch.__version__}", flush=True)
+    elif "fsdp2" in args.wrappers.split(",") and not fsdp2_here:
+        p.error(f"--wrappers fsdp2 on the CPU needs torch >= 2.8 (FSDP2 on gloo), this is "
+                f"{torch.__version__}: run it on GPUs or leave fsdp2 out")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but CUDA is not available here; run with --device cpu (gloo and "
                 "the simulated device), the default on such machines")

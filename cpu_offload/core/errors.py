@@ -88,11 +88,17 @@ def check_sync_argument(tensor: Any) -> None:
         )
 
 
+# Frames of torch's dynamo-disable wrappers (``compat.compiler_disable``) around our hooks: on
+# torch 2.6 they sit between the user's line and ours, and are not the user's line either.
+_PASS_THROUGH = ("cpu_offload", "torch._dynamo.eval_frame", "torch._compile")
+
+
 def stacklevel_outside_package() -> int:
     """``stacklevel`` for ``warnings.warn`` that points at the first caller outside
-    ``cpu_offload`` (the user's line), however deep inside the package the warning is raised."""
+    ``cpu_offload`` (the user's line), however deep inside the package the warning is raised,
+    and through torch's dynamo-disable wrappers of our hooks."""
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("cpu_offload"):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PASS_THROUGH):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -87,20 +87,39 @@ class ShardedParams:
         stand_in = self._stand_in.get(id(p))
         if stand_in is None:
             return p, p.grad
+        self._check_shard(p, stand_in)
         stand_in.grad = None if p.grad is None else local_tensor(p.grad)
         return stand_in, stand_in.grad
 
     def sync_grads(self) -> None:
         """Every stand-in's ``.grad`` from its parameter's ``.grad`` as it is now."""
-        for pid, stand_in in self._stand_in.items():
+        for stand_in in self._stand_in.values():
             p = self._param[id(stand_in)]
-            if stand_in.numel() and local_tensor(p).data_ptr() != stand_in.data_ptr():
-                raise OffloadUsageError(
-                    f"parameter {tuple(p.shape)}: its local shard was replaced after the optimizer "
-                    "was built (e.g. load_state_dict(assign=True) or .data = ...), so updates would "
-                    "go to the old one: build the optimizer over the model's final parameters, or "
-                    "load weights in place (model.load_state_dict(sd))")
+            self._check_shard(p, stand_in)
             stand_in.grad = None if p.grad is None else local_tensor(p.grad)
+
+    @staticmethod
+    def _check_shard(p: torch.Tensor, stand_in: torch.Tensor) -> None:
+        """Refuse to go on when ``p``'s local shard is no longer the memory the parts update:
+        their updates would be lost. Same values in new memory is FSDP2's doing (before torch
+        2.11 its lazy initialization, at the model's first forward, moves an uneven shard to
+        new padded memory); other values, the user's (``load_state_dict(assign=True)``)."""
+        shard = local_tensor(p)
+        if not stand_in.numel() or shard.data_ptr() == stand_in.data_ptr():
+            return
+        if shard.shape == stand_in.shape and bool(torch.equal(shard, stand_in)):
+            raise OffloadUsageError(
+                f"parameter {tuple(p.shape)}: FSDP2 moved its local shard to new memory at the "
+                f"model's first forward (torch {torch.__version__} re-pads uneven shards when "
+                "fully_shard's lazy initialization runs), after HybridDeviceOptimizer was built "
+                "over the old memory, so updates would be lost: build the optimizer after one "
+                "forward of the model (e.g. `with torch.no_grad(): model(batch)`), or use torch "
+                ">= 2.11, whose FSDP2 keeps the memory")
+        raise OffloadUsageError(
+            f"parameter {tuple(p.shape)}: its local shard was replaced after the optimizer "
+            "was built (e.g. load_state_dict(assign=True) or .data = ...), so updates would "
+            "go to the old one: build the optimizer over the model's final parameters, or "
+            "load weights in place (model.load_state_dict(sd))")
 
     def drop_grads(self) -> None:
         for stand_in in self._stand_in.values():

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from packaging.version import Version
 from torch import nn
 
-from cpu_offload import SimulatedDevice, apply_offloading, get_cpu_offload_context
+from cpu_offload import OffloadUsageError, SimulatedDevice, apply_offloading, get_cpu_offload_context
 from cpu_offload import compat
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_layers
 
@@ -676,9 +676,30 @@ def fsdp2_optim_uneven(env: Env) -> None:
         return m
 
     kw = dict(lr=1e-2, weight_decay=0.1)
+    dev = {} if env.cuda else {"device": SimulatedDevice()}
+    x0 = torch.zeros(8, 16, device=env.device)
+    # Before torch 2.11, FSDP2's lazy initialization (the first forward) moves uneven shards
+    # to new memory: an optimizer built before it is refused at its first step, with the fix.
+    early = model()
+    shards = [local(p).data_ptr() for p in early.parameters()]
+    too_early = HybridDeviceOptimizer(early.parameters(), 1.0, stream_fraction=0.5,
+                                      overlap="backward_update", **dev, **kw)
+    with torch.no_grad():
+        early(x0)
+    moved = any(local(p).numel() and local(p).data_ptr() != ptr
+                for p, ptr in zip(early.parameters(), shards))
+    try:  # no backward: a rank refused there would leave the other in FSDP2's reduce-scatter
+        too_early.step()
+    except OffloadUsageError as e:
+        assert moved and "build the optimizer after one forward of the model" in str(e), e
+    else:
+        assert not moved, "an optimizer over shards FSDP2 moved stepped"
+    too_early.close()
     a, b = model(), model()
+    with torch.no_grad():  # the fix the error names (and nothing to change on newer torch)
+        a(x0), b(x0)
     opt = HybridDeviceOptimizer(a.parameters(), 1.0, stream_fraction=0.5, overlap="backward_update",
-                                **({} if env.cuda else {"device": SimulatedDevice()}), **kw)
+                                **dev, **kw)
     ref = PlacedReference.like(opt, list(a.parameters()), b.parameters(), **kw)
     for step in range(3):
         x = torch.randn(8, 16, device=env.device, generator=torch.Generator(env.device).manual_seed(step + 10 * env.rank))

@@ -138,6 +138,27 @@ def test_refusals_name_the_fix(gloo, made):
         on_cpu.register_forward_waits(policy)
 
 
+@pytest.mark.parametrize("values", ["same", "other"])
+def test_a_local_shard_in_new_memory_is_refused_at_step(gloo, made, values):
+    """Updates to memory FSDP2 no longer all-gathers would be lost. Same values in new memory is
+    what FSDP2's lazy initialization does to uneven shards before torch 2.11 (distributed_cases
+    meets it on 2.8); other values, the user's replacement. Each error names its fix, and the
+    parameters are left as they were."""
+    m = sharded()
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, device=SimulatedDevice(), **KW)
+    made.append(opt)
+    p = next(m.parameters())
+    moved = p._local_tensor.clone() + (0 if values == "same" else 1)
+    p._local_tensor = moved
+    before = shards(m)
+    loss_of(m, 0).backward()
+    fix = ("build the optimizer after one forward of the model" if values == "same"
+           else "load weights in place")
+    with pytest.raises(OffloadUsageError, match=fix):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, shards(m)))
+
+
 def test_grad_arrival_order_sees_fsdp2_gradients(gloo, made):
     """FSDP2 runs the sharded parameters' post-accumulate-grad hooks, so the measured order can
     place the parameters (the last layer's first)."""
