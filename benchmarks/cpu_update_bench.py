@@ -310,6 +310,26 @@ def _job(shapes: list, threads: int, chunks: Sequence[Optional[float]], reps: in
             load.close()
 
 
+def shrink_team(keep: int) -> None:
+    """Shrink the calling thread's OpenMP team to ``keep`` threads, leaving its
+    ``torch.get_num_threads()`` as it was. libgomp lets an idle thread spin briefly before it
+    sleeps unless it manages more threads than there are CPUs; a training script's main thread
+    (its team from model init) and the optimizer worker's team together do, so every parallel
+    region of the update wakes sleeping threads. On the 2-CPU development machine a region cost
+    0.5-2 us without the main thread's team and 30-48 us with it, and the update 1.24-1.46x raw
+    AdamW against 1.70-1.87x. Whether the surplus threads end depends on the OpenMP runtime (the
+    libgomp of torch 2.6's wheel keeps them), so the library does not do this to the user's
+    thread; this measures what it would buy."""
+    n = torch.get_num_threads()
+    if n <= keep:
+        return
+    torch.set_num_threads(keep)
+    try:
+        torch.empty(keep * 2**15 + 1).fill_(0.0)  # above torch's grain: a region of ``keep`` threads
+    finally:
+        torch.set_num_threads(n)
+
+
 def microbench(threads_list: Sequence[int], elems: int, reps: int,
                chunks: Sequence[Optional[float]] = (0, None), bind: bool = False, parts: bool = True,
                keep: bool = True, compare: Optional[str] = None, gil: bool = True,
@@ -319,7 +339,7 @@ def microbench(threads_list: Sequence[int], elems: int, reps: int,
     parallel op with all its threads, as a training script does (model init, data): libgomp
     then manages more threads than there are CPUs and makes idle ones sleep at once instead
     of spinning, so every parallel region wakes them (``region_us`` shows what that costs);
-    ``main_team=K > 0``: then shrinks that team to K threads (``worker.release_idle_threads``)."""
+    ``main_team=K > 0``: then shrinks that team to K threads (``shrink_team``)."""
     shapes = bucket_shapes(elems)
     elems = sum(torch.Size(s).numel() for s in shapes)
     out = []
@@ -327,7 +347,7 @@ def microbench(threads_list: Sequence[int], elems: int, reps: int,
     if main_team is not None:
         torch.randn(2**22).add_(1)
         if main_team > 0:
-            worker_mod.release_idle_threads(main_team)
+            shrink_team(main_team)
     print(f"CPU: {cpu_description()}; bucket of {elems / 2**20:g} Mi elements, {reps} rounds"
           + ("" if main_team is None else ", main thread's OpenMP team started"
              + (f", then shrunk to {main_team} threads" if main_team else ""))
@@ -405,7 +425,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     p.add_argument("--pinned", action="store_true", help="page-locked staging, as in training (needs CUDA)")
     p.add_argument("--main-team", type=int, nargs="?", const=0, metavar="K",
                    help="the main thread runs a parallel op first, as training does; with K, its team "
-                        "is then shrunk to K threads (worker.release_idle_threads; see microbench())")
+                        "is then shrunk to K threads (shrink_team; see microbench())")
     p.add_argument("--bind-cores", action="store_true")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)

@@ -4,15 +4,6 @@ One worker thread (the hybrid optimizer picks which queued bucket each job updat
 ``partition.next_update``), with its own intra-op thread count (OpenMP's is per thread): the
 thread that launches GPU work keeps its core. Jobs return ``concurrent.futures.Future``s; an
 exception inside a job is re-raised by whoever waits for it.
-
-**Idle OpenMP threads.** libgomp lets an idle thread spin briefly before it sleeps, unless it
-manages more threads than there are CPUs: then idle threads sleep at once, and every parallel
-region of the update (a few per chunk) must wake its threads first. A training script's main
-thread usually ran a parallel op with all threads (model init, data), so its team and the
-worker's together exceed the CPUs. ``release_idle_threads`` shrinks the calling thread's team
-(its thread count setting is kept); ``benchmarks/cpu_update_bench.py --main-team [K]`` measures
-both (on the 2-CPU development machine a region cost 0.5-2 us with the main thread's team
-absent and 30-48 us with it, and the update 1.24-1.46x raw AdamW against 1.70-1.87x).
 """
 from __future__ import annotations
 
@@ -69,21 +60,6 @@ def worker_cores(threads: int, cuda_index: Optional[int] = None) -> list[int]:
     if len(pool) < threads + 1:
         pool = physical_cores(allowed)
     return pool[1: threads + 1] if len(pool) > threads else pool
-
-
-def release_idle_threads(keep: int = 2) -> None:
-    """Shrink the calling thread's OpenMP team to ``keep`` threads (libgomp ends the others),
-    leaving its ``torch.get_num_threads()`` as it was: with the worker's team, the process's
-    OpenMP threads then fit the CPUs (see the module docstring). A later parallel op of the
-    calling thread with more threads grows its team again."""
-    n = torch.get_num_threads()
-    if n <= keep:
-        return
-    torch.set_num_threads(keep)
-    try:
-        torch.empty(keep * 2**15 + 1).fill_(0.0)  # above torch's grain: a region of ``keep`` threads
-    finally:
-        torch.set_num_threads(n)
 
 
 def _init_thread(threads: int, cuda_index: Optional[int], cores: Optional[Sequence[int]] = None) -> None:
