@@ -293,7 +293,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         def rates() -> dict:
             if request == "auto":
                 return balance.planning_rates(self._device)
-            return balance.rates(self._device, params[0].device, lambda: balance.cpu_updateprobe_class(
+            return balance.rates(self._device, params[0].device, lambda: balance.cpu_update_probe(
                 params[0].dtype, self._make(self._cpu_cls), hypers[0], self._chunk_elems), self._cpu_threads)
 
         on_cpu, self._balance = balance.split(params, request, self._state_probe[0], rates,

@@ -120,3 +120,18 @@ def test_placed_reference_on_the_simulated_device(made, stream_fraction, update_
             o.zero_grad()
     for a, b in zip(m.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+def test_measure_times_this_host_and_keeps_the_choice(made, monkeypatch):
+    """``stream_fraction="measure"`` is the one timed choice: on a device without nominal
+    rates it measures the link and the CPU update here (its probe runs), and ``state_dict()``
+    keeps the split it chose, so that a resumed run repeats it."""
+    from cpu_offload.optim import balance
+
+    fraction, _, _ = run(made, monkeypatch, None, offload_fraction=1.0, stream_fraction="measure")
+    opt = made[-1]
+    assert isinstance(fraction, float) and 0.0 <= fraction <= 1.0
+    rates = opt.split_estimate()["rates"]
+    assert rates["cpu_params_per_s"] > 0 and rates["h2d_bytes_per_s"] > 0
+    assert rates != balance.planning_rates(opt._device)  # measured, not the planning model
+    assert opt.state_dict()["hybrid"]["stream_fraction"] == fraction
