@@ -11,14 +11,33 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import os
 from typing import Any, Iterable, Optional
 
 from .errors import OffloadConfigError
 
 __all__ = [
     "bool_problem", "check_bool", "check_context_types", "check_int", "check_keywords",
-    "int_problem", "is_count",
+    "env_flag", "int_problem", "is_count",
 ]
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """An on/off switch read from the environment variable ``name``: ``0``, ``false``, ``no``
+    and ``off`` (any case) are off, anything else on; ``default`` when it is not set.
+
+    Example::
+
+        >>> import os
+        >>> os.environ["CPU_OFFLOAD_EXAMPLE_SWITCH"] = "Off"
+        >>> env_flag("CPU_OFFLOAD_EXAMPLE_SWITCH"), env_flag("CPU_OFFLOAD_NOT_SET", default=False)
+        (False, False)
+        >>> del os.environ["CPU_OFFLOAD_EXAMPLE_SWITCH"]
+    """
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def is_count(value: Any) -> bool:

@@ -33,7 +33,8 @@ import torch
 from ..compat import bytes_on_storage
 from .driver import driver_copy_async
 from .errors import public_caller
-from .host_memory import CudaHostMemory, env_flag
+from .checks import env_flag
+from .host_memory import CudaHostMemory
 from .launcher import InlineLauncher, Launcher, ThreadLauncher
 
 Stream = Any

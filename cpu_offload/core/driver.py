@@ -25,12 +25,13 @@ go from any thread (a finalizer, the autograd engine's).
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
 from typing import Callable, Optional
 
 import torch
+
+from .checks import env_flag
 
 CopyAsync = Callable[[int, int, int, int], int]  # (dst, src, nbytes, stream handle) -> CUresult
 
@@ -56,7 +57,7 @@ def driver_copy_async() -> Optional[CopyAsync]:
 
 
 def _load() -> Optional[CopyAsync]:
-    if os.environ.get("CPU_OFFLOAD_DRIVER_COPIES", "1").strip().lower() in ("0", "false", "no"):
+    if not env_flag("CPU_OFFLOAD_DRIVER_COPIES"):
         return None
     lib = _library()
     fn = getattr(lib, "cuMemcpyAsync", None) if lib is not None else None

@@ -18,7 +18,6 @@ why. ``CPU_OFFLOAD_PINNED_NUMA=0`` leaves placement to the kernel's default poli
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from typing import Optional
 
@@ -52,14 +51,6 @@ def power_of_two(nbytes: int) -> int:
         True
     """
     return 1 << max(nbytes - 1, 0).bit_length()
-
-
-def env_flag(name: str, default: bool = True) -> bool:
-    """An on/off environment variable (``0``, ``false``, ``no`` and ``off`` are off)."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 class CudaHostMemory:
