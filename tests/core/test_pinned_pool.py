@@ -51,6 +51,16 @@ def _queued_copy_out(sim, pool, nbytes=256):
     return side, src
 
 
+def assert_blocks_went_after_their_copies(sim, fenced: bool) -> None:
+    """With the fence, the pool waited for the queued copy before letting its block go (nothing
+    is pending); without it, the copy runs into memory that was let go: the simulation's hazard."""
+    if fenced:
+        assert sim.pending_ops() == 0
+    else:
+        with pytest.raises(SimulatedHazard, match="pinned host buffer that was let go"):
+            sim.synchronize()
+
+
 @pytest.mark.parametrize("fenced", [True, False])
 def test_trim_lets_buffers_go_only_after_their_copies(fenced):
     """A step that uses fewer buffers than the last trims the rest. Without the fence the
@@ -64,11 +74,7 @@ def test_trim_lets_buffers_go_only_after_their_copies(fenced):
     assert pool.cached_bytes() == 256 and sim.pending_ops() == 2  # the wait and the copy
     pool.trim()  # a step that used none: it goes
     assert pool.cached_bytes() == 0
-    if fenced:
-        assert sim.pending_ops() == 0
-    else:
-        with pytest.raises(SimulatedHazard, match="pinned host buffer that was let go"):
-            sim.synchronize()
+    assert_blocks_went_after_their_copies(sim, fenced)
 
 
 def test_the_pools_end_waits_for_its_copies():
@@ -211,11 +217,7 @@ def test_a_budget_lets_blocks_go_only_after_their_copies(fenced):
     side, _ = _queued_copy_out(sim, pool, 3 * PAGE)
     pool.acquire(4 * PAGE)  # the 3-page block must go first, its copy still queued
     assert pool.reserved_bytes == 4 * PAGE
-    if fenced:
-        assert sim.pending_ops() == 0
-    else:
-        with pytest.raises(SimulatedHazard, match="pinned host buffer that was let go"):
-            sim.synchronize()
+    assert_blocks_went_after_their_copies(sim, fenced)
 
 
 def test_a_buffer_reused_while_its_last_copy_is_queued_needs_no_fence():
