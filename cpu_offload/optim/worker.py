@@ -15,9 +15,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-# The GPU's NUMA node is found in core (pinned host memory is placed on it too); these names stay
-# importable from here.
-from ..core.numa import cpu_list as _cpu_list, gpu_numa_cpus  # noqa: F401
+# The GPU's NUMA node is found in core, where pinned host memory is placed on it too.
+from ..core.numa import cpu_list as _cpu_list, gpu_numa_cpus
 
 
 def default_cpu_threads() -> int:
