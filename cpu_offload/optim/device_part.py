@@ -4,7 +4,9 @@ updated there by the wrapped device class, inside ``step()``, as without offload
 With ``param_update_in_fp32`` a bf16/fp16 parameter gets an fp32 master on the device (Megatron's
 option): the class steps the master from the gradient cast to fp32, and the parameter is the
 master rounded. A parameter edited in place after ``step()`` is taken into its master
-(``guards.merge_edited``), as in the other parts.
+(``guards.merge_edited``), as in the other parts. An edit is found by comparing each parameter
+with its master rounded (``guards.differs_from_rounded``: a few batched kernels for all of
+them), not by fingerprints: the part keeps no record between steps, and sees every edit.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from .amp import LossScale, run_step
 from .cpu_update import sync_hyperparameters
-from .guards import Fingerprint, changed, merge_edited
+from .guards import differs_from_rounded, merge_edited
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -32,7 +34,6 @@ class DevicePart:
         self.group_ids: list[int] = []  # wrapper group of each optimizer group
         self.masters: dict[int, torch.Tensor] = {}  # id(param) -> fp32 master
         self._params: list[torch.Tensor] = []
-        self._written: dict[int, Fingerprint] = {}
 
     def add_groups(self, groups: Sequence[tuple[int, Sequence[torch.Tensor], dict]]) -> None:
         """``(wrapper group, its device parameters, its hyperparameters)`` per group, all at
@@ -50,7 +51,6 @@ class DevicePart:
                 self._params.append(p)
             made.append({**hypers, "params": keys})
             self.group_ids.append(gi)
-        self._wrote()
         if not made:
             return
         if self.optimizer is None:
@@ -75,18 +75,18 @@ class DevicePart:
             m.grad = None if p.grad is None else p.grad.float()
         try:
             run_step(opt, scale)
-            for p, m in pairs:
-                if p.grad is not None:
-                    p.copy_(m)
-            self._wrote()
+            written = [(p, m) for p, m in pairs if p.grad is not None]
+            if written:  # each parameter its master rounded, in one batched launch
+                torch._foreach_copy_([p for p, _ in written], [m for _, m in written])
         finally:
             for _, m in pairs:
                 m.grad = None
 
     def take_edits(self) -> None:
-        """Parameters edited since the optimizer wrote them into their masters."""
+        """Parameters edited since the optimizer wrote them into their masters (each parameter
+        is its master rounded until someone edits it)."""
         own = [p for p in self._params if id(p) in self.masters]
-        for p, edited in zip(own, changed([(self._written[id(p)], p) for p in own])):
+        for p, edited in zip(own, differs_from_rounded([(self.masters[id(p)], p) for p in own])):
             if edited:
                 merge_edited(self.masters[id(p)], p)
 
@@ -95,7 +95,6 @@ class DevicePart:
         for p in self._params:
             if id(p) in self.masters:
                 self.masters[id(p)].copy_(p)
-        self._wrote()
 
     def write_params(self) -> None:
         """Parameters from their masters (after ``load_state_dict``)."""
@@ -103,12 +102,6 @@ class DevicePart:
             for p in self._params:
                 if id(p) in self.masters:
                     p.copy_(self.masters[id(p)])
-        self._wrote()
-
-    def _wrote(self) -> None:
-        """Remember what the parameters with a master hold now, to see a user's later edit."""
-        self._written = {id(fp.tensor): fp for fp in Fingerprint.of_all(
-            [p for p in self._params if id(p) in self.masters])}
 
     def state_of(self, p: torch.Tensor) -> Optional[dict[str, Any]]:
         if self.optimizer is None:

@@ -29,8 +29,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Fingerprint", "bit_sum", "changed", "merge_edited", "same_hypers", "snapshot_hypers",
-           "tensor_version"]
+__all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "differs_from_rounded", "merge_edited",
+           "same_hypers", "snapshot_hypers", "tensor_version"]
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -61,8 +61,46 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
         >>> bool((bit_sum(g) != before).any())
         True
     """
-    raw = t.detach().reshape(-1).view(torch.uint8)
-    if t.device.type == "cpu" or raw.numel() < 4:
+    return bit_sums([t])[0]
+
+
+def bit_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``bit_sum`` of each of ``tensors`` (all on one device), as the rows of one ``(n, 2)``
+    float64 tensor. An accelerator tensor whose bytes are whole aligned 32-bit words (nearly
+    every parameter and gradient) costs two reductions and no per-tensor conversion or stack:
+    step() fingerprints hundreds of tensors, and their host time adds to every step."""
+    words: list[Optional[torch.Tensor]] = []
+    values: list[torch.Tensor] = []
+    slow: dict[int, torch.Tensor] = {}
+    for i, t in enumerate(tensors):
+        d = t.detach()
+        raw = d.reshape(-1).view(torch.uint8)
+        fast = (d.device.type != "cpu" and raw.numel() >= 4 and raw.numel() % 4 == 0
+                and raw.storage_offset() % 4 == 0 and d.is_floating_point())
+        if not fast:
+            slow[i] = _bit_sum_slow(d, raw)
+            words.append(None)
+            continue
+        words.append(raw.view(torch.int32).sum(dtype=torch.int32))
+        values.append(d.sum(dtype=torch.float32 if d.element_size() <= 4 else d.dtype))
+    if not tensors:
+        return torch.empty((0, 2), dtype=torch.float64)
+    if not slow:
+        return torch.stack([torch.stack(words).to(torch.float64),  # type: ignore[arg-type]
+                            torch.stack(values).to(torch.float64)], dim=1)
+    rows, k = [], 0
+    for i, w in enumerate(words):
+        if w is None:
+            rows.append(slow[i])
+        else:
+            rows.append(torch.stack([w.to(torch.float64), values[k].to(torch.float64)]))
+            k += 1
+    return torch.stack(rows)
+
+
+def _bit_sum_slow(d: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """``bit_sum`` of a CPU tensor, a non-float one, or one not made of aligned 32-bit words."""
+    if d.device.type == "cpu" or raw.numel() < 4:
         words = raw.sum(dtype=torch.int64)
     else:
         head = -raw.storage_offset() % 4  # bytes before the first 4-aligned one
@@ -70,11 +108,53 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
         words = raw[:head].sum(dtype=torch.int64) + raw[head + body:].sum(dtype=torch.int64)
         if body:
             words = words + raw[head: head + body].view(torch.int32).sum(dtype=torch.int32)
-    if t.is_floating_point() and t.numel():
-        values = t.detach().sum(dtype=torch.float32 if t.element_size() <= 4 else t.dtype)
+    if d.is_floating_point() and d.numel():
+        values = d.sum(dtype=torch.float32 if d.element_size() <= 4 else d.dtype)
     else:
-        values = torch.zeros((), dtype=torch.float64, device=t.device)
+        values = torch.zeros((), dtype=torch.float64, device=d.device)
     return torch.stack([words.to(torch.float64), values.to(torch.float64)])
+
+
+def differs_from_rounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         group_bytes: int = 256 * 2**20) -> list[bool]:
+    """Per ``(master, param)`` (same shape and device): whether ``param`` holds anything but
+    ``master`` rounded to ``param``'s dtype, i.e. whether it was edited since the optimizer
+    wrote it (a write through ``.data`` or a permutation too). One host synchronization for
+    all pairs, and a few batched (``torch._foreach_*``) kernels per ``group_bytes`` of
+    parameters, through one scratch buffer of at most that size: a kernel per parameter would
+    cost every step hundreds of launches. ``NaN`` anywhere counts as an edit (the caller's merge
+    keeps what still rounds alike)."""
+    out = [False] * len(pairs)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (_, p) in enumerate(pairs):
+        if p.numel():
+            groups.setdefault((p.device, p.dtype), []).append(i)
+    maxima: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, dtype), idx in groups.items():
+        limit = max(1, group_bytes // torch.empty((), dtype=dtype).element_size())
+        start = 0
+        while start < len(idx):
+            stop, n = start + 1, pairs[idx[start]][1].numel()
+            while stop < len(idx) and n + pairs[idx[stop]][1].numel() <= limit:
+                n += pairs[idx[stop]][1].numel()
+                stop += 1
+            chunk = idx[start:stop]
+            scratch = torch.empty(n, dtype=dtype, device=device)
+            views, offset = [], 0
+            for i in chunk:
+                p = pairs[i][1]
+                views.append(scratch[offset: offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            torch._foreach_copy_(views, [pairs[i][0].detach() for i in chunk])  # the master, rounded
+            torch._foreach_sub_(views, [pairs[i][1].detach() for i in chunk])  # 0 only where equal
+            norms = torch._foreach_norm(views, float("inf"))
+            maxima.setdefault(device, []).append((chunk, torch.stack(norms).float()))
+            start = stop
+    for found in maxima.values():
+        values = torch.cat([m for _, m in found]).tolist()
+        for i, v in zip((i for chunk, _ in found for i in chunk), values):
+            out[i] = v != 0.0  # NaN too
+    return out
 
 
 @dataclass
@@ -96,7 +176,7 @@ class Fingerprint:
         per tensor."""
         if not tensors:
             return []
-        sums = torch.stack([bit_sum(t) for t in tensors])
+        sums = bit_sums(tensors)
         return [cls(t, tensor_version(t), sums[k]) for k, t in enumerate(tensors)]
 
     def same_object(self, now: Optional[torch.Tensor]) -> bool:
@@ -116,7 +196,7 @@ def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list
         by_device.setdefault(pairs[i][0].bits.device, []).append(i)
     for idx in by_device.values():
         before = torch.stack([pairs[i][0].bits for i in idx])
-        now = torch.stack([bit_sum(pairs[i][1]) for i in idx])
+        now = bit_sums([pairs[i][1] for i in idx])
         for i, diff in zip(idx, (before != now).any(dim=1).tolist()):
             out[i] = bool(diff)
     return out

@@ -1,0 +1,91 @@
+"""``optim.guards``: the change detectors that decide whether early work is kept.
+
+``bit_sums`` must give, tensor by tensor, what ``bit_sum`` gives (fingerprints taken one way are
+compared with sums taken the other), and ``differs_from_rounded`` must see every edit of a
+parameter against its master, including those that bypass ``_version``, in one host
+synchronization however many parameters there are.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload.optim.guards import bit_sum, bit_sums, differs_from_rounded, merge_edited
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _tensors(device: str) -> list:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4099, generator=g)
+    return [
+        base[:1024].to(device, torch.bfloat16),
+        base[1:1024].to(device),                    # fp32 at an odd element offset below
+        base.to(device)[3:1000],                    # a view not aligned to 4 bytes? (fp32: aligned)
+        base.to(device, torch.bfloat16)[1:998],     # bf16 at a 2-byte offset: not word aligned
+        base[:7].to(device, torch.float16),         # 14 bytes: not whole words
+        torch.arange(10, device=device),            # integers
+        torch.empty(0, device=device),
+        base[:12].to(device).view(3, 4).t(),        # non-contiguous
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bit_sums_equal_bit_sum_row_by_row(device):
+    ts = _tensors(device)
+    rows = bit_sums(ts)
+    assert rows.shape == (len(ts), 2) and rows.dtype == torch.float64
+    for t, row in zip(ts, rows):
+        assert torch.equal(row, bit_sum(t)), t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edit", ["data_mul_2", "data_neg", "clamp_via_data", "one_element"])
+def test_bit_sums_see_writes_that_bypass_the_version_counter(device, edit):
+    ts = [torch.randn(4096, device=device), torch.randn(4096, device=device).bfloat16()]
+    before = bit_sums(ts)
+    for t in ts:
+        v0 = t._version
+        if edit == "data_mul_2":
+            t.data.mul_(2)
+        elif edit == "data_neg":
+            t.data.neg_()
+        elif edit == "clamp_via_data":
+            t.data.clamp_(-0.5, 0.5)
+        else:
+            t.data[17] += 1
+        assert t._version == v0  # the version counter did not see it
+    now = bit_sums(ts)
+    assert (before != now).any(dim=1).all(), (before, now)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group_bytes", [64, 2**20])
+def test_differs_from_rounded_finds_exactly_the_edited_parameters(device, group_bytes):
+    """Parameters written as their masters rounded are unchanged; one edited through ``.data``
+    in one element, one permuted, one scaled, one set to NaN are found; zero-size parameters
+    and fp32 parameters with fp32 masters are handled; small ``group_bytes`` splits the work
+    into many groups, large puts it in one."""
+    torch.manual_seed(0)
+    masters = [torch.randn(n, device=device) for n in (300, 1, 0, 64, 257, 33, 128)]
+    params = [m.to(torch.bfloat16) for m in masters]
+    masters.append(torch.randn(40, device=device))
+    params.append(masters[-1].clone())  # fp32 parameter: its master is its own dtype
+    assert differs_from_rounded(list(zip(masters, params)), group_bytes) == [False] * len(params)
+    params[0].data[123] += 1                        # one element, through .data
+    params[3].data.copy_(params[3].flip(0))         # a permutation
+    params[4].data.mul_(2)                          # a power-of-two scaling
+    params[5].data[0] = float("nan")
+    params[7].data[5] = -params[7][5]
+    want = [True, False, False, True, True, True, False, True]
+    assert differs_from_rounded(list(zip(masters, params)), group_bytes) == want
+    for m, p, edited in zip(masters, params, want):  # the merge then makes them agree
+        if edited:
+            merge_edited(m, p)
+    params[5].data[0] = 0.0
+    masters[5][0] = 0.0
+    assert differs_from_rounded(list(zip(masters, params)), group_bytes) == [False] * len(params)
+
+
+def test_differs_from_rounded_of_nothing():
+    assert differs_from_rounded([]) == []
