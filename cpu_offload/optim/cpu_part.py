@@ -436,6 +436,17 @@ class CpuPart:
     def wait_all(self, st: CpuStep) -> None:
         self.wait(st, range(len(st.buckets)))
 
+    def release_grads(self, st: CpuStep) -> None:
+        """After ``step()`` validated ``st`` and fenced its copies: forget the gradients its
+        records hold (fingerprints, cast temporaries). Only which parameters were copied is
+        still read; holding the tensors would keep every offloaded gradient on the device
+        after ``zero_grad()``, through the next forward, until the updates in flight finish."""
+        with st.lock:
+            for bs in st.buckets:
+                for c in bs.copies.values():
+                    c.fingerprint, c.keep = None, None
+            st.watch = dict.fromkeys(st.watch)
+
     def leave_inflight(self, st: CpuStep) -> None:
         """``next_forward``: the updates run on; modules wait for their buckets (``wait_for``)."""
         self.inflight = st

@@ -507,6 +507,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     self._record_streamed(part.params)
             for bs in st.buckets:  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(bs.landed)
+            self._cpu.release_grads(st)
         except BaseException:
             self._abandon(st)
             raise
