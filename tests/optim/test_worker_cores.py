@@ -9,6 +9,7 @@ import torch
 
 from cpu_offload import OffloadConfigError, SimulatedDevice
 from cpu_offload.optim import HybridDeviceOptimizer
+from cpu_offload.optim import worker
 from cpu_offload.optim.worker import physical_cores
 
 
@@ -43,3 +44,17 @@ def test_bind_cpu_cores_must_be_a_bool():
     with pytest.raises(OffloadConfigError, match="bind_cpu_cores must be True or False"):
         HybridDeviceOptimizer(torch.nn.Linear(4, 4).parameters(), 1.0, device=SimulatedDevice(),
                               bind_cpu_cores="yes", lr=1e-2)
+
+
+def test_default_threads_under_torchrun_are_this_process_share_of_the_cores(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 in its workers: the CPU update would get one thread. A
+    process it started (LOCAL_WORLD_SIZE set) takes its share of the physical cores instead,
+    less one for the thread that launches GPU work."""
+    monkeypatch.setattr(worker, "physical_cores", lambda *a, **k: list(range(32)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert worker.default_cpu_threads({"LOCAL_WORLD_SIZE": "2"}) == 15
+    assert worker.default_cpu_threads({"LOCAL_WORLD_SIZE": "8"}) == 3
+    assert worker.default_cpu_threads({"LOCAL_WORLD_SIZE": "64"}) == 1
+    assert worker.default_cpu_threads({}) == 1  # not under torchrun: torch's own count
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert worker.default_cpu_threads({}) == max(1, min(8, os.cpu_count() or 1) - 1)
