@@ -221,7 +221,10 @@ class Runner:
     def measure_optim(self, name: str, fraction) -> dict:
         """A training step of wrapper ``name`` with plain AdamW (``fraction`` None) or the
         hybrid at ``fraction``: times, whole peak and held memory, and whether the parameters
-        after the timed steps are the reference's (see the module docstring)."""
+        after the timed steps are the reference's (see the module docstring). Memory counts
+        from what this process held before the row built its model (earlier rows' results)."""
+        self.sync()
+        base = torch.cuda.memory_allocated() if self.cuda else 0
         model = self.wrap(name)
         x = make_input(self.cfg, self.device, seed=10 + self.rank, requires_grad=False)
         opt = self.optimizer(name, model, fraction)
@@ -233,12 +236,12 @@ class Runner:
             dist.barrier()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
-                held.append(torch.cuda.memory_allocated())
+                held.append(torch.cuda.memory_allocated() - base)
             t0 = time.perf_counter()
             hosts.append(self.train_step(model, opt, x))
             self.sync()
             times.append(time.perf_counter() - t0)
-            peaks.append(torch.cuda.max_memory_allocated() if self.cuda else 0)
+            peaks.append(torch.cuda.max_memory_allocated() - base if self.cuda else 0)
         exact = True
         got = [compat_local(p).detach().clone() for p in model.parameters()]
         if fraction is not None:
