@@ -787,3 +787,26 @@ def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
     assert kept[0] and not any(kept[1:]), kept
     assert_same_params(m, ref)
     opt.close()
+
+
+@pytest.mark.parametrize("overlap", OVERLAP_MODES)
+def test_zero_grad_frees_the_offloaded_gradients(overlap):
+    """After ``step()`` and ``zero_grad()`` no gradient is kept alive by the CPU part's records
+    (with ``next_forward`` they held every offloaded gradient until the updates in flight
+    finished: memory a plain optimizer frees at ``zero_grad()``)."""
+    import weakref
+
+    cfg = tiny_config()
+    model = build_model(cfg, torch.device("cpu"), seed=0)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap=overlap, stream_fraction=0.0,
+                                device=SimulatedDevice(), lr=1e-2)
+    if overlap == "next_forward":
+        opt.register_forward_waits(model)
+    for i in range(2):
+        model(make_input(cfg, torch.device("cpu"), seed=i)).float().square().mean().backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+        gc.collect()
+        assert grads and not [g for g in grads if g() is not None], overlap
+    opt.close()
