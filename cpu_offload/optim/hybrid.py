@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..core.checks import check_bool
 from ..core.device import OffloadDevice, default_device
@@ -619,14 +620,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Global norm over every gradient (the CPU part's from its host copies), in torch's
         grouping and order; scales the device gradients in place, returns the CPU coefficient."""
         cpu_norms = self._cpu.norms(st, norm_type)
-        groups: dict[tuple, list[torch.Tensor]] = {}  # torch's grouping: (device, dtype)
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None or id(p) in cpu_norms:
-                    groups.setdefault((p.device, p.dtype), []).append(p)
-        if not groups:
+        clipped = [p for g in self.param_groups for p in g["params"]
+                   if p.grad is not None or id(p) in cpu_norms]
+        if not clipped:
             return torch.tensor(0.0), torch.tensor(1.0)
-        first = next(iter(groups))[0]
+        # torch's own grouping, in its order: the norms are summed in that order, and a group
+        # order of first appearance rounds differently when the dtypes are mixed
+        grouped = _group_tensors_by_device_and_dtype([clipped], with_indices=True)
+        groups = {key: [clipped[i] for i in indices] for key, (_, indices) in grouped.items()}
+        first = clipped[0].device
         norms: list[torch.Tensor] = []
         for params in groups.values():
             on_device = [p.grad for p in params if id(p) not in cpu_norms]
