@@ -66,53 +66,34 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
 
 def bit_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``bit_sum`` of each of ``tensors`` (all on one device), as the rows of one ``(n, 2)``
-    float64 tensor. An accelerator tensor whose bytes are whole aligned 32-bit words (nearly
-    every parameter and gradient) costs two reductions and no per-tensor conversion or stack:
-    step() fingerprints hundreds of tensors, and their host time adds to every step."""
-    words: list[Optional[torch.Tensor]] = []
-    values: list[torch.Tensor] = []
-    slow: dict[int, torch.Tensor] = {}
-    for i, t in enumerate(tensors):
-        d = t.detach()
-        raw = d.reshape(-1).view(torch.uint8)
-        fast = (d.device.type != "cpu" and raw.numel() >= 4 and raw.numel() % 4 == 0
-                and raw.storage_offset() % 4 == 0 and d.is_floating_point())
-        if not fast:
-            slow[i] = _bit_sum_slow(d, raw)
-            words.append(None)
-            continue
-        words.append(raw.view(torch.int32).sum(dtype=torch.int32))
-        values.append(d.sum(dtype=torch.float32 if d.element_size() <= 4 else d.dtype))
+    float64 tensor: the per-tensor sums are stacked and converted once for all, not one by one
+    (step() fingerprints hundreds of tensors, and each small kernel adds host time to every
+    step); an accelerator tensor made of aligned 32-bit words costs two reductions."""
     if not tensors:
         return torch.empty((0, 2), dtype=torch.float64)
-    if not slow:
-        return torch.stack([torch.stack(words).to(torch.float64),  # type: ignore[arg-type]
-                            torch.stack(values).to(torch.float64)], dim=1)
-    rows, k = [], 0
-    for i, w in enumerate(words):
-        if w is None:
-            rows.append(slow[i])
-        else:
-            rows.append(torch.stack([w.to(torch.float64), values[k].to(torch.float64)]))
-            k += 1
-    return torch.stack(rows)
+    sums = [_sums(t.detach()) for t in tensors]
+    return torch.stack([torch.stack([w for w, _ in sums]).to(torch.float64),
+                        torch.stack([v for _, v in sums]).to(torch.float64)], dim=1)
 
 
-def _bit_sum_slow(d: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """``bit_sum`` of a CPU tensor, a non-float one, or one not made of aligned 32-bit words."""
+def _sums(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d``'s word sum and value sum (see ``bit_sum``), 0-d tensors on its device."""
+    raw = d.reshape(-1).view(torch.uint8)
     if d.device.type == "cpu" or raw.numel() < 4:
         words = raw.sum(dtype=torch.int64)
-    else:
-        head = -raw.storage_offset() % 4  # bytes before the first 4-aligned one
+    else:  # 32-bit words, plus the bytes before the first aligned word and after the last
+        head = -raw.storage_offset() % 4
         body = max(0, raw.numel() - head) // 4 * 4
-        words = raw[:head].sum(dtype=torch.int64) + raw[head + body:].sum(dtype=torch.int64)
-        if body:
-            words = words + raw[head: head + body].view(torch.int32).sum(dtype=torch.int32)
+        parts = [raw[head: head + body].view(torch.int32).sum(dtype=torch.int32)] if body else []
+        parts += [edge.sum(dtype=torch.int64) for edge in (raw[:head], raw[head + body:]) if edge.numel()]
+        words = parts[0]
+        for part in parts[1:]:
+            words = words + part
     if d.is_floating_point() and d.numel():
         values = d.sum(dtype=torch.float32 if d.element_size() <= 4 else d.dtype)
     else:
         values = torch.zeros((), dtype=torch.float64, device=d.device)
-    return torch.stack([words.to(torch.float64), values.to(torch.float64)])
+    return words, values
 
 
 def differs_from_rounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -131,7 +112,7 @@ def differs_from_rounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             groups.setdefault((p.device, p.dtype), []).append(i)
     maxima: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
     for (device, dtype), idx in groups.items():
-        limit = max(1, group_bytes // torch.empty((), dtype=dtype).element_size())
+        limit = max(1, group_bytes // pairs[idx[0]][1].element_size())
         start = 0
         while start < len(idx):
             stop, n = start + 1, pairs[idx[start]][1].numel()
