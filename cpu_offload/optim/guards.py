@@ -68,7 +68,22 @@ def bit_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``bit_sum`` of each of ``tensors`` (all on one device), as the rows of one ``(n, 2)``
     float64 tensor: the per-tensor sums are stacked and converted once for all, not one by one
     (step() fingerprints hundreds of tensors, and each small kernel adds host time to every
-    step); an accelerator tensor made of aligned 32-bit words costs two reductions."""
+    step); an accelerator tensor made of aligned 32-bit words costs two reductions.
+
+    Args:
+        tensors: the tensors to fingerprint, all on one device.
+
+    Returns:
+        ``(len(tensors), 2)`` float64 on that device: row ``k`` is ``bit_sum(tensors[k])``.
+
+    Example::
+
+        >>> import torch
+        >>> a, b = torch.ones(8), torch.arange(6, dtype=torch.bfloat16)
+        >>> rows = bit_sums([a, b])
+        >>> rows.shape, torch.equal(rows[1], bit_sum(b))
+        (torch.Size([2, 2]), True)
+    """
     if not tensors:
         return torch.empty((0, 2), dtype=torch.float64)
     sums = [_sums(t.detach()) for t in tensors]
@@ -104,7 +119,27 @@ def differs_from_rounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     all pairs, and a few batched (``torch._foreach_*``) kernels per ``group_bytes`` of
     parameters, through one scratch buffer of at most that size: a kernel per parameter would
     cost every step hundreds of launches. ``NaN`` anywhere counts as an edit (the caller's merge
-    keeps what still rounds alike)."""
+    keeps what still rounds alike).
+
+    Args:
+        pairs: ``(master, param)`` per parameter; the master in any dtype, rounded to the
+            parameter's for the comparison.
+        group_bytes: the most parameter bytes compared through one scratch buffer.
+
+    Returns:
+        Per pair, whether the parameter was edited.
+
+    Example::
+
+        >>> import torch
+        >>> master = torch.tensor([1.001, 2.0, 3.0])
+        >>> param = master.to(torch.bfloat16)          # what the optimizer wrote
+        >>> differs_from_rounded([(master, param)])
+        [False]
+        >>> _ = param.data.clamp_(max=2.5)               # an edit the version counter misses
+        >>> differs_from_rounded([(master, param)])
+        [True]
+    """
     out = [False] * len(pairs)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, p) in enumerate(pairs):

@@ -25,7 +25,17 @@ def default_cpu_threads(environ: Optional[dict] = None) -> int:
     host's physical cores. torchrun sets ``OMP_NUM_THREADS=1`` in every worker it starts, which
     would leave the CPU update one thread (measured on 2 GPUs: DDP with a quarter offloaded took
     3.0x plain AdamW's step with one thread, 2.0x with its share); ``cpu_threads=`` still sets it
-    explicitly."""
+    explicitly.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Example::
+
+        >>> n = default_cpu_threads({"LOCAL_WORLD_SIZE": "2"})  # one of two ranks on this host
+        >>> n >= 1
+        True
+    """
     env = os.environ if environ is None else environ
     local = env.get("LOCAL_WORLD_SIZE")
     if local and local.isdigit() and int(local) > 0:
