@@ -25,7 +25,7 @@ from .classes import build, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS
 from .device_part import DevicePart
-from .guards import Fingerprint, changed, snapshot_hypers
+from .guards import snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
@@ -169,7 +169,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._balance: Optional[dict] = None
         self._parts: list[StreamedPart] = []
         self._streamed: dict[int, tuple[StreamedPart, int]] = {}  # id(param) -> (part, index)
-        self._stream_written: dict[int, Fingerprint] = {}
         self._launcher: Optional[Launcher] = None
         self._state_probe: Optional[tuple[int, bool]] = None
         self._torch_device: Optional[torch.device] = None
@@ -275,7 +274,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                             early=self.stream_during_backward, launcher=self._launcher)
         self._parts.append(part)
         self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
-        self._record_streamed(part.params)
         if part.backward is not None:  # chunks start updating as their gradients land
             hook = weak_call(self, "_on_streamed_grad")
             self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in hooked if p.requires_grad]
@@ -398,19 +396,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _wait_streamed(self, marks: Sequence[tuple[int, list[int]]]) -> None:
         for k, indices in marks:
-            part = self._parts[k]
-            part.wait_params(indices)
-            self._record_streamed([part.params[i] for i in indices])
-
-    def _record_streamed(self, params: Sequence[torch.Tensor]) -> None:
-        """What the streamed part wrote, once the compute stream is ordered after it: a later
-        change is a user edit (``_take_streamed_edits``)."""
-        separate = []  # parameters with a master of their own (an edit must reach it)
-        for p in params:
-            part, k = self._streamed[id(p)]
-            if part.masters()[k] is not None:
-                separate.append(p)
-        self._stream_written.update((id(fp.tensor), fp) for fp in Fingerprint.of_all(separate))
+            self._parts[k].wait_params(indices)
 
     def wait_params(self) -> None:
         """In ``next_forward`` mode: wait for every parameter of the last step (before reading
@@ -420,7 +406,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             part.finish()
             for p in part.params:
                 self._device.will_read(p)
-            self._record_streamed(part.params)
 
     def close(self) -> None:
         """Finish pending work, remove every hook and stop the worker thread. The optimizer
@@ -491,21 +476,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         hypers = snapshot_hypers(self.param_groups)
         st = self._cpu.take_step()
         st.step_called = time.perf_counter()
+        clipping = self.max_grad_norm is not None
         try:
             self._shards.sync_grads()
+            if not clipping:  # queued first: the checks below wait for backward's end on the host
+                self._step_streamed(hypers, scale)
             self._cpu.validate(st, hypers, scale)
-            edits = self._streamed_edits()
             self._cpu.flush(st)
             coef = None
-            if self.max_grad_norm is not None:
+            if clipping:
                 self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
             self._cpu.queue_rest(st, hypers, coef, scale)
             self._dev_part.step(hypers, scale)
-            for n, part in enumerate(self._parts):  # on the device, from .grad as it is now
-                part.step(hypers, scale, edits.get(n))
-            if not self._mode.forward_waits:
-                for part in self._parts:
-                    self._record_streamed(part.params)
+            if clipping:
+                self._step_streamed(hypers, scale)
             for bs in st.buckets:  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(bs.landed)
             self._cpu.release_grads(st)
@@ -520,6 +504,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._cpu.wait_all(st)
         return loss
 
+    def _step_streamed(self, hypers: list[dict], scale: Optional[LossScale]) -> None:
+        """The streamed parts' updates, on the device from ``.grad`` as it is now (clipped), with
+        no host synchronization: queued while the device may still run backward, so that their
+        copies start as soon as it ends."""
+        for part in self._parts:
+            part.step(hypers, scale)
+
     @property
     def last_step_stats(self) -> dict[str, Any]:
         """Of the last step whose CPU updates all finished (``{}`` before one has): CPU update
@@ -528,27 +519,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         streamed part's figures (``stream_*``)."""
         return {**self._cpu.stats, **self._stream_stats()} if self._cpu.stats else {}
 
-    def _streamed_edits(self) -> dict[int, dict[int, torch.Tensor]]:
-        """Per streamed part (by position): its parameters edited since it wrote them, by index,
-        with their values now (one host synchronization)."""
-        pairs = [(self._stream_written[id(p)], p) for p in self._streamed_keys() if id(p) in self._stream_written]
-        edits: dict[int, dict[int, torch.Tensor]] = {}
-        parts = {id(part): n for n, part in enumerate(self._parts)}
-        for (_, p), edited in zip(pairs, changed(pairs)):
-            if edited:
-                part, k = self._streamed[id(p)]
-                edits.setdefault(parts[id(part)], {})[k] = p.detach()
-        return edits
-
     def _take_edits(self) -> None:
         """Outside a step: parameters edited since the optimizer wrote them, into their masters
         (``state_dict`` saves what training continues from, as the wrapped class's would)."""
         self._cpu.take_edits()
         self._dev_part.take_edits()
-        for n, edits in self._streamed_edits().items():
-            part = self._parts[n]
-            part.take_edits(edits)
-            self._record_streamed([part.params[k] for k in edits])
+        for part in self._parts:
+            part.take_edits()
 
     def _stream_stats(self) -> dict[str, Any]:
         return {
@@ -684,7 +661,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu.write_params()
         for part in self._parts:
             part.write_params()
-            self._record_streamed(part.params)
 
     def reload_master_weights(self) -> None:
         """Start the master weights again from the model's current parameters (after changing
@@ -694,7 +670,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._cpu.reload()
             for part in self._parts:
                 part.read_params()
-                self._record_streamed(part.params)
             self._dev_part.reload()
 
     # -- DDP -------------------------------------------------------------------------------------

@@ -20,11 +20,12 @@ rest of backward:
   own. The parameters and the current host copy are not touched: code that reads them before
   ``step()`` sees the last step's values, as with any torch optimizer.
 - ``step()`` keeps an early update (``validate``) if every gradient it read is still ``.grad``
-  and unchanged (``_version``), no second gradient arrived for its parameters, the
-  hyperparameters are the same, and no fp32/fp64 parameter (its own master) was changed in
-  place. Then the pieces' two host copies swap roles and the new values are copied into the
-  parameters, device to device (``commit``). Otherwise ``StreamedPart.step``
-  updates the chunk again from the current host copy, as without early updates.
+  and unchanged (``guards.Fingerprint``), no second gradient arrived for its parameters, the
+  hyperparameters are the same, and no parameter changed since its hook (an edit made
+  before it is taken into the master by the update itself, ``guards.merge_edited``). Then the
+  pieces' two host copies swap roles and the new values are copied into the parameters,
+  device to device (``commit``). Otherwise ``StreamedPart.step`` updates the chunk again from
+  the current host copy, as without early updates.
 
 So the result is bit for bit that of the update inside ``step()``. The costs: a second pinned
 host copy of the streamed masters and state (12 B/param for bf16 AdamW, allocated with the
@@ -42,7 +43,7 @@ gradients stayed as backward left them.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -91,7 +92,7 @@ class BackwardUpdates:
             r.landed[index] = r.landed[index].made_stale()
             return
         param = self.runner.params[index]
-        r.landed[index] = Landed.of(grad, param, own_master=not self.runner.lowp[index])
+        r.landed[index] = Landed.of(grad, param)
         for ci in self.chunks_of[index]:
             r.waiting[ci] -= 1
             if r.waiting[ci] == 0:
@@ -237,24 +238,20 @@ class BackwardUpdates:
             self.abandon()
             raise
 
-    def validate(self, hypers: Sequence[dict], scaled: bool = False,
-                 edited: Iterable[int] = ()) -> list[EarlyUpdate]:
-        """The early updates ``step()`` keeps (in chunk order): each gradient they read (and an
-        own master) is unchanged (``guards.changed``: one host synchronization), the
-        hyperparameters are the same, no loss scale came (``scaled``: they ran without it), and
-        none of their parameters was edited since the part wrote it (``edited``). Decides
-        whether the next backward starts any."""
+    def validate(self, hypers: Sequence[dict], scaled: bool = False) -> list[EarlyUpdate]:
+        """The early updates ``step()`` keeps (in chunk order): each gradient and parameter
+        they read is unchanged (``guards.changed``: one host synchronization), the
+        hyperparameters are the same, and no loss scale came (``scaled``: they ran without it).
+        Decides whether the next backward starts any."""
         r, params = self.round, self.runner.params
         order = sorted(r.landed)
         checks = [r.landed[i].checks(params[i]) for i in order]
         flags = iter(changed([c for group in checks for c in group]))
         ok = {i: not r.landed[i].stale and not any([next(flags) for _ in group])
               for i, group in zip(order, checks)}
-        edited = set(edited)
         kept = []
         for ci, rec in sorted(r.done.items()):
-            keep = (not scaled and same_hypers(rec.hypers, hypers)
-                    and all(ok[i] and i not in edited for i, _ in rec.seen))
+            keep = not scaled and same_hypers(rec.hypers, hypers) and all(ok[i] for i, _ in rec.seen)
             r.move(ci, EarlyPhase.KEPT if keep else EarlyPhase.REDONE)
             if keep:
                 kept.append(rec)

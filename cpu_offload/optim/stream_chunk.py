@@ -24,6 +24,7 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
+from .guards import merge_edited
 from .stream_plan import Chunk, Piece, SlotLayout, slot_layout
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -219,7 +220,8 @@ class ChunkRunner:
                     if v.grad is None:  # early, own master: stepped in the slot, not in place
                         v.master.copy_(flat_bytes(pc.written(p)))
                     pc.key.set_(v.master.view(pc.key.dtype).view(pc.shape(p)))
-                if v.grad is not None:
+                if v.grad is not None:  # a user's edit of the parameter since the part wrote it
+                    merge_edited(pc.key, pc.written(p).view(pc.shape(p)))
                     gm = v.grad.view(pc.key.dtype).view(pc.key.shape)
                     dsts.append(gm)
                     srcs.append(grad.view(pc.key.shape))

@@ -79,16 +79,17 @@ _UPDATE_NEXT = {
 
 @dataclass(frozen=True, eq=False)
 class Landed:
-    """A parameter's gradient as its hook saw it (``guards.Fingerprint``), and, where the
-    parameter is its own master (read by the update), the parameter's too."""
+    """A parameter's gradient and the parameter as its hook saw them (``guards.Fingerprint``):
+    the early update reads both (the parameter as its master, or to take a user's edit into
+    its master)."""
 
     grad: Fingerprint
-    param: Optional[Fingerprint]
+    param: Fingerprint
     stale: bool = False  # a second gradient came before step(): work on the first is stale
 
     @classmethod
-    def of(cls, grad: torch.Tensor, param: torch.Tensor, own_master: bool) -> "Landed":
-        return cls(Fingerprint.of(grad), Fingerprint.of(param) if own_master else None)
+    def of(cls, grad: torch.Tensor, param: torch.Tensor) -> "Landed":
+        return cls(Fingerprint.of(grad), Fingerprint.of(param))
 
     def made_stale(self) -> "Landed":
         """This gradient, after a second one came for its parameter."""
@@ -96,9 +97,9 @@ class Landed:
 
     def checks(self, param: torch.Tensor) -> list[tuple[Fingerprint, Optional[torch.Tensor]]]:
         """What ``guards.changed`` compares for work that read this gradient to give what
-        ``step()`` would give now: the gradient (still ``param.grad``, bit for bit) and an own
-        master (the parameter, unchanged)."""
-        return [(self.grad, param.grad)] + ([(self.param, param)] if self.param is not None else [])
+        ``step()`` would give now: the gradient (still ``param.grad``, bit for bit) and the
+        parameter (unchanged)."""
+        return [(self.grad, param.grad), (self.param, param)]
 
 
 @dataclass(eq=False)

@@ -267,19 +267,18 @@ class StreamedPart:
         q.phase = q.phase.to(UpdatePhase.FINISHED)
         self._queued = None
 
-    def take_edits(self, edited: dict[int, torch.Tensor]) -> None:
-        """Edited parameters (by index: their values now) into their masters, once nothing
-        reads or writes those (the last update's copies out and every copy in queued so far
-        have landed)."""
-        dev = self._device
-        self.finish()
-        dev.wait_host(dev.record_event(self.h2d))
-        if self._link.last_out is not None:
-            dev.wait_host(self._link.last_out)
-        masters = self.masters()
-        for index, value in edited.items():
-            if masters[index] is not None:
-                merge_edited(masters[index], value)
+    def take_edits(self) -> None:
+        """Outside a step (``state_dict``): parameters edited since the part wrote them, into
+        their host masters, once nothing reads or writes those (``sync``). The update inside
+        ``step()`` does the same on the device, chunk by chunk (``ChunkRunner``), so the part
+        keeps no record of what it wrote; here each master is merged on the parameter's
+        device (unchanged where nothing was edited)."""
+        self.sync()
+        for p, master in zip(self.params, self._store.masters):
+            if master is not None and p.numel():
+                staged = master.to(p.device)
+                merge_edited(staged, p)
+                master.copy_(staged)
 
     def sync(self) -> None:
         """Block until the last update's copies into host memory have landed (before the host
@@ -309,8 +308,7 @@ class StreamedPart:
         chunk's copy in (tests remove it: a hazard)."""
         self._device.wait_event(self.update_stream or self._device.current_stream(), event)
 
-    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None,
-             edited: Optional[dict[int, torch.Tensor]] = None) -> None:
+    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None) -> None:
         """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``;
         the host is not blocked). On the compute stream, done when step() returns; overlapped:
         on ``update_stream``, chunks in forward order (the reverse of gradient arrival), still
@@ -318,10 +316,9 @@ class StreamedPart:
         Chunks updated during backward whose inputs did not change since (``backward``) are
         kept: only their new parameter values are copied in, first. ``scale``: the loss scale
         ``GradScaler`` handed to ``step()`` (each chunk's optimizer runs under it): early
-        updates, which ran without it, are redone. ``edited``: parameters (by index) the user
-        changed since the part wrote them, and their values now: chunks updated early from the
-        old values are redone, and a separate master takes the edit (``guards.merge_edited``)
-        before anything reads it."""
+        updates, which ran without it, are redone. A parameter the user changed since the part
+        wrote it passes the change into its master before the update (``guards.merge_edited``,
+        on the device)."""
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(
@@ -331,9 +328,7 @@ class StreamedPart:
         kept = []
         if self.backward is not None:
             self.backward.settle()  # every update queued in backward is on the device now
-            kept = self.backward.validate(hypers, scale is not None, set(edited or ()))
-        if edited:
-            self.take_edits(edited)
+            kept = self.backward.validate(hypers, scale is not None)
         taken = {rec.chunk for rec in kept}
         live = []
         for ci, c in enumerate(self.chunks):

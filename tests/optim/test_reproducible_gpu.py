@@ -29,12 +29,20 @@ def model() -> nn.Module:
     return nn.Sequential(*layers).to("cuda", torch.bfloat16)
 
 
-def train(m: nn.Module, opt, steps: int = 3) -> None:
+def train(m: nn.Module, opt, steps: int = 3, clamp: float = 0.0) -> None:
+    """``steps`` steps; with ``clamp``, every parameter is clamped to it after each step (WGAN
+    weight clipping: an edit the optimizer must take into its masters)."""
     for i in range(steps):
         x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(100 + i))
         m(x.to("cuda", torch.bfloat16)).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
+        if clamp:
+            if hasattr(opt, "wait_params"):
+                opt.wait_params()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.clamp_(-clamp, clamp)
     if hasattr(opt, "wait_params"):
         opt.wait_params()
 
@@ -88,13 +96,15 @@ def test_default_arguments_same_bits_in_three_processes(tmp_path):
     assert_same_runs(runs)
 
 
+@pytest.mark.parametrize("clamp", [0.0, 0.02], ids=["", "clamped"])
 @pytest.mark.parametrize("update_in_fp32", [False, True], ids=["device-bf16", "device-fp32"])
 @pytest.mark.parametrize("stream_fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("overlap", ["none", "backward_copies", "backward_update", "next_forward"])
 def test_fixed_split_equals_placed_reference(deterministic, overlap, stream_fraction,
-                                             update_in_fp32):
+                                             update_in_fp32, clamp):
     """Half the parameters offloaded (split between the CPU and the streamed part as given),
-    the rest on the device: bit for bit ``PlacedReference`` of that placement."""
+    the rest on the device: bit for bit ``PlacedReference`` of that placement; also with the
+    parameters clamped after every step (each part takes the edit into its masters)."""
     from cpu_offload.optim import HybridDeviceOptimizer
     from cpu_offload.optim.reference import PlacedReference
 
@@ -109,8 +119,8 @@ def test_fixed_split_equals_placed_reference(deterministic, overlap, stream_frac
         assert opt.offloaded_params() or stream_fraction == 1.0
         assert opt.streamed_params() or stream_fraction == 0.0
         ref_opt = PlacedReference.like(opt, params, ref.parameters(), lr=1e-3)
-        train(m, opt)
-        train(ref, ref_opt)
+        train(m, opt, clamp=clamp)
+        train(ref, ref_opt, clamp=clamp)
     finally:
         opt.close()
     for i, (a, b) in enumerate(zip(m.parameters(), ref.parameters())):

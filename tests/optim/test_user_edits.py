@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cpu_offload.optim.reference import MasterWeightOptimizer
+
 from _support.hybrid_cases import (
     Split, assert_same_params, assert_same_state, devices, gloo, hybrid, loss_of, made, net,
     settle, splits,
@@ -271,6 +273,40 @@ def test_a_checkpoint_after_an_edit_keeps_the_edit(made, split):
     opt.load_state_dict(saved)
     for model, o in ((m, opt), (ref, ref_opt)):
         loss_of(model, 1).backward()
+        o.step()
+        o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+
+
+@pytest.mark.parametrize("edit", list(PARAM_EDITS))
+@devices
+@splits()
+def test_bf16_param_edits_reach_the_fp32_masters(made, split, device, edit):
+    """bf16 parameters, fp32 masters: a clamp after each step is taken into the masters where
+    it changed a parameter (elsewhere they keep their precision), in the next step and in
+    ``state_dict()``, as the master-weight reference does. The streamed part takes it on the
+    device as it updates (and, outside a step, before saving), keeping no record."""
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    m, ref = net(torch.bfloat16), net(torch.bfloat16)
+    opt = hybrid(m, split, device, param_update_in_fp32=True, **kw)  # a device part with masters
+    made.append(opt)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), **kw)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            o.step()
+            settle(o)
+            PARAM_EDITS[edit](model)
+            o.zero_grad()
+    assert_same_params(m, ref)
+    saved = opt.state_dict()  # after the last edit: its masters carry it
+    opt.close()
+    opt = hybrid(m, split, device, fraction=1.0, param_update_in_fp32=True, **kw)
+    made.append(opt)
+    opt.load_state_dict(saved)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        loss_of(model, 3).backward()
         o.step()
         o.zero_grad()
         settle(o)
