@@ -24,7 +24,6 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
-from .guards import merge_edited
 from .stream_plan import Chunk, Piece, SlotLayout, slot_layout
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -136,6 +135,19 @@ def bound_hypers(opt: torch.optim.Optimizer, group_ids: Sequence[int],
                     del group[k]
 
 
+def _merge_edit(master: torch.Tensor, param: torch.Tensor, scratch: torch.Tensor) -> None:
+    """``guards.merge_edited(master, param)`` without allocating: the master rounded and the
+    comparison go into ``scratch`` (the piece's gradient region of the slot, bytes, filled
+    only after this), so the update stays within the staging budget. Where nothing was edited
+    the master is unchanged."""
+    n = master.numel()
+    rounded = scratch[: n * param.element_size()].view(param.dtype).view(param.shape)
+    keep = scratch[rounded.numel() * param.element_size():][:n].view(torch.bool).view(param.shape)
+    rounded.copy_(master)
+    torch.eq(rounded, param, out=keep)
+    torch.where(keep, master, param, out=master)
+
+
 class ChunkRunner:
     """Stages, updates and stores back the chunks of one streamed part (module docstring)."""
 
@@ -221,7 +233,7 @@ class ChunkRunner:
                         v.master.copy_(flat_bytes(pc.written(p)))
                     pc.key.set_(v.master.view(pc.key.dtype).view(pc.shape(p)))
                 if v.grad is not None:  # a user's edit of the parameter since the part wrote it
-                    merge_edited(pc.key, pc.written(p).view(pc.shape(p)))
+                    _merge_edit(pc.key, pc.written(p).view(pc.shape(p)), v.grad)
                     gm = v.grad.view(pc.key.dtype).view(pc.key.shape)
                     dsts.append(gm)
                     srcs.append(grad.view(pc.key.shape))
