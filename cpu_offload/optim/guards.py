@@ -29,8 +29,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "differs_from_rounded", "merge_edited",
-           "same_hypers", "snapshot_hypers", "tensor_version"]
+__all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "differs_from_rounded", "host_list",
+           "merge_edited", "same_hypers", "snapshot_hypers", "tensor_version"]
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -167,10 +167,26 @@ def differs_from_rounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             maxima.setdefault(device, []).append((chunk, torch.stack(norms).float()))
             start = stop
     for found in maxima.values():
-        values = torch.cat([m for _, m in found]).tolist()
+        values = host_list(torch.cat([m for _, m in found]))
         for i, v in zip((i for chunk, _ in found for i in chunk), values):
             out[i] = v != 0.0  # NaN too
     return out
+
+
+def host_list(t: torch.Tensor) -> list:
+    """``t.tolist()``, waiting for a CUDA tensor without spinning: ``tolist`` waits in a loop
+    that keeps a core busy (CUDA's default for a process with fewer GPUs than cores), and
+    ``step()``'s checks wait here until backward's end, while the CPU update runs on every
+    other core: one core less for its thread team slows it all (the team waits for its
+    slowest thread). A blocking event lets the core go."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()
+    return host.tolist()
 
 
 @dataclass
@@ -213,7 +229,7 @@ def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list
     for idx in by_device.values():
         before = torch.stack([pairs[i][0].bits for i in idx])
         now = bit_sums([pairs[i][1] for i in idx])
-        for i, diff in zip(idx, (before != now).any(dim=1).tolist()):
+        for i, diff in zip(idx, host_list((before != now).any(dim=1))):
             out[i] = bool(diff)
     return out
 

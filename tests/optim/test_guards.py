@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_offload.optim.guards import bit_sum, bit_sums, differs_from_rounded, merge_edited
+from cpu_offload.optim.guards import bit_sum, bit_sums, differs_from_rounded, host_list, merge_edited
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -89,3 +89,14 @@ def test_differs_from_rounded_finds_exactly_the_edited_parameters(device, group_
 
 def test_differs_from_rounded_of_nothing():
     assert differs_from_rounded([]) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_list_is_tolist_after_queued_work(device):
+    """``host_list`` waits for the work queued before it (here a long chain of kernels) and
+    gives ``tolist()``'s values, in every dtype the checks read."""
+    x = torch.ones(2**20, device=device)
+    for _ in range(50):
+        x = x * 1.0001
+    for t in (x[:3], x.sum().reshape(1) > 1, torch.stack([x.sum(), x.max()]).double()):
+        assert host_list(t) == t.tolist()
