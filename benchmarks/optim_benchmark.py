@@ -34,6 +34,13 @@ step and the achieved rate, the share of the CPU update that ran before ``step()
 bound: < 0.001), and the target: step <= 1.10 x max(fwd+bwd, CPU update, link time), link
 time = bytes to host / D2H GB/s + bytes to device / H2D GB/s (measured here).
 
+First (unless ``--no-probe``) ``benchmarks/host_rates.py`` measures the host with plain torch,
+not this library: fused CPU AdamW, the CPU path of a bf16 parameter, the pinned link, each alone
+and the CPU path and link together. Per hybrid row, ``probe bound ms`` is max(fwd+bwd, the
+offloaded work at those together rates), with the offloaded parameters all on the CPU (``f=``
+rows) or split at the streamed share ``probe s`` that minimizes the work (``split`` rows): what
+no schedule of this row can beat on this host.
+
 ``--big`` adds a model that does not fit on one 80 GB GPU with plain AdamW (about 5.6B
 parameters: 16 B/param = 90 GB) but trains with optimizer (f=1) + activation offloading
 (needs about 80 GB of host memory), with and without the split. A CPU microbenchmark runs first
@@ -69,6 +76,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import host_rates
 from bench_common import BenchDevice, environment_info, format_table, gc_paused, write_json
 
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
@@ -123,6 +131,10 @@ class Row:
     balanced_ms: Optional[float] = None
     bound_ratio: Optional[float] = None
     verdict: Optional[str] = None
+    offloaded: int = 0  # parameters offloaded (CPU part and streamed part)
+    probe_share: Optional[float] = None  # the probe's streamed share (0: CPU-only rows)
+    probe_bound_ms: Optional[float] = None  # max(fwd+bwd, offloaded work at the probe's rates)
+    probe_ratio: Optional[float] = None
     error: Optional[str] = None
     losses: Optional[list] = None
 
@@ -224,6 +236,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         device.synchronize()
         row.fwd_bwd_ms = (time.perf_counter() - t0) * 1e3 / args.iters
         if hybrid:
+            row.offloaded = sum(p.numel() for p in opt.offloaded_params() + opt.streamed_params())
             moved = _moved(opt)
             out = (moved[0] - moved0[0]) / args.iters
             into = (moved[1] - moved0[1]) / args.iters
@@ -257,6 +270,18 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
     return row
 
 
+def add_probe_bound(row: Row, label: str, rates: Optional[host_rates.HostRates]) -> None:
+    """The bound of a hybrid row from the host's own rates (``host_rates``): its offloaded
+    parameters split at the share that minimizes their work (a ``split`` row) or all on the
+    CPU (an ``f=`` row), the work overlapping forward and backward at best."""
+    if rates is None or row.error or not row.offloaded or row.fwd_bwd_ms is None:
+        return
+    bound = host_rates.split_bound(row.offloaded, rates, None if label.startswith("split") else 0.0)
+    row.probe_share = bound.stream_fraction
+    row.probe_bound_ms = 1e3 * host_rates.bound_step_s(row.fwd_bwd_ms / 1e3, bound.seconds)
+    row.probe_ratio = row.step_ms / row.probe_bound_ms
+
+
 def _moved(opt: HybridDeviceOptimizer) -> tuple[int, int]:
     """Bytes copied so far (to the host, to the device), CPU path and streamed part."""
     parts = opt._parts
@@ -278,7 +303,8 @@ class _null:
 
 HEADERS = ("workload", "row", "params", "step ms", "fwd+bwd ms", "CPU upd ms", "link ms",
            "GB/step", "link GB/s", "upd overl. %", "peak GiB", "steady GiB", "max dloss",
-           "stream %", "H2D ms", "D2H ms", "balanced ms", "step/bound", "target")
+           "stream %", "H2D ms", "D2H ms", "balanced ms", "step/bound", "target",
+           "probe s %", "probe bound ms", "step/probe")
 
 
 def _count(n: int) -> str:
@@ -295,7 +321,9 @@ def table_rows(rows: list[Row]) -> list[list[Any]]:
         out.append([r.workload, r.label, _count(r.params), r.step_ms, r.fwd_bwd_ms,
                     r.cpu_update_ms, r.link_ms, r.gb_per_step, r.link_gbps, r.overlap_pct,
                     r.peak_gib, r.steady_gib, r.max_loss_diff, r.stream_pct, r.h2d_ms, r.d2h_ms,
-                    r.balanced_ms, r.bound_ratio, r.verdict])
+                    r.balanced_ms, r.bound_ratio, r.verdict,
+                    None if r.probe_share is None else 100 * r.probe_share, r.probe_bound_ms,
+                    r.probe_ratio])
     return out
 
 
@@ -343,6 +371,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "the CPU worker on physical cores (of the GPU's NUMA node)")
     p.add_argument("--stream-during-backward", action="store_true",
                    help="HybridDeviceOptimizer(stream_during_backward=True) for the 'split' rows")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the host-rate probe (benchmarks/host_rates.py) and its bound column")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
     return p.parse_args(argv)
@@ -377,6 +407,11 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
                            compare=args.microbench_compare)
     rows: list[Row] = []
     link: dict = {}
+    rates = None
+    if not args.microbench_only and not args.no_probe:
+        rates = host_rates.measure(elems=2**26 if device.is_cuda else 2**16, threads=threads,
+                                   reps=3 if device.is_cuda else 1)
+        print(host_rates.rates_table(rates), flush=True)
     if not args.microbench_only:
         link = measure_link(device, (1024 if device.is_cuda else 16) * 2**20, 5)
         print(f"link: D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s", flush=True)
@@ -392,6 +427,7 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
                     base = row
                 elif base is not None and base.losses and row.losses:
                     row.max_loss_diff = max(abs(a - b) for a, b in zip(row.losses, base.losses))
+                add_probe_bound(row, label, rates)
                 rows.append(row)
                 shown = row.error or f"{row.step_ms:.1f} ms/step"
                 print(f"  {name:8s} {label:12s} {shown}", flush=True)
@@ -403,14 +439,18 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
     if rows:
         print(format_table(HEADERS, table_rows(rows)))
         print(f"\nbound = max(fwd+bwd, CPU update, link); target step/bound <= {TARGET}. "
-              "'upd overl. %': share of the CPU update that ran before step() was called.")
+              "'upd overl. %': share of the CPU update that ran before step() was called. "
+              "probe: benchmarks/host_rates.py's rates measured together in this run; 'probe "
+              "bound' = max(fwd+bwd, offloaded work at the streamed share 'probe s' that "
+              "minimizes it; CPU-only rows: none streamed).")
     print(f"total benchmark time {time.perf_counter() - t_start:.1f} s")
     if not device.is_cuda:
         print("NOTE: simulated device -- a smoke test of this script; numbers mean nothing.")
     out = Path(args.out)
     write_json(out / f"optim_benchmark_{device.kind}.json", {
         "environment": environment_info(device), "workload": str(cfg), "args": vars(args),
-        "link": link, "microbench": micro, "rows": [asdict(r) for r in rows],
+        "link": link, "host_rates": None if rates is None else asdict(rates),
+        "microbench": micro, "rows": [asdict(r) for r in rows],
     })
     (out / f"optim_benchmark_{device.kind}.md").write_text(markdown(rows))
     print(f"wrote {out / f'optim_benchmark_{device.kind}.md'}")

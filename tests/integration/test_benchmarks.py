@@ -2,6 +2,8 @@
 seconds, and the frontier's selection and drift correction are checked on synthetic points."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -48,6 +50,11 @@ def test_optim_benchmark_smoke_sim(tmp_path):
     assert cpu.max_loss_diff == 0 and split.max_loss_diff == 0  # the same numbers as plain
     assert cpu.stream_pct is None and 0 < split.stream_pct < 100  # "auto": a real split
     assert split.h2d_ms > 0 and split.d2h_ms > 0 and split.balanced_ms > 0
+    # the probe's bound: its own rates, all on the CPU for an f= row, its best share for a split
+    assert cpu.probe_share == 0 and 0 <= split.probe_share <= 1
+    assert cpu.offloaded == split.offloaded == cpu.params  # fraction 1: every parameter
+    for r in (cpu, split):
+        assert r.probe_bound_ms >= r.fwd_bwd_ms and r.probe_ratio == r.step_ms / r.probe_bound_ms
     assert (tmp_path / "optim_benchmark_sim.md").exists()
 
 
@@ -290,3 +297,76 @@ def test_optim_memory_accounts_for_every_byte_on_cuda():
     assert r["f=1 cpu"]["between steps"] <= 1.05, r  # the weights only
     assert r["f=1 streamed"]["between steps"] <= 1.05, r
     assert r["f=1 streamed"]["whole step"] <= 2.1 + budget_mib / p_mib, r
+
+
+def _host_rates(cpu: float, link: float):
+    """Rates with the CPU path under DMA at ``cpu`` G params/s and the link under CPU load at
+    ``link`` GB/s each way; the other rates are set far off, so using one of them shows."""
+    bench = _benchmark_module("host_rates")
+    return bench.HostRates(adamw=1e-3, cpu_path=1e-3, h2d=1e-3, d2h=1e-3, both=1e-3,
+                           cpu_path_under_dma=cpu, link_under_cpu=link, threads=1, elems=1,
+                           cuda=False)
+
+
+def test_host_rates_smoke_cpu(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    bench = _benchmark_module("host_rates")
+    rates = bench.main(["--elems", "65536", "--reps", "1", "--threads", "1",
+                        "--out", str(tmp_path)])
+    floats = {k: v for k, v in asdict(rates).items() if k not in ("threads", "elems", "cuda")}
+    assert len(floats) == 7
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in floats.values()), rates
+    assert (rates.threads, rates.elems) == (1, 65536)
+    saved = json.loads((tmp_path / "host_rates.json").read_text())
+    assert saved["rates"] == asdict(rates)
+    assert [b["fraction"] for b in saved["bounds"]] == [0.25, 0.5, 1.0]
+    assert saved["bounds"][2]["params"] == 1_510_000_000
+
+
+def test_host_rates_split_bound_at_the_crossing():
+    """C = 2 G params/s, L = 40 GB/s, P = 1e9: s* = (L - 2C) / (L + 10C) = 36/60 = 0.6, where
+    cpu_s = 0.4 * 1e9 / 2e9 = 0.2 s and link_s = 1e9 * (12 * 0.6 + 2 * 0.4) / 40e9 = 0.2 s;
+    all on the CPU (0.5 s of CPU) and all streamed (12e9 / 40e9 = 0.3 s of link) are slower."""
+    bench = _benchmark_module("host_rates")
+    rates = _host_rates(cpu=2.0, link=40.0)
+    b = bench.split_bound(10**9, rates)
+    assert b.stream_fraction == pytest.approx(0.6, rel=1e-12)
+    assert b.cpu_s == pytest.approx(b.link_s, rel=1e-12)
+    assert b.seconds == pytest.approx(0.2, rel=1e-12) and b.seconds == max(b.cpu_s, b.link_s)
+    assert bench.split_bound(10**9, rates, 0.0).seconds == 0.5
+    assert bench.split_bound(10**9, rates, 1.0).seconds == 0.3
+
+
+def test_host_rates_split_bound_clamps():
+    bench = _benchmark_module("host_rates")
+    # A very fast CPU: the crossing is below 0, so nothing is streamed; the link carries 2 B/param.
+    b = bench.split_bound(10**9, _host_rates(cpu=1000.0, link=40.0))
+    assert (b.stream_fraction, b.cpu_s, b.link_s, b.seconds) == (0.0, 0.001, 0.05, 0.05)
+    b = bench.split_bound(10**9, _host_rates(cpu=math.inf, link=40.0))
+    assert (b.stream_fraction, b.cpu_s, b.link_s, b.seconds) == (0.0, 0.0, 0.05, 0.05)
+    # A very fast link: everything is streamed. (Finite, the crossing tends to 1: with C = 1,
+    # L = 1199990, s* = 1199988 / 1200000.)
+    b = bench.split_bound(10**9, _host_rates(cpu=1.0, link=math.inf))
+    assert (b.stream_fraction, b.cpu_s, b.link_s, b.seconds) == (1.0, 0.0, 0.0, 0.0)
+    b = bench.split_bound(10**9, _host_rates(cpu=1.0, link=1_199_990.0))
+    assert b.stream_fraction == pytest.approx(0.99999, rel=1e-12)
+
+
+def test_host_rates_split_bound_at_a_given_share():
+    """s = 0.25, C = 2, L = 40, P = 1e9: cpu_s = 0.75e9 / 2e9 = 0.375 s; link bytes each way
+    1e9 * (12 * 0.25 + 2 * 0.75) = 4.5e9, over 40e9 B/s = 0.1125 s."""
+    bench = _benchmark_module("host_rates")
+    b = bench.split_bound(10**9, _host_rates(cpu=2.0, link=40.0), stream_fraction=0.25)
+    assert (b.stream_fraction, b.cpu_s, b.link_s, b.seconds) == (0.25, 0.375, 0.1125, 0.375)
+    with pytest.raises(ValueError, match="stream_fraction"):
+        bench.split_bound(10**9, _host_rates(cpu=2.0, link=40.0), stream_fraction=1.5)
+
+
+def test_host_rates_bound_step_s():
+    bench = _benchmark_module("host_rates")
+    assert bench.bound_step_s(0.3, 0.2) == 0.3  # the offloaded work hides in forward+backward
+    assert bench.bound_step_s(0.15, 0.2) == 0.2  # it does not: it sets the step
+    assert bench.bound_step_s(0.15, bench.split_bound(10**9, _host_rates(2.0, 40.0)).seconds) == (
+        pytest.approx(0.2, rel=1e-12))
