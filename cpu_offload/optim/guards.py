@@ -280,4 +280,4 @@ def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:
     if value.dtype == master.dtype:
         master.copy_(value)
         return
-    torch.where(master.to(value.dtype) == value, master, value, out=master)
+    torch.where(master.to(value.dtype) == value, master, value.to(master.dtype), out=master)

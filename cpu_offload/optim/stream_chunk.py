@@ -24,6 +24,7 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
+from .guards import merge_edited
 from .stream_plan import Chunk, Piece, SlotLayout, slot_layout
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -136,16 +137,28 @@ def bound_hypers(opt: torch.optim.Optimizer, group_ids: Sequence[int],
 
 
 def _merge_edit(master: torch.Tensor, param: torch.Tensor, scratch: torch.Tensor) -> None:
-    """``guards.merge_edited(master, param)`` without allocating: the master rounded and the
-    comparison go into ``scratch`` (the piece's gradient region of the slot, bytes, filled
-    only after this), so the update stays within the staging budget. Where nothing was edited
-    the master is unchanged."""
-    n = master.numel()
-    rounded = scratch[: n * param.element_size()].view(param.dtype).view(param.shape)
-    keep = scratch[rounded.numel() * param.element_size():][:n].view(torch.bool).view(param.shape)
-    rounded.copy_(master)
-    torch.eq(rounded, param, out=keep)
-    torch.where(keep, master, param, out=master)
+    """``guards.merge_edited(master, param)`` without allocating, so the update stays within
+    the staging budget: its temporaries go into ``scratch`` (the piece's gradient region of the
+    slot, 4 bytes per element, filled only after this). Per half of the piece: the master
+    rounded, then the parameter in the master dtype over it (``torch.where`` of mixed dtypes
+    would allocate that), and the comparison beside: 5 bytes per element of a half. Where
+    nothing was edited the master is unchanged. A one-element piece takes the plain path."""
+    m, p = master.reshape(-1), param.reshape(-1)
+    n = m.numel()
+    if n < 2:
+        merge_edited(master, param)
+        return
+    half = (n + 1) // 2
+    for start in (0, half):
+        k = min(half, n - start)
+        mr, pr = m[start: start + k], p[start: start + k]
+        rounded = scratch[: k * p.element_size()].view(p.dtype)
+        keep = scratch[k * m.element_size(): k * (m.element_size() + 1)].view(torch.bool)
+        rounded.copy_(mr)
+        torch.eq(rounded, pr, out=keep)
+        wide = scratch[: k * m.element_size()].view(m.dtype)
+        wide.copy_(pr)
+        torch.where(keep, mr, wide, out=mr)
 
 
 class ChunkRunner:
