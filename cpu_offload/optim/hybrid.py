@@ -1,6 +1,8 @@
 """``HybridDeviceOptimizer``: the facade over the three update paths (``device_part``,
 ``cpu_part``, ``stream_update`` with ``stream_backward``). It partitions the parameters, installs
-the hooks, and runs one step in order: validate the early work, copy the rest, clip, update.
+the hooks, and runs one step in order: queue the streamed update (first, unless it must wait
+for clipping: nothing in it waits on the host), validate the early work, copy the rest, clip,
+update.
 The parts see plain tensors: for a DTensor parameter (FSDP2) its local shard (``sharded``)."""
 from __future__ import annotations
 
