@@ -24,7 +24,6 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
-from .guards import merge_edited
 from .stream_plan import Chunk, Piece, SlotLayout, slot_layout
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -64,6 +63,7 @@ class PieceViews:
     grad: Optional[torch.Tensor]  # its gradient in the master dtype (low-precision parameters)
     new: Optional[torch.Tensor]  # an early update's new values of a low-precision parameter
     state: dict  # name -> the state tensor, typed
+    keep: Optional[torch.Tensor] = None  # low precision: the edit mask (bytes, one per element)
 
 
 def _nonempty(copies: list) -> list:
@@ -136,29 +136,26 @@ def bound_hypers(opt: torch.optim.Optimizer, group_ids: Sequence[int],
                     del group[k]
 
 
-def _merge_edit(master: torch.Tensor, param: torch.Tensor, scratch: torch.Tensor) -> None:
-    """``guards.merge_edited(master, param)`` without allocating, so the update stays within
-    the staging budget: its temporaries go into ``scratch`` (the piece's gradient region of the
-    slot, 4 bytes per element, filled only after this). Per half of the piece: the master
-    rounded, then the parameter in the master dtype over it (``torch.where`` of mixed dtypes
-    would allocate that), and the comparison beside: 5 bytes per element of a half. Where
-    nothing was edited the master is unchanged. A one-element piece takes the plain path."""
-    m, p = master.reshape(-1), param.reshape(-1)
-    n = m.numel()
-    if n < 2:
-        merge_edited(master, param)
+def merge_edits(masters: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                scratch: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
+    """``guards.merge_edited`` for each ``(master, param)`` of a chunk, without allocating (so
+    the update stays within the staging budget) and in few kernels: per piece, ``scratch`` (its
+    gradient region, 4 bytes per element, filled only after this) takes the master rounded,
+    ``keep`` (its edit mask region) where that equals the parameter, then the scratch takes
+    the parameter in the master dtype (``torch.where`` of mixed dtypes would copy it) and the
+    master becomes the parameter where the mask is off. The roundings and widenings are one
+    batched kernel each for the chunk. Where nothing was edited the master is unchanged."""
+    if not masters:
         return
-    half = (n + 1) // 2
-    for start in (0, half):
-        k = min(half, n - start)
-        mr, pr = m[start: start + k], p[start: start + k]
-        rounded = scratch[: k * p.element_size()].view(p.dtype)
-        keep = scratch[k * m.element_size(): k * (m.element_size() + 1)].view(torch.bool)
-        rounded.copy_(mr)
-        torch.eq(rounded, pr, out=keep)
-        wide = scratch[: k * m.element_size()].view(m.dtype)
-        wide.copy_(pr)
-        torch.where(keep, mr, wide, out=mr)
+    rounded = [s[: p.numel() * p.element_size()].view(p.dtype).view(p.shape) for s, p in zip(scratch, params)]
+    masks = [k.view(torch.bool).view(p.shape) for k, p in zip(keep, params)]
+    copy_all(rounded, list(masters))
+    for r, p, k in zip(rounded, params, masks):
+        torch.eq(r, p, out=k)
+    wide = [s.view(m.dtype).view(m.shape) for s, m in zip(scratch, masters)]
+    copy_all(wide, list(params))
+    for m, w, k in zip(masters, wide, masks):
+        torch.where(k, m, w, out=m)
 
 
 class ChunkRunner:
@@ -190,11 +187,12 @@ class ChunkRunner:
         copies, views = [], []
         for k, (pc, reg) in enumerate(zip(pieces, layout.regions)):
             p = self.params[pc.index]
-            m = g = new = None
+            m = g = new = keep = None
             if reg.master is not None:
                 m = slot[reg.master: reg.master + pc.numel * master_dtype(p.dtype).itemsize]
                 copies.append((m, pc.host.current.master))
                 g = slot[reg.grad: reg.grad + m.numel()]
+                keep = slot[reg.keep: reg.keep + pc.numel]
                 if pending is not None:
                     new = pending[k]
             elif pending is not None:
@@ -205,7 +203,7 @@ class ChunkRunner:
                 raw = slot[off: off + flat.numel()]
                 copies.append((raw, flat))
                 st[name] = raw.view(host.dtype).view(host.shape)
-            views.append(PieceViews(m, g, new, st))
+            views.append(PieceViews(m, g, new, st, keep))
         self.link.bytes_in += sum(dst.numel() for dst, _ in copies)
         return copies, views
 
@@ -237,6 +235,7 @@ class ChunkRunner:
         early = grads is not None
         try:
             dsts, srcs = [], []  # gradients into the slot, converted to the master dtype
+            edits: list = []  # (master, parameter, gradient region, mask region) per piece
             for k, (pc, v) in enumerate(zip(pieces, views)):
                 p = self.params[pc.index]
                 grad = (grads[k] if early else p.grad).detach()
@@ -246,7 +245,7 @@ class ChunkRunner:
                         v.master.copy_(flat_bytes(pc.written(p)))
                     pc.key.set_(v.master.view(pc.key.dtype).view(pc.shape(p)))
                 if v.grad is not None:  # a user's edit of the parameter since the part wrote it
-                    _merge_edit(pc.key, pc.written(p).view(pc.shape(p)), v.grad)
+                    edits.append((pc.key, pc.written(p).view(pc.shape(p)), v.grad, v.keep))
                     gm = v.grad.view(pc.key.dtype).view(pc.key.shape)
                     dsts.append(gm)
                     srcs.append(grad.view(pc.key.shape))
@@ -255,6 +254,8 @@ class ChunkRunner:
                     pc.key.grad = grad
                 if pc.host.streamed or pc.host.kept:
                     opt.state[pc.key] = {**pc.host.kept, **v.state}
+            if edits:
+                merge_edits(*map(list, zip(*edits)))
             copy_all(dsts, srcs)
             run_step(opt, scale)
             with torch.no_grad():

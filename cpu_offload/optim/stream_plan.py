@@ -80,6 +80,7 @@ class Regions:
     master: Optional[int]  # a low-precision parameter's master (fp32)
     grad: Optional[int]  # its gradient, converted to the master dtype
     state: dict  # state name -> offset, per streamed state tensor
+    keep: Optional[int] = None  # 1 byte per element: where the parameter is its master rounded
 
 
 @dataclass(frozen=True)
@@ -92,19 +93,21 @@ class SlotLayout:
 
 def slot_layout(pieces: Sequence[Piece], params: Sequence[torch.Tensor],
                 lowp: Sequence[bool]) -> SlotLayout:
-    """Each piece's regions, aligned (a low-precision parameter's master and fp32 gradient,
-    then its streamed state, as ``piece.host.streamed`` lists it now)."""
+    """Each piece's regions, aligned (a low-precision parameter's master, fp32 gradient and
+    edit mask (``stream_chunk``), then its streamed state, as ``piece.host.streamed`` lists it
+    now)."""
     out, offset = [], 0
     for pc in pieces:
-        m_off = g_off = None
+        m_off = g_off = k_off = None
         if lowp[pc.index]:
             n = slot_aligned(pc.numel * master_dtype(params[pc.index].dtype).itemsize)
-            m_off, g_off, offset = offset, offset + n, offset + 2 * n
+            m_off, g_off, k_off = offset, offset + n, offset + 2 * n
+            offset = k_off + slot_aligned(pc.numel)
         names = {}
         for name, host in pc.host.streamed.items():
             names[name] = offset
             offset += slot_aligned(host.numel() * host.element_size())
-        out.append(Regions(m_off, g_off, names))
+        out.append(Regions(m_off, g_off, names, k_off))
     return SlotLayout(out, offset)
 
 
@@ -127,20 +130,21 @@ class ChunkPlan:
 
 
 def bytes_per_elem(param: torch.Tensor, lowp: bool, state_elems: int) -> int:
-    """Slot bytes an element of ``param`` takes: master and gradient (low precision), state."""
-    return (8 if lowp else 0) + state_elems * master_dtype(param.dtype).itemsize
+    """Slot bytes an element of ``param`` takes: master, gradient and edit mask (low
+    precision), state."""
+    return (9 if lowp else 0) + state_elems * master_dtype(param.dtype).itemsize
 
 
 def plan_ranges(params: Sequence[torch.Tensor], lowp: Sequence[bool], budget_bytes: int,
                 state_elems: int, elementwise: bool) -> tuple[int, list[list[tuple[int, int, int]]]]:
     """The elements per chunk a slot of ``budget_bytes / SLOTS`` holds, and the chunks as lists
     of ``(param index, start, stop)``, each fitting a slot with its regions aligned."""
-    slot = budget_bytes // SLOTS - (2 + state_elems) * SLOT_ALIGN
+    slot = budget_bytes // SLOTS - (3 + state_elems) * SLOT_ALIGN
     per_elem = [bytes_per_elem(p, lp, state_elems) for p, lp in zip(params, lowp)]
     chunk_elems = max(1, slot // max(1, max(per_elem or [1])))
     chunk_elems = chunk_elems // ALIGN_ELEMS * ALIGN_ELEMS or chunk_elems
     ranges = plan_chunks([p.numel() for p in params], chunk_elems, elementwise)
-    return chunk_elems, _regroup(_with_empty(ranges, params), per_elem, 2 + state_elems, slot)
+    return chunk_elems, _regroup(_with_empty(ranges, params), per_elem, 3 + state_elems, slot)
 
 
 def build_chunk(ranges: Sequence[tuple[int, int, int]], params: Sequence[torch.Tensor],

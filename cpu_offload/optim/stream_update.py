@@ -8,9 +8,11 @@ per-parameter state (``exp_avg``, ``exp_avg_sq``, ``step``...) live in pinned ho
 
 1. the chunk's masters and state are copied host -> device on a side stream (``h2d``) into one
    of two device slots;
-2. the compute stream waits for that copy, converts the gradients to the master dtype in the
-   slot, runs the device optimizer class (``gpu_optimizer_cls``, fused AdamW by default) over the
-   slot views, and writes the new masters into the parameters (cast to their dtype);
+2. the compute stream waits for that copy, takes into each master any edit of its parameter
+   since the part wrote it (``stream_chunk.merge_edits``: the part keeps no record of what it
+   wrote), converts the gradients to the master dtype in the slot, runs the device optimizer
+   class (``gpu_optimizer_cls``, fused AdamW by default) over the slot views, and writes the
+   new masters into the parameters (cast to their dtype);
 3. masters and state are copied back device -> host on another side stream (``d2h``).
 
 Two slots: the copy in of chunk ``i + 1`` overlaps the update of chunk ``i`` and the copy out of

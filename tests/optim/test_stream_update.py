@@ -844,27 +844,33 @@ def test_the_part_keeps_no_hyperparameter_tensor_it_was_given(overlapped, early)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [2, 3, 4096, 65537])
-def test_the_chunk_updates_edit_merge_allocates_nothing(dtype, n):
+def test_the_chunk_updates_edit_merge_allocates_nothing(dtype):
     """A streamed chunk's update takes the user's edits into the slot's masters through the
-    gradient region as scratch: no allocation (``torch.profiler``'s memory events, which see
-    the temporaries inside an op), so the staging budget holds. On an H200 an earlier version
-    went 0.23 MiB over a 2 MiB budget: ``torch.where`` over fp32 and bf16 made an fp32 copy.
-    The result is ``guards.merge_edited``'s, bit for bit."""
+    pieces' gradient and mask regions of the slot: no allocation (``torch.profiler``'s memory
+    events, which see the temporaries inside an op), so the staging budget holds. On an H200
+    an earlier version went 0.23 MiB over a 2 MiB budget: ``torch.where`` over fp32 and bf16
+    made an fp32 copy. The result is ``guards.merge_edited``'s, bit for bit."""
     from torch.profiler import ProfilerActivity, profile
 
     from cpu_offload.optim.guards import merge_edited
-    from cpu_offload.optim.stream_chunk import _merge_edit
+    from cpu_offload.optim.stream_chunk import merge_edits
 
-    g = torch.Generator().manual_seed(n)
-    master = torch.randn(n, generator=g)
-    param = master.to(dtype)
-    param[::3] = 0.25  # edited
-    want = master.clone()
-    merge_edited(want, param)
-    scratch = torch.empty(4 * n, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    masters, params, want = [], [], []
+    for shape in [(1,), (3,), (3, 4), (4097,), (65537,)]:
+        master = torch.randn(shape, generator=g)
+        param = master.to(dtype)
+        param.view(-1)[::3] = 0.25  # edited
+        expected = master.clone()
+        merge_edited(expected, param)
+        masters.append(master)
+        params.append(param)
+        want.append(expected)
+    scratch = [torch.empty(4 * p.numel(), dtype=torch.uint8) for p in params]
+    masks = [torch.empty(p.numel(), dtype=torch.uint8) for p in params]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _merge_edit(master, param, scratch)
+        merge_edits(masters, params, scratch, masks)
     allocated = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocated == []
-    assert torch.equal(master, want)
+    for got, expected in zip(masters, want):
+        assert torch.equal(got, expected)
