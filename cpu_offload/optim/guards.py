@@ -264,9 +264,9 @@ def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:
     """Take an edited parameter's values into its master (in place, on the master's device):
     where the master still rounds to the parameter it is kept (its extra precision with it),
     elsewhere it becomes the parameter's value. For a master of the parameter's own dtype this
-    is a plain copy. Device work only, no host synchronization (with both on one device), and
-    no change where nothing was edited: the streamed part runs it on every piece it updates,
-    instead of keeping a record of what it wrote.
+    is a plain copy. No change where nothing was edited, so it may run on every parameter
+    instead of keeping a record of what the optimizer wrote: the streamed part does (its chunk
+    update applies this rule batched, without allocating: ``stream_chunk.merge_edits``).
 
     Example::
 

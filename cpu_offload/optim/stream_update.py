@@ -273,14 +273,12 @@ class StreamedPart:
         """Outside a step (``state_dict``): parameters edited since the part wrote them, into
         their host masters, once nothing reads or writes those (``sync``). The update inside
         ``step()`` does the same on the device, chunk by chunk (``ChunkRunner``), so the part
-        keeps no record of what it wrote; here each master is merged on the parameter's
-        device (unchanged where nothing was edited)."""
+        keeps no record of what it wrote; here each parameter comes to its host master
+        (unchanged where nothing was edited)."""
         self.sync()
         for p, master in zip(self.params, self._store.masters):
             if master is not None and p.numel():
-                staged = master.to(p.device)
-                merge_edited(staged, p)
-                master.copy_(staged)
+                merge_edited(master, p)
 
     def sync(self) -> None:
         """Block until the last update's copies into host memory have landed (before the host

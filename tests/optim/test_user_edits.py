@@ -254,6 +254,23 @@ def test_param_edits_after_step_are_kept(made, split, device, edit):
     assert_same_state(opt, ref_opt)
 
 
+def reload_and_step(made, split, device, hybrid_pair, ref_pair, batch, **kw) -> None:
+    """Save the hybrid's ``state_dict()``, rebuild it (everything offloaded) from it, and take
+    one more step on both models: the saved masters must be what training continues from."""
+    (m, opt), (ref, ref_opt) = hybrid_pair, ref_pair
+    saved = opt.state_dict()
+    opt.close()
+    opt = hybrid(m, split, device, fraction=1.0, **kw)
+    made.append(opt)
+    opt.load_state_dict(saved)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        loss_of(model, batch).backward()
+        o.step()
+        o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+
+
 @splits()
 def test_a_checkpoint_after_an_edit_keeps_the_edit(made, split):
     """A parameter clamped after step() and saved before the next one: the state dict's masters
@@ -266,17 +283,7 @@ def test_a_checkpoint_after_an_edit_keeps_the_edit(made, split):
         o.zero_grad()
         settle(o)
         PARAM_EDITS["no_grad p.clamp_"](model)
-    saved = opt.state_dict()
-    opt.close()
-    opt = hybrid(m, split, fraction=1.0, lr=1e-2, weight_decay=0.1)
-    made.append(opt)
-    opt.load_state_dict(saved)
-    for model, o in ((m, opt), (ref, ref_opt)):
-        loss_of(model, 1).backward()
-        o.step()
-        o.zero_grad()
-        settle(o)
-    assert_same_params(m, ref)
+    reload_and_step(made, split, "late", (m, opt), (ref, ref_opt), 1, lr=1e-2, weight_decay=0.1)
 
 
 @pytest.mark.parametrize("edit", list(PARAM_EDITS))
@@ -300,17 +307,8 @@ def test_bf16_param_edits_reach_the_fp32_masters(made, split, device, edit):
             PARAM_EDITS[edit](model)
             o.zero_grad()
     assert_same_params(m, ref)
-    saved = opt.state_dict()  # after the last edit: its masters carry it
-    opt.close()
-    opt = hybrid(m, split, device, fraction=1.0, param_update_in_fp32=True, **kw)
-    made.append(opt)
-    opt.load_state_dict(saved)
-    for model, o in ((m, opt), (ref, ref_opt)):
-        loss_of(model, 3).backward()
-        o.step()
-        o.zero_grad()
-        settle(o)
-    assert_same_params(m, ref)
+    # saved after the last edit: its masters carry it
+    reload_and_step(made, split, device, (m, opt), (ref, ref_opt), 3, param_update_in_fp32=True, **kw)
 
 
 @devices
