@@ -178,7 +178,20 @@ def host_list(t: torch.Tensor) -> list:
     that keeps a core busy (CUDA's default for a process with fewer GPUs than cores), and
     ``step()``'s checks wait here until backward's end, while the CPU update runs on every
     other core: one core less for its thread team slows it all (the team waits for its
-    slowest thread). A blocking event lets the core go."""
+    slowest thread). A blocking event lets the core go.
+
+    Args:
+        t: the tensor to read, on any device (a CPU tensor is read at once).
+
+    Returns:
+        ``t.tolist()``.
+
+    Example::
+
+        >>> import torch
+        >>> host_list(torch.tensor([1.5, 2.0]) > 1.75)
+        [False, True]
+    """
     if t.device.type != "cuda":
         return t.tolist()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

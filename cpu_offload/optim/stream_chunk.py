@@ -144,7 +144,25 @@ def merge_edits(masters: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
     ``keep`` (its edit mask region) where that equals the parameter, then the scratch takes
     the parameter in the master dtype (``torch.where`` of mixed dtypes would copy it) and the
     master becomes the parameter where the mask is off. The roundings and widenings are one
-    batched kernel each for the chunk. Where nothing was edited the master is unchanged."""
+    batched kernel each for the chunk. Where nothing was edited the master is unchanged.
+
+    Args:
+        masters: per piece, its master (fp32), changed in place.
+        params: per piece, the parameter's elements (bf16/fp16), shaped as its master.
+        scratch: per piece, 4 bytes per element (uint8), overwritten.
+        keep: per piece, 1 byte per element (uint8), overwritten.
+
+    Example::
+
+        >>> import torch
+        >>> master = torch.tensor([1.001, 2.0, 3.0])
+        >>> param = master.to(torch.bfloat16)
+        >>> param[2] = 0.5                                    # the user's edit
+        >>> merge_edits([master], [param], [torch.empty(12, dtype=torch.uint8)],
+        ...             [torch.empty(3, dtype=torch.uint8)])
+        >>> master                                            # 1.001 kept: it still rounds alike
+        tensor([1.0010, 2.0000, 0.5000])
+    """
     if not masters:
         return
     rounded = [s[: p.numel() * p.element_size()].view(p.dtype).view(p.shape) for s, p in zip(scratch, params)]
