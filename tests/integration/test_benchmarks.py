@@ -370,3 +370,53 @@ def test_host_rates_bound_step_s():
     assert bench.bound_step_s(0.15, 0.2) == 0.2  # it does not: it sets the step
     assert bench.bound_step_s(0.15, bench.split_bound(10**9, _host_rates(2.0, 40.0)).seconds) == (
         pytest.approx(0.2, rel=1e-12))
+
+
+def _span(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_optim_trace_summarizes_one_step_per_stream():
+    """Three steps traced (forward annotations at 0, 1000 and 2000 us); the middle window is
+    1000..2000 us. Stream 7: two H2D copies (200 us each, 300 us apart) and a kernel that runs
+    past the window's end (counted up to it); stream 9: a D2H before the window (left out)."""
+    bench = _benchmark_module("optim_trace")
+    ev = []
+    for t in (0, 1000, 2000):
+        ev += [_span("user_annotation", "forward", t, 100), _span("user_annotation", "backward", t + 100, 300),
+               _span("user_annotation", "step", t + 400, 500), _span("user_annotation", "zero_grad", t + 900, 50)]
+    ev += [_span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1100, 200, tid=7),
+           _span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1600, 200, tid=7),
+           _span("kernel", "fused_adamw", 1900, 300, tid=7),
+           _span("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 500, 200, tid=9),
+           _span("cpu_op", "aten::copy_", 1100, 50)]  # host ops are not stream work
+    phases, work = bench.summarize(ev, step_index=1)
+    assert [(p.name, p.start_ms, p.end_ms) for p in phases] == [
+        ("forward", 0.0, 0.1), ("backward", 0.1, 0.4), ("step", 0.4, 0.9), ("zero_grad", 0.9, 0.95),
+        ("forward", 1.0, 1.1)]
+    assert [(w.stream, w.kind, w.busy_ms, w.first_ms, w.last_ms, w.ops, w.longest_gap_ms) for w in work] == [
+        (7, "H2D", 0.4, 0.1, 0.8, 2, 0.3), (7, "kernel", 0.1, 0.9, 1.0, 1, 0.0)]
+
+
+def test_optim_trace_needs_a_window():
+    bench = _benchmark_module("optim_trace")
+    ev = [_span("user_annotation", "forward", t, 10) for t in (0, 100)]
+    with pytest.raises(ValueError, match=r"needs 3 forward annotations \(trace 3 steps or more\), found 2"):
+        bench.summarize(ev, step_index=1)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steps", "2"])
+
+
+def test_optim_trace_smoke_sim(tmp_path, capsys):
+    import gzip
+    import json
+
+    bench = _benchmark_module("optim_trace")
+    result = bench.main(["--device", "cpu", "--warmup", "1", "--steps", "3", "--out", str(tmp_path)])
+    assert [p["name"] for p in result["phases"]] == ["forward", "backward", "step", "zero_grad", "forward"]
+    assert result["streams"] == []  # the simulated device has no CUDA streams
+    assert set(result["untraced_host_ms"]) == {"forward", "backward", "step", "zero_grad"}
+    assert all(v > 0 for v in result["untraced_host_ms"].values())
+    assert json.loads((tmp_path / "optim_trace_summary.json").read_text())["phases"] == result["phases"]
+    assert json.loads(gzip.open(tmp_path / "optim_trace.json.gz").read())["traceEvents"]
+    assert "untraced host ms per phase" in capsys.readouterr().out

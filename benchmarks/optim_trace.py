@@ -1,0 +1,227 @@
+"""Where a training step with ``HybridDeviceOptimizer`` waits: a ``torch.profiler`` trace of
+real steps, summarized per host phase and per CUDA stream.
+
+    python3 benchmarks/optim_trace.py --fraction 0.25                       # "split f=0.25"
+    python3 benchmarks/optim_trace.py --fraction 0.25 --stream-fraction 1   # all of it streamed
+
+``optim_benchmark.py`` says how long a step takes; this says which resource it waits on. It
+builds ``optim_benchmark.py``'s model and optimizer (same defaults: the 1.51B GPT on CUDA,
+``overlap="next_forward"``, ``stream_fraction="auto"``), runs ``--warmup`` steps, then traces
+``--steps`` steps (at least 3) and summarizes the middle one, from its forward's start to the
+next forward's start:
+
+- the host time of each phase of the untraced steps (``time.perf_counter`` around each call,
+  no synchronization: ``step`` long against the link's work means the host queues it slowly);
+- the host phases of the training thread: ``forward``, ``backward``, ``step``, ``zero_grad``
+  (when each started and ended on the host, in ms from the window's start);
+- per CUDA stream and kind of work (kernels, H2D, D2H, D2D copies): busy ms, first and last ms,
+  operations, and the longest gap between them. A link stream busy for much less than its span
+  while the host is still in ``step()`` means the host, not the link, paces the copies.
+
+The profiler adds host time to every operation (the traced step is slower than the untraced
+one, printed first), so read the shape, not the totals. The full trace goes to
+``--out/optim_trace.json.gz`` (chrome://tracing, Perfetto), the summary to
+``optim_trace_summary.json``. On a machine without CUDA it runs
+the same steps on a small model with the simulated device (host phases only, no streams): a
+smoke test of the script.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from bench_common import BenchDevice, format_table, write_json
+
+import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+import optim_benchmark  # noqa: E402
+from cpu_offload.examples.gpt import build_model, make_input, tiny_config  # noqa: E402
+
+PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+@dataclass
+class Phase:
+    name: str
+    start_ms: float
+    end_ms: float
+
+
+@dataclass
+class StreamWork:
+    stream: int
+    kind: str  # "kernel", "H2D", "D2H", "D2D", "memset"
+    busy_ms: float
+    first_ms: float
+    last_ms: float
+    ops: int
+    longest_gap_ms: float
+
+
+def _kind(event: dict) -> Optional[str]:
+    cat, name = event.get("cat"), event.get("name", "")
+    if cat == "kernel":
+        return "kernel"
+    if cat == "gpu_memset":
+        return "memset"
+    if cat == "gpu_memcpy":
+        for key, kind in (("HtoD", "H2D"), ("DtoH", "D2H"), ("DtoD", "D2D")):
+            if key in name:
+                return kind
+        return "copy"
+    return None
+
+
+def summarize(events: Sequence[dict], step_index: int = 1) -> tuple[list[Phase], list[StreamWork]]:
+    """The host phases and the per-stream work of one traced step, from chrome-trace events
+    (``torch.profiler``'s ``export_chrome_trace``): the window runs from the ``forward``
+    annotation number ``step_index`` to the next one; times in ms from its start. Work that
+    straddles an edge counts only inside the window.
+
+    Raises:
+        ValueError: fewer than ``step_index + 2`` forward annotations (trace at least that many
+            steps).
+
+    Example::
+
+        >>> ev = [{"ph": "X", "cat": "user_annotation", "name": "forward", "ts": t, "dur": 5, "tid": 1}
+        ...       for t in (0, 100)]
+        >>> ev.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
+        ...            "ts": 20, "dur": 30, "tid": 7})
+        >>> phases, work = summarize(ev, step_index=0)
+        >>> [(p.name, p.start_ms) for p in phases], (work[0].kind, work[0].busy_ms)
+        ([('forward', 0.0), ('forward', 0.1)], ('H2D', 0.03))
+    """
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+             and e.get("name") in PHASES]
+    starts = sorted(e["ts"] for e in spans if e["name"] == "forward")
+    if len(starts) < step_index + 2:
+        raise ValueError(f"summarize needs {step_index + 2} forward annotations (trace "
+                         f"{step_index + 2} steps or more), found {len(starts)}")
+    w0, w1 = starts[step_index], starts[step_index + 1]
+    ms = lambda t: round((t - w0) / 1e3, 3)  # noqa: E731
+    phases = [Phase(e["name"], ms(e["ts"]), ms(e["ts"] + e["dur"]))
+              for e in sorted(spans, key=lambda e: e["ts"]) if w0 <= e["ts"] <= w1]
+    by_stream: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for e in events:
+        kind = _kind(e) if e.get("ph") == "X" else None
+        if kind is None:
+            continue
+        a, b = max(e["ts"], w0), min(e["ts"] + e["dur"], w1)
+        if b > a or (b == a and w0 <= e["ts"] < w1):
+            by_stream.setdefault((e["tid"], kind), []).append((a, b))
+    work = []
+    for (stream, kind), spans_ in by_stream.items():
+        spans_.sort()
+        gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in zip(spans_, spans_[1:])]
+        work.append(StreamWork(int(stream), kind, round(sum(b - a for a, b in spans_) / 1e3, 3),
+                               ms(spans_[0][0]), ms(spans_[-1][1]), len(spans_),
+                               round(max(gaps, default=0.0) / 1e3, 3)))
+    work.sort(key=lambda w: (w.first_ms, w.stream, w.kind))
+    return phases, work
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda where available (else cpu: simulated device, small model)")
+    p.add_argument("--fraction", type=float, default=0.25, help="offload_fraction")
+    p.add_argument("--stream-fraction", default="auto", help="'auto' or a number in [0, 1]")
+    p.add_argument("--overlap", default="next_forward")
+    p.add_argument("--stream-during-backward", action="store_true")
+    p.add_argument("--stream-budget-mib", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="traced steps (at least 3)")
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args(argv)
+    if args.steps < 3:
+        p.error("--steps: at least 3 (the middle steps are summarized)")
+    if args.stream_fraction != "auto":
+        args.stream_fraction = float(args.stream_fraction)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    flag = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = BenchDevice.from_flag(flag)
+    cfg = optim_benchmark.DEFAULT_CFG if device.is_cuda else tiny_config().with_(layers=4)
+    model = build_model(cfg, device.torch_device, seed=0)
+    xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
+    opt = optim_benchmark.build_optimizer(
+        model, args.fraction, args.overlap, device, None, None, args.stream_fraction, False,
+        args.stream_budget_mib, args.stream_during_backward)
+
+    host = {name: 0.0 for name in PHASES}  # host seconds per phase over the untraced steps
+
+    def train_step(i: int) -> None:
+        t = [time.perf_counter()]
+        with record_function("forward"):
+            loss = model(xs[i % len(xs)]).float().square().mean()
+        t.append(time.perf_counter())
+        with record_function("backward"):
+            loss.backward()
+        t.append(time.perf_counter())
+        with record_function("step"):
+            opt.step()
+        t.append(time.perf_counter())
+        with record_function("zero_grad"):
+            opt.zero_grad()
+        t.append(time.perf_counter())
+        for name, a, b in zip(PHASES, t, t[1:]):
+            host[name] += b - a
+
+    try:
+        for i in range(args.warmup):
+            train_step(i)
+        device.synchronize()
+        host.update((name, 0.0) for name in PHASES)
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            train_step(i)
+        device.synchronize()
+        untraced_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        host_ms = {name: 1e3 * s / args.steps for name, s in host.items()}
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
+        with profile(activities=activities) as prof:
+            for i in range(args.steps):
+                train_step(i)
+            device.synchronize()
+    finally:
+        opt.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = out / "optim_trace.json"
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    with gzip.open(out / "optim_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    raw.unlink()
+    phases, work = summarize(events, step_index=(args.steps - 1) // 2)
+    window = max(p.start_ms for p in phases if p.name == "forward")  # the next step's start
+    print(f"{device.describe()} | torch {torch.__version__} | {cfg}")
+    print(f"offload_fraction {args.fraction}, stream_fraction {opt.stream_fraction}, overlap "
+          f"{args.overlap}{', streamed during backward' if args.stream_during_backward else ''}"
+          f" | untraced step {untraced_ms:.1f} ms; traced window {window:.1f} ms")
+    print("untraced host ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in host_ms.items()))
+    print(format_table(("host phase", "start ms", "end ms"),
+                       [[p.name, f"{p.start_ms:.1f}", f"{p.end_ms:.1f}"] for p in phases]))
+    if work:
+        print(format_table(("stream", "work", "busy ms", "first ms", "last ms", "ops", "longest gap ms"),
+                           [[w.stream, w.kind, f"{w.busy_ms:.1f}", f"{w.first_ms:.1f}",
+                             f"{w.last_ms:.1f}", w.ops, f"{w.longest_gap_ms:.1f}"] for w in work]))
+    result = {"untraced_step_ms": untraced_ms, "untraced_host_ms": host_ms, "stream_fraction": opt.stream_fraction,
+              "args": {k: v for k, v in vars(args).items()},
+              "phases": [asdict(p) for p in phases], "streams": [asdict(w) for w in work]}
+    write_json(out / "optim_trace_summary.json", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
