@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -222,7 +223,11 @@ class Runner:
         """A training step of wrapper ``name`` with plain AdamW (``fraction`` None) or the
         hybrid at ``fraction``: times, whole peak and held memory, and whether the parameters
         after the timed steps are the reference's (see the module docstring). Memory counts
-        from what this process held before the row built its model (earlier rows' results)."""
+        from what this process held before the row built its model (earlier rows' results).
+        Earlier rows' models and optimizers are collected first: a hybrid optimizer and its hooks
+        form reference cycles, and freed in the middle of a later row they made its held and
+        peak memory negative (FSDP2 at fraction 1, reference size, 2026-11-28)."""
+        gc.collect()
         self.sync()
         base = torch.cuda.memory_allocated() if self.cuda else 0
         model = self.wrap(name)
