@@ -420,3 +420,25 @@ def test_optim_trace_smoke_sim(tmp_path, capsys):
     assert json.loads((tmp_path / "optim_trace_summary.json").read_text())["phases"] == result["phases"]
     assert json.loads(gzip.open(tmp_path / "optim_trace.json.gz").read())["traceEvents"]
     assert "untraced host ms per phase" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed, "is_available") or not torch.distributed.is_available(),
+                    reason="needs torch.distributed")
+def test_fsdp2_host_overhead_smoke_cpu(capsys):
+    from cpu_offload import compat
+
+    if compat.TORCH_VERSION < compat.Version("2.8"):
+        pytest.skip("FSDP2 runs on gloo from torch 2.8")
+    bench = _benchmark_module("fsdp2_host_overhead")
+    r = bench.main(["--layers", "4", "--k", "1", "--steps", "2", "--rounds", "1"])
+    # both wrappers offload the same activations; times are measured, not checked
+    assert r["plain_offloaded"] == r["fsdp2_offloaded"] and r["plain_offloaded"][0] > 0, r
+    assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("plain_ms", "fsdp2_ms")), r
+    assert "offload ms x plain" in capsys.readouterr().out
+    assert not torch.distributed.is_initialized()  # its own process group, destroyed
+
+
+def test_fsdp2_host_overhead_checks_k():
+    bench = _benchmark_module("fsdp2_host_overhead")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layers", "4", "--k", "4"])
