@@ -19,7 +19,8 @@ next forward's start:
   while the host is still in ``step()`` means the host, not the link, paces the copies.
 
 The profiler adds host time to every operation (the traced step is slower than the untraced
-one, printed first), so read the shape, not the totals. The full trace goes to
+one, printed first), so read the shape, not the totals. The window is the host's: with
+``next_forward`` the host may run ahead of the device in one step and wait in the next. The full trace goes to
 ``--out/optim_trace.json.gz`` (chrome://tracing, Perfetto), the summary to
 ``optim_trace_summary.json``. On a machine without CUDA it runs
 the same steps on a small model with the simulated device (host phases only, no streams): a
@@ -143,7 +144,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.steps < 3:
         p.error("--steps: at least 3 (the middle steps are summarized)")
     if args.stream_fraction != "auto":
-        args.stream_fraction = float(args.stream_fraction)
+        try:
+            args.stream_fraction = float(args.stream_fraction)
+        except ValueError:
+            p.error(f"--stream-fraction: 'auto' or a number in [0, 1], not {args.stream_fraction!r}")
     return args
 
 
@@ -208,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"{device.describe()} | torch {torch.__version__} | {cfg}")
     print(f"offload_fraction {args.fraction}, stream_fraction {opt.stream_fraction}, overlap "
           f"{args.overlap}{', streamed during backward' if args.stream_during_backward else ''}"
-          f" | untraced step {untraced_ms:.1f} ms; traced window {window:.1f} ms")
+          f" | untraced step {untraced_ms:.1f} ms; traced window (host) {window:.1f} ms")
     print("untraced host ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in host_ms.items()))
     print(format_table(("host phase", "start ms", "end ms"),
                        [[p.name, f"{p.start_ms:.1f}", f"{p.end_ms:.1f}"] for p in phases]))

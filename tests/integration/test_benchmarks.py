@@ -405,6 +405,9 @@ def test_optim_trace_needs_a_window():
         bench.summarize(ev, step_index=1)
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "2"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--stream-fraction", "most"])
+    assert bench.parse_args(["--stream-fraction", "0.5"]).stream_fraction == 0.5
 
 
 def test_optim_trace_smoke_sim(tmp_path, capsys):
