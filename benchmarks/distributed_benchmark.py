@@ -133,21 +133,12 @@ class Runner:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             return DDP(model, device_ids=[self.device.index] if self.cuda else None)
-        fully_shard = compat.fully_shard()
-        if fully_shard is None:
-            raise SystemExit(f"FSDP2 needs torch >= 2.4, found {torch.__version__}")
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
-        return model
+        return fully_shard_stack(model)
 
     def step(self, model, x, ctx, sync) -> float:
         """One training step; returns the host seconds until ``backward()`` returned."""
         t0 = time.perf_counter()
-        for p in model.parameters():
-            p.grad = None
-        x.grad = None
-        model(x, ctx, sync).float().square().mean().backward()
+        forward_backward(model, x, ctx, sync)
         return time.perf_counter() - t0
 
     def link_gbps(self) -> float:
@@ -273,6 +264,27 @@ class Runner:
                          device=self.device if self.cuda else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
+
+
+def fully_shard_stack(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` on every block of a ``cpu_offload.examples.gpt`` stack, then on the stack
+    (FSDP2's usual layout: one all-gather per block); returns ``model``."""
+    fully_shard = compat.fully_shard()
+    if fully_shard is None:
+        raise SystemExit(f"FSDP2 needs torch >= 2.4, found {torch.__version__}")
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def forward_backward(model: torch.nn.Module, x: torch.Tensor, ctx=None, sync=None) -> None:
+    """The rows' forward and backward: gradients of the parameters and of ``x`` set anew (not
+    accumulated), ``ctx``/``sync`` the offload context and its sync function (or ``None``)."""
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    model(x, ctx, sync).float().square().mean().backward()
 
 
 def compat_local(t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,6 @@ gloo needs torch 2.8 or later.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 from typing import Optional, Sequence
@@ -30,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from cpu_offload import SimulatedDevice, compat, get_cpu_offload_context  # noqa: E402
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input  # noqa: E402
+from distributed_benchmark import forward_backward, fully_shard_stack  # noqa: E402
 
 WRAPPERS = ("plain", "fsdp2")
 
@@ -50,34 +49,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Row:
     """One wrapper with or without offloading: its model, input and step."""
 
     def __init__(self, cfg: GPTConfig, wrapper: str, k: int) -> None:
         self.model = build_model(cfg, torch.device("cpu"), seed=0)
         if wrapper == "fsdp2":
-            fully_shard = compat.fully_shard()
-            for block in self.model.layers:
-                fully_shard(block)
-            fully_shard(self.model)
+            fully_shard_stack(self.model)
         self.x = make_input(cfg, torch.device("cpu"), seed=1)
         self.ctx = self.sync = None
         if k:
             self.ctx, self.sync = get_cpu_offload_context(
                 enabled=True, num_layers=k, model_layers=cfg.layers, device=SimulatedDevice(),
                 min_tensor_size_to_offload=0)
-
-    def step(self) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-        self.x.grad = None
-        self.model(self.x, self.ctx, self.sync).float().square().mean().backward()
 
     def copied(self) -> tuple[int, float]:
         """Tensors offloaded and MiB copied to the host by the last step (0 without offloading)."""
@@ -89,7 +73,7 @@ class Row:
     def timed(self, steps: int) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
-            self.step()
+            forward_backward(self.model, self.x, self.ctx, self.sync)
         return (time.perf_counter() - t0) / steps * 1e3
 
 
@@ -97,10 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     own_group = not dist.is_initialized()
-    if own_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if own_group:  # an in-process store: no port to find, no environment variables set
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         cfg = GPTConfig(args.hidden, 4, args.seq, 2, args.layers)
         rows = {(w, k): Row(cfg, w, k) for w in WRAPPERS for k in (0, args.k)}

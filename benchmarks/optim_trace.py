@@ -201,12 +201,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         opt.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = out / "optim_trace.json"
-    prof.export_chrome_trace(str(raw))
-    events = json.loads(raw.read_text())["traceEvents"]
-    with gzip.open(out / "optim_trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    raw.unlink()
+    trace = out / "optim_trace.json.gz"
+    prof.export_chrome_trace(str(trace))  # torch gzips a path ending in .gz
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
     phases, work = summarize(events, step_index=(args.steps - 1) // 2)
     window = max(p.start_ms for p in phases if p.name == "forward")  # the next step's start
     print(f"{device.describe()} | torch {torch.__version__} | {cfg}")
