@@ -268,7 +268,11 @@ class Runner:
 
 def fully_shard_stack(model: torch.nn.Module) -> torch.nn.Module:
     """``fully_shard`` on every block of a ``cpu_offload.examples.gpt`` stack, then on the stack
-    (FSDP2's usual layout: one all-gather per block); returns ``model``."""
+    (FSDP2's usual layout: one all-gather per block); returns ``model``. Needs a process group.
+
+    Args:
+        model: a stack with a ``layers`` list of blocks, sharded in place.
+    """
     fully_shard = compat.fully_shard()
     if fully_shard is None:
         raise SystemExit(f"FSDP2 needs torch >= 2.4, found {torch.__version__}")
@@ -280,7 +284,13 @@ def fully_shard_stack(model: torch.nn.Module) -> torch.nn.Module:
 
 def forward_backward(model: torch.nn.Module, x: torch.Tensor, ctx=None, sync=None) -> None:
     """The rows' forward and backward: gradients of the parameters and of ``x`` set anew (not
-    accumulated), ``ctx``/``sync`` the offload context and its sync function (or ``None``)."""
+    accumulated).
+
+    Args:
+        model: a ``cpu_offload.examples.gpt`` stack (or one wrapped by DDP/FSDP2).
+        x: its input, a leaf that requires grad.
+        ctx, sync: the offload context and its sync function, or ``None`` for no offloading.
+    """
     for p in model.parameters():
         p.grad = None
     x.grad = None

@@ -85,6 +85,14 @@ def summarize(events: Sequence[dict], step_index: int = 1) -> tuple[list[Phase],
     annotation number ``step_index`` to the next one; times in ms from its start. Work that
     straddles an edge counts only inside the window.
 
+    Args:
+        events: the trace's ``traceEvents``.
+        step_index: which step: the window starts at that forward annotation (0 is the first).
+
+    Returns:
+        The host phases that start in the window, and per stream and kind of work its
+        ``StreamWork``, in order of first activity.
+
     Raises:
         ValueError: fewer than ``step_index + 2`` forward annotations (trace at least that many
             steps).
