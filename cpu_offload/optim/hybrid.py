@@ -32,7 +32,7 @@ from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
 from .sharded import ShardedParams, fsdp_roots
-from .stream_update import StreamedPart, state_elems_per_param
+from .stream_update import STREAM_AHEAD_CHUNKS, StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores
 
@@ -481,8 +481,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         clipping = self.max_grad_norm is not None
         try:
             self._shards.sync_grads()
-            if not clipping:  # queued first: the checks below wait for backward's end on the host
-                self._step_streamed(hypers, scale)
+            if not clipping:  # its first chunks queued first: the checks below wait for
+                self._step_streamed(hypers, scale, ahead=True)  # backward's end on the host
             self._cpu.validate(st, hypers, scale)
             self._cpu.flush(st)
             coef = None
@@ -492,11 +492,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._dev_part.step(hypers, scale)
             if clipping:
                 self._step_streamed(hypers, scale)
+            else:  # the rest of its chunks, after the device part's update (``StreamedPart.step``)
+                for part in self._parts:
+                    part.queue_rest()
             for bs in st.buckets:  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(bs.landed)
             self._cpu.release_grads(st)
         except BaseException:
-            self._abandon(st)
+            try:  # a streamed update started is queued whole, as if it had been queued first
+                for part in self._parts:
+                    part.queue_rest()
+            finally:
+                self._abandon(st)
             raise
         finally:
             self._shards.drop_grads()
@@ -506,12 +513,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._cpu.wait_all(st)
         return loss
 
-    def _step_streamed(self, hypers: list[dict], scale: Optional[LossScale]) -> None:
+    def _step_streamed(self, hypers: list[dict], scale: Optional[LossScale],
+                       ahead: bool = False) -> None:
         """The streamed parts' updates, on the device from ``.grad`` as it is now (clipped), with
         no host synchronization: queued while the device may still run backward, so that their
-        copies start as soon as it ends."""
+        copies start as soon as it ends. ``ahead``: an overlapped part queues only its first
+        ``STREAM_AHEAD_CHUNKS`` chunks here, the rest after the device part (``queue_rest``)."""
         for part in self._parts:
-            part.step(hypers, scale)
+            part.step(hypers, scale, ahead=STREAM_AHEAD_CHUNKS if ahead and part.overlapped else None)
 
     @property
     def last_step_stats(self) -> dict[str, Any]:

@@ -25,7 +25,9 @@ memory.
 Overlapped (``overlap="next_forward"``): step 2 runs on a stream of the part's own
 (``update_stream``, ``OffloadDevice.run_on``), which first waits for the compute stream (the
 gradients are final, clipped; backward has read the parameters), and the chunks go in forward
-order (the reverse of gradient arrival), so the first modules' chunks are done first.
+order (the reverse of gradient arrival), so the first modules' chunks are done first. Inside
+``HybridDeviceOptimizer.step`` only the first ``STREAM_AHEAD_CHUNKS`` chunks are queued before
+its CPU and device parts, the rest after them (``step(ahead=...)``, ``queue_rest``).
 ``step()`` returns with the update queued; each module's forward pre-hook makes the compute
 stream wait only for the chunks that write its parameters (``wait_params``), and the one that
 waits for the last chunk also waits for its copy out and frees the slots (``finish``). Until
@@ -60,7 +62,7 @@ update and copies out), ``stream_records`` (what is in flight, and its phases),
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -80,10 +82,17 @@ from .amp import LossScale
 from .guards import merge_edited
 
 __all__ = [
-    "DEFAULT_STREAM_BUDGET_BYTES", "MIN_STREAM_BUDGET_BYTES", "SLOTS", "StreamedPart",
+    "DEFAULT_STREAM_BUDGET_BYTES", "MIN_STREAM_BUDGET_BYTES", "SLOTS", "STREAM_AHEAD_CHUNKS",
+    "StreamedPart",
     "state_elems_per_param",
 ]
 
+# chunks ``step(ahead=...)`` queues before the caller's CPU and device parts: enough to keep the
+# link busy while the host waits for backward's end and queues their work (a chunk of the
+# default budget moves about 1-2 ms each way on a PCIe 5 link), few enough (about 13 launches
+# each) to stay far below the ~1000 launches a stream may have waiting before CUDA blocks the
+# host. 24 measured best of 8, 24 and all (benchmarks/RESULTS.md, sixteenth session)
+STREAM_AHEAD_CHUNKS = 24
 DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
 MIN_STREAM_BUDGET_BYTES = 64 * 2**10  # two slots of at least 1024 elements each
 
@@ -111,6 +120,24 @@ class _Live:
     chunk: Chunk
     pieces: list[Piece]
     layout: SlotLayout
+
+
+@dataclass(eq=False)
+class _Queuing:
+    """A step's update while its chunks are being queued (``step`` to ``queue_rest``)."""
+
+    live: list[_Live]  # the chunks to update, in queuing order
+    hypers: Sequence[dict]
+    scale: Optional[LossScale]
+    slots: list[torch.Tensor]  # the staging slots, used in turn
+    start: Event  # on the compute stream: gradients final, the slots allocated
+    compute: Any  # the compute stream
+    ustream: Any  # the stream that updates (compute, or ``update_stream`` when overlapped)
+    marks: dict = field(default_factory=dict)  # overlapped: what each forward waits for
+    outs: list = field(default_factory=list)  # per queued chunk: its copies out's end
+    keep: list = field(default_factory=list)  # device state the class created, read by copies out
+    first_position: int = 0  # the place of the first chunk in the update's order (after kept)
+    queued: int = 0  # chunks of ``live`` queued so far
 
 
 class StreamedPart:
@@ -141,6 +168,7 @@ class StreamedPart:
         self.overlapped = overlapped
         self.update_stream = device.new_stream() if overlapped else None
         self._queued: Optional[QueuedUpdate] = None  # the overlapped update step() left running
+        self._queuing: Optional[_Queuing] = None  # step(ahead=...) until queue_rest()
         self.backward: Optional[BackwardUpdates] = None
         self.chunks: list[Chunk] = []
         self.params = list(params)
@@ -257,6 +285,7 @@ class StreamedPart:
         """(Overlapped.) ``order_params``, and the compute stream waits for the last copy out,
         so that the staging and device state the update used can be freed (dropped here). The
         host is not blocked."""
+        assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
         q = self._queued
         if q is None:
             return
@@ -308,7 +337,8 @@ class StreamedPart:
         chunk's copy in (tests remove it: a hazard)."""
         self._device.wait_event(self.update_stream or self._device.current_stream(), event)
 
-    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None) -> None:
+    def step(self, hypers: Sequence[dict], scale: Optional[LossScale] = None,
+             ahead: Optional[int] = None) -> None:
         """Update every parameter that has a gradient (inside ``HybridDeviceOptimizer.step``;
         the host is not blocked). On the compute stream, done when step() returns; overlapped:
         on ``update_stream``, chunks in forward order (the reverse of gradient arrival), still
@@ -318,7 +348,16 @@ class StreamedPart:
         ``GradScaler`` handed to ``step()`` (each chunk's optimizer runs under it): early
         updates, which ran without it, are redone. A parameter the user changed since the part
         wrote it passes the change into its master before the update (``guards.merge_edited``,
-        on the device)."""
+        on the device).
+
+        ``ahead``: queue only the first ``ahead`` chunks now, the rest at ``queue_rest`` (which
+        the caller must call before anything else touches the part). The link works through
+        the queued chunks while the caller queues the rest of its step: a chunk's kernels wait
+        on the device for its copy in, and once about a thousand launches wait there, CUDA
+        blocks the host in the next launch (``benchmarks/launch_queue_probe.py``), so queuing
+        every chunk first would hold back the device part's update until the link is nearly
+        done."""
+        assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(
@@ -342,7 +381,7 @@ class StreamedPart:
             return
         # no host wait: the previous step's copies out are ordered before ``start`` (the compute
         # stream waited for them), and the host reads no state here
-        dev, run = self._device, self._runner
+        dev = self._device
         compute = dev.current_stream()
         ustream = self.update_stream or compute
         if self.overlapped:
@@ -355,80 +394,114 @@ class StreamedPart:
         start = dev.record_event(compute)
         if self.overlapped:  # gradients final (clipped), parameters read by backward
             dev.wait_event(ustream, start)
-        marks: dict[int, ChunkMark] = {}  # overlapped: what each forward waits for
-        outs: list[Event] = []
-        keep: list[torch.Tensor] = []  # device state the optimizer created, read by copies out
-        fresh = False  # this chunk's class created state on the device (a parameter's first step)
+        q = self._queuing = _Queuing(live, hypers, scale, slots, start, compute, ustream)
         try:
             if kept:
                 for pos, (rec, done) in enumerate(zip(kept, self.backward.commit(kept, ustream))):
                     if self.overlapped:
                         for index, landed in rec.seen:
-                            marks[index] = ChunkMark(pos, done, landed.grad.tensor)
-            for i, lc in enumerate(live):
-                chunk, pieces, layout = lc.chunk, lc.pieces, lc.layout
-                slot = slots[i % SLOTS]
-                self._wait_slot(start if i < SLOTS else outs[i - SLOTS])
-                copies, views = run.stage_in(pieces, layout, slot)
-                self._link.copy_in(copies)
-                self._wait_chunk(dev.record_event(self.h2d))
-                if self.overlapped:
-                    grads = [self.params[pc.index].grad for pc in pieces]
-                    dev.run_on(ustream, lambda: run.update(chunk, pieces, views, slot[:layout.total], hypers,
-                                                          scale=scale),
-                               reads=grads + [slot],
-                               writes=[pc.written(self.params[pc.index]) for pc in pieces])
-                    done = dev.record_event(ustream)
-                    for pc, grad in zip(pieces, grads):
-                        marks[pc.index] = ChunkMark(len(kept) + i, done, grad)
-                else:
-                    run.update(chunk, pieces, views, slot[:layout.total], hypers, scale=scale)
-                    done = dev.record_event(compute)
-                dev.wait_event(self.d2h, done)
-                copies = []  # the chunk's copies out: queued together
-                try:
-                    for pc, v in zip(pieces, views):
-                        if v.master is not None:
-                            copies.append((pc.host.current.master, v.master))
-                            self._link.bytes_out += v.master.numel()
-                        fresh |= run.state_out(chunk, pc, keep, copies)
-                finally:  # pieces before a failed one keep their update, on the host too
-                    self._link.copy_out(copies)
-                outs.append(dev.record_event(self.d2h))
-                if fresh:  # state the class just created: freed chunk by chunk, not at the end
-                    self._free_after_copy_out(outs[-1], keep, ustream)
-                    fresh = False
+                            q.marks[index] = ChunkMark(pos, done, landed.grad.tensor)
+            q.first_position = len(kept)
         except BaseException:
-            # the chunks before keep their update (as on the CPU path); unbind this one's slot
-            # views and order everything queued before the slots and state can be freed
-            for lc in live:
-                for pc in lc.pieces:
-                    lc.chunk.optimizer.state.pop(pc.key, None)
-                    if run.lowp[pc.index]:
-                        pc.key.set_()
-            if self.overlapped:
-                dev.wait_event(compute, dev.record_event(ustream))
-            early, grads = self.backward.release() if self.backward is not None else ([], [])
-            if self.backward is not None:
-                dev.wait_event(compute, dev.record_event(self.backward.side))
-            dev.wait_event(compute, dev.record_event(self.h2d))
-            dev.wait_event(compute, dev.record_event(self.d2h))
-            self._link.mark_out()
-            for t in early + grads:
-                dev.will_free(t)
+            self._fail(q)
             raise
+        self._queue(q, ahead)
+
+    def queue_rest(self) -> None:
+        """Queue the chunks ``step(ahead=...)`` left (nothing if none)."""
+        if self._queuing is not None:
+            self._queue(self._queuing, None)
+
+    def _queue(self, q: "_Queuing", limit: Optional[int]) -> None:
+        """Queue ``q``'s chunks from the first not queued, at most ``limit`` of them; once all
+        are, close the update (``_close``)."""
+        try:
+            while q.queued < len(q.live) and (limit is None or q.queued < limit):
+                self._queue_chunk(q, q.queued)
+                q.queued += 1
+        except BaseException:
+            self._fail(q)
+            raise
+        if q.queued == len(q.live):
+            self._close(q)
+
+    def _queue_chunk(self, q: "_Queuing", i: int) -> None:
+        """Chunk ``i`` of ``q``: its copy in, its update, its copies out."""
+        dev, run = self._device, self._runner
+        lc = q.live[i]
+        chunk, pieces, layout = lc.chunk, lc.pieces, lc.layout
+        slot = q.slots[i % SLOTS]
+        self._wait_slot(q.start if i < SLOTS else q.outs[i - SLOTS])
+        copies, views = run.stage_in(pieces, layout, slot)
+        self._link.copy_in(copies)
+        self._wait_chunk(dev.record_event(self.h2d))
+        hypers, scale = q.hypers, q.scale
+        if self.overlapped:
+            grads = [self.params[pc.index].grad for pc in pieces]
+            dev.run_on(q.ustream, lambda: run.update(chunk, pieces, views, slot[:layout.total], hypers,
+                                                     scale=scale),
+                       reads=grads + [slot],
+                       writes=[pc.written(self.params[pc.index]) for pc in pieces])
+            done = dev.record_event(q.ustream)
+            for pc, grad in zip(pieces, grads):
+                q.marks[pc.index] = ChunkMark(q.first_position + i, done, grad)
+        else:
+            run.update(chunk, pieces, views, slot[:layout.total], hypers, scale=scale)
+            done = dev.record_event(q.compute)
+        dev.wait_event(self.d2h, done)
+        copies = []  # the chunk's copies out: queued together
+        fresh = False  # the class created state on the device (a parameter's first step)
+        try:
+            for pc, v in zip(pieces, views):
+                if v.master is not None:
+                    copies.append((pc.host.current.master, v.master))
+                    self._link.bytes_out += v.master.numel()
+                fresh |= run.state_out(chunk, pc, q.keep, copies)
+        finally:  # pieces before a failed one keep their update, on the host too
+            self._link.copy_out(copies)
+        q.outs.append(dev.record_event(self.d2h))
+        if fresh:  # state the class just created: freed chunk by chunk, not at the end
+            self._free_after_copy_out(q.outs[-1], q.keep, q.ustream)
+
+    def _fail(self, q: "_Queuing") -> None:
+        """A chunk failed: the chunks before keep their update (as on the CPU path); unbind
+        every chunk's slot views and order everything queued before the slots and state can be
+        freed."""
+        self._queuing = None
+        dev, run = self._device, self._runner
+        for lc in q.live:
+            for pc in lc.pieces:
+                lc.chunk.optimizer.state.pop(pc.key, None)
+                if run.lowp[pc.index]:
+                    pc.key.set_()
+        if self.overlapped:
+            dev.wait_event(q.compute, dev.record_event(q.ustream))
+        early, grads = self.backward.release() if self.backward is not None else ([], [])
+        if self.backward is not None:
+            dev.wait_event(q.compute, dev.record_event(self.backward.side))
+        dev.wait_event(q.compute, dev.record_event(self.h2d))
+        dev.wait_event(q.compute, dev.record_event(self.d2h))
+        self._link.mark_out()
+        for t in early + grads:
+            dev.will_free(t)
+
+    def _close(self, q: "_Queuing") -> None:
+        """Every chunk of ``q`` is queued: overlapped, leave it running (``QueuedUpdate``);
+        else the compute stream waits for its copies out and the staging is freed."""
+        self._queuing = None
+        dev = self._device
         early, grads = self.backward.release() if self.backward is not None else ([], [])
         last = self._link.mark_out()  # every copy out, early ones included
         if self.backward is not None:
-            self.backward.prepare([pc for lc in live for pc in lc.pieces])
+            self.backward.prepare([pc for lc in q.live for pc in lc.pieces])
         if self.overlapped:  # freed once the compute stream waited for them (finish)
-            held = slots + keep + early + run.read_on_device(hypers)
-            self._queued = QueuedUpdate(dev.record_event(ustream), marks, held, grads)
+            held = q.slots + q.keep + early + self._runner.read_on_device(q.hypers)
+            self._queued = QueuedUpdate(dev.record_event(q.ustream), q.marks, held, grads)
             return
-        dev.wait_event(compute, last)  # slots and new state may be freed; next step ordered
+        dev.wait_event(q.compute, last)  # slots and new state may be freed; next step ordered
         if self.backward is not None:
-            dev.wait_event(compute, dev.record_event(self.backward.side))
-        for t in slots + keep + early + grads:
+            dev.wait_event(q.compute, dev.record_event(self.backward.side))
+        for t in q.slots + q.keep + early + grads:
             dev.will_free(t)
 
     def _free_after_copy_out(self, copied: Event, keep: list[torch.Tensor], stream: Any) -> None:
