@@ -445,3 +445,14 @@ def test_fsdp2_host_overhead_checks_k():
     bench = _benchmark_module("fsdp2_host_overhead")
     with pytest.raises(SystemExit):
         bench.parse_args(["--layers", "4", "--k", "4"])
+
+
+def test_launch_queue_probe_finds_the_first_blocked_launch(capsys):
+    bench = _benchmark_module("launch_queue_probe")
+    assert bench.first_blocked([4e-6, 9e-6, 2e-3, 0.3]) == 2
+    assert bench.first_blocked([4e-6, 9e-4]) is None
+    assert bench.first_blocked([4e-6, 9e-4], threshold_s=5e-4) == 1
+    if not torch.cuda.is_available():
+        assert bench.main([]) == []
+        assert "needs CUDA" in capsys.readouterr().out
+
