@@ -456,3 +456,26 @@ def test_launch_queue_probe_finds_the_first_blocked_launch(capsys):
         assert bench.main([]) == []
         assert "needs CUDA" in capsys.readouterr().out
 
+
+def test_gil_probe_times_every_case_and_restores_the_switch_interval(capsys):
+    import sys
+
+    bench = _benchmark_module("gil_probe")
+    before = sys.getswitchinterval()
+    rows = bench.main(["--elems", "4096", "--chunk", "1024", "--threads", "1", "--rounds", "1",
+                       "--intervals-ms", "2"])
+    assert sys.getswitchinterval() == before
+    assert [r["main thread"] for r in rows] == list(bench.CASES)
+    assert rows[0]["x idle"] == 1.0 and all(r["update ms"] > 0 for r in rows)
+    assert "x idle" in capsys.readouterr().out
+
+
+def test_gil_probe_chunked_update_is_fused_adamw_over_the_whole_bucket():
+    bench = _benchmark_module("gil_probe")
+    chunked = bench.ChunkedUpdate(5000, 1024)
+    whole = bench.ChunkedUpdate(5000, 5000)
+    whole.grad.copy_(chunked.grad)
+    chunked.run()
+    whole.run()
+    assert torch.isfinite(chunked.master).all() and chunked.master.abs().sum() > 0
+    assert torch.equal(chunked.master, whole.master) and torch.equal(chunked.param, whole.param)
