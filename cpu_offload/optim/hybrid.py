@@ -32,7 +32,7 @@ from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
 from .sharded import ShardedParams, fsdp_roots
-from .stream_update import STREAM_AHEAD_CHUNKS, StreamedPart, state_elems_per_param
+from .stream_update import StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores
 
@@ -518,9 +518,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """The streamed parts' updates, on the device from ``.grad`` as it is now (clipped), with
         no host synchronization: queued while the device may still run backward, so that their
         copies start as soon as it ends. ``ahead``: an overlapped part queues only its first
-        ``STREAM_AHEAD_CHUNKS`` chunks here, the rest after the device part (``queue_rest``)."""
+        ``ahead_chunks`` chunks here (``STREAM_AHEAD_CHUNKS``), the rest after the device part
+        (``queue_rest``)."""
         for part in self._parts:
-            part.step(hypers, scale, ahead=STREAM_AHEAD_CHUNKS if ahead and part.overlapped else None)
+            part.step(hypers, scale, ahead=part.ahead_chunks if ahead and part.overlapped else None)
 
     @property
     def last_step_stats(self) -> dict[str, Any]:

@@ -169,6 +169,7 @@ class StreamedPart:
         self.update_stream = device.new_stream() if overlapped else None
         self._queued: Optional[QueuedUpdate] = None  # the overlapped update step() left running
         self._queuing: Optional[_Queuing] = None  # step(ahead=...) until queue_rest()
+        self.ahead_chunks = STREAM_AHEAD_CHUNKS  # what the optimizer's step() passes as ``ahead``
         self.backward: Optional[BackwardUpdates] = None
         self.chunks: list[Chunk] = []
         self.params = list(params)

@@ -67,7 +67,7 @@ if __name__ == "__main__":
 PRELUDE = (
     prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
     prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
-    prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight,
+    prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight, prelude.set_stream_ahead,
     prelude.div_grad_data, prelude.mul_grad_data, prelude.clip_values, prelude.Masters, prelude.Stack,
     prelude.ensure_process_group, prelude.record_state, prelude.step_after_close,
     prelude.misuse,
@@ -219,6 +219,8 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
         f"        o = HybridDeviceOptimizer({groups}, {_kwargs(**kw)})")
     if opt.overlap == "next_forward":
         out(4, "o.register_forward_waits(layers)")
+    if opt.stream_ahead is not None:
+        out(4, f"set_stream_ahead(o, {opt.stream_ahead})")
     out(4, "return o")
     if low:  # the hybrid optimizer keeps fp32 master weights: compare with a master-weight run
         out(3, f"return Masters({groups}, torch.optim.{cls_name}, {_kwargs(**hyper)})")

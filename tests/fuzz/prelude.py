@@ -51,6 +51,14 @@ class TrackingDevice(cpu_offload.SimulatedDevice):
         return sum(r() is not None and id(r()) not in skip for r in self.device_refs)
 
 
+def set_stream_ahead(opt, chunks):
+    """The streamed parts of ``opt`` queue ``chunks`` chunks before the CPU and device parts in
+    ``step()``, the rest after them (``StreamedPart.ahead_chunks``; the default is more than a
+    fuzz model has, which would leave the second part untried)."""
+    for part in getattr(opt, "_parts", ()):
+        part.ahead_chunks = chunks
+
+
 def in_flight(opt):
     """The device buffers an optimizer's streamed update still running after ``step()``
     (``overlap="next_forward"``) holds: freed once the next forward has waited for it."""

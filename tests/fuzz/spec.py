@@ -124,6 +124,9 @@ class OptSpec:
     pin_params: bool = True
     numpy_args: bool = False
     misuse: Optional[str] = None
+    # next_forward: the chunks the streamed part queues before the CPU and device parts (None:
+    # the library's STREAM_AHEAD_CHUNKS, more than a fuzz model has, so the rest come after)
+    stream_ahead: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f["stream"] += 1
             if opt.overlap == "next_forward":  # the streamed update overlaps the next forward
                 f["stream_overlapped"] += 1
+                if opt.stream_ahead is not None and opt.max_grad_norm is None:
+                    f["stream_queued_in_two_parts"] += 1
             if opt.stream_during_backward:
                 f["stream_during_backward"] += 1
                 f["inline_launches" if opt.inline_launches else "deferred_launches"] += 1
@@ -462,6 +467,8 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
         # the reference of bf16/fp16 parameters keeps fp32 masters that it does not reload from
         # edited parameters: parameter edits only where the reference is torch's class itself
         param_edits=() if low else opt.param_edits,
+        stream_ahead=(opt.stream_ahead if opt.overlap == "next_forward" and opt.fraction > 0
+                      and opt.stream_fraction != 0.0 else None),
     )
 
 
@@ -592,7 +599,10 @@ def generate(seed: int) -> ProgramSpec:
         spec = replace(spec, backwards=spec.backwards + (("backward",),) * more, optimizer=opt)
     if spec.optimizer is not None and spec.optimizer.stream_during_backward and rng.random() < 0.3:
         spec = replace(spec, optimizer=replace(spec.optimizer, inline_launches=True))
-    return normalize(_more(rng, spec))
+    spec = _more(rng, spec)
+    if spec.optimizer is not None and rng.random() < 0.5:  # drawn last: earlier fields stay
+        spec = replace(spec, optimizer=replace(spec.optimizer, stream_ahead=rng.choice((0, 1, 2))))
+    return normalize(spec)
 
 
 def _more(rng: random.Random, spec: ProgramSpec) -> ProgramSpec:

@@ -878,17 +878,15 @@ def test_the_chunk_updates_edit_merge_allocates_nothing(dtype):
 
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunks_queued_after_the_device_part_stay_exact(monkeypatch, dtype, ahead):
+def test_chunks_queued_after_the_device_part_stay_exact(dtype, ahead):
     """next_forward queues the first chunks, then the device part's update, then the rest
     (``StreamedPart.step(ahead=...)``): the split changes the order on the host only."""
-    import cpu_offload.optim.hybrid as hybrid_module
-
-    monkeypatch.setattr(hybrid_module, "STREAM_AHEAD_CHUNKS", ahead)
     ref, ref_opt = reference(dtype)
     ref_losses = train(ref, ref_opt, 3)
     m = model(dtype)
     opt = hybrid(m, 0.8, 1.0, "next_forward")
     part = opt._parts[0]
+    part.ahead_chunks = ahead
     assert len(part.chunks) > ahead  # some chunks are queued after the device part
     assert opt._dev_part.optimizer is not None  # which updates parameters of its own
     assert train(m, opt, 3) == ref_losses
@@ -900,14 +898,13 @@ def test_an_error_between_the_first_chunks_and_the_rest_queues_the_rest(monkeypa
     """The device part fails after the streamed part queued its first chunks: the streamed
     update is queued whole (as when it was queued first), nothing is left half queued, and
     the next step works."""
-    import cpu_offload.optim.hybrid as hybrid_module
-
-    monkeypatch.setattr(hybrid_module, "STREAM_AHEAD_CHUNKS", 1)
     dev = SimulatedDevice()
     m = model()
     opt = hybrid(m, 1.0, 0.5, "next_forward", device=dev)
-    train(m, opt, 1)
     part = opt._parts[0]
+    part.ahead_chunks = 1
+    assert len(part.chunks) > 1
+    train(m, opt, 1)
     before = [p.detach().clone() for p in part.params]
 
     def failing(*args, **kwargs):
