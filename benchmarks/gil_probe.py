@@ -29,9 +29,12 @@ CASES = ("idle", "python + torch calls", "python only")
 
 
 class ChunkedUpdate:
-    """The CPU path of one bucket of ``elems`` parameters, ``chunk`` elements at a time."""
+    """The CPU path of one bucket of ``elems`` parameters, ``chunk`` elements at a time: the
+    fused kernel called directly, or (``optimizer=True``) one ``torch.optim.AdamW(fused=True)``
+    per chunk stepped as the library's CPU part steps its chunk optimizers (``step()``'s own
+    Python and small torch calls each take the lock back)."""
 
-    def __init__(self, elems: int, chunk: int) -> None:
+    def __init__(self, elems: int, chunk: int, optimizer: bool = False) -> None:
         self.param = torch.zeros(elems, dtype=torch.bfloat16)
         self.grad = torch.randn(elems).to(torch.bfloat16)
         self.master = torch.zeros(elems)
@@ -39,13 +42,24 @@ class ChunkedUpdate:
         self.m, self.v = torch.zeros(elems), torch.zeros(elems)
         self.step = torch.ones(())  # the first step (0 would divide by zero in the bias correction)
         self.ranges = [(i, min(i + chunk, elems)) for i in range(0, elems, chunk)]
+        self.optimizers = None
+        if optimizer:
+            self.keys = [self.master[a:b].view(b - a) for a, b in self.ranges]
+            self.optimizers = [torch.optim.AdamW([k], lr=1e-3, weight_decay=0.01, fused=True)
+                               for k in self.keys]
 
     def run(self) -> float:
         """Seconds for one update of every chunk."""
         t0 = time.perf_counter()
-        for a, b in self.ranges:
+        for k, (a, b) in enumerate(self.ranges):
             g = self.g32[: b - a]
             g.copy_(self.grad[a:b])
+            if self.optimizers is not None:
+                self.keys[k].grad = g
+                self.optimizers[k].step()
+                self.keys[k].grad = None
+                self.param[a:b].copy_(self.master[a:b])
+                continue
             torch._fused_adamw_([self.master[a:b]], [g], [self.m[a:b]], [self.v[a:b]], [],
                                 [self.step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
                                 eps=1e-8, amsgrad=False, maximize=False)
@@ -87,25 +101,36 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--intervals-ms", default="5,0.5", help="comma list of switch intervals")
+    p.add_argument("--paths", default="kernel,optimizer",
+                   help="comma list: 'kernel' (the fused kernel called directly), 'optimizer' "
+                        "(torch.optim.AdamW(fused=True).step() per chunk)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    update = ChunkedUpdate(args.elems, args.chunk)
-    update.run()  # warm-up: pages touched, kernels loaded
+    paths = args.paths.split(",")
+    if not set(paths) <= {"kernel", "optimizer"}:
+        p.error(f"--paths: 'kernel' and/or 'optimizer', not {args.paths!r}")
+    updates = {path: ChunkedUpdate(args.elems, args.chunk, optimizer=path == "optimizer")
+               for path in paths}
+    for update in updates.values():
+        update.run()  # warm-up: pages touched, kernels loaded
     before = sys.getswitchinterval()
     rows = []
     try:
         for ms in (float(x) for x in args.intervals_ms.split(",")):
             sys.setswitchinterval(ms / 1e3)
-            best = {c: min(timed(update, c) for _ in range(args.rounds)) for c in CASES}
-            for c in CASES:
-                rows.append({"switch ms": ms, "main thread": c, "update ms": best[c] * 1e3,
-                             "x idle": best[c] / best["idle"]})
+            for path, update in updates.items():
+                best = {c: min(timed(update, c) for _ in range(args.rounds)) for c in CASES}
+                for c in CASES:
+                    rows.append({"switch ms": ms, "path": path, "main thread": c,
+                                 "update ms": best[c] * 1e3, "x idle": best[c] / best["idle"]})
     finally:
         sys.setswitchinterval(before)
-    print(f"{args.elems / 1e6:.0f}M params in {len(update.ranges)} chunks, {args.threads} threads")
-    print(f"{'switch ms':>9s}  {'main thread':22s} {'update ms':>9s} {'x idle':>6s}")
+    n_chunks = len(next(iter(updates.values())).ranges)
+    print(f"{args.elems / 1e6:.0f}M params in {n_chunks} chunks, {args.threads} threads")
+    print(f"{'switch ms':>9s}  {'path':9s} {'main thread':22s} {'update ms':>9s} {'x idle':>6s}")
     for r in rows:
-        print(f"{r['switch ms']:9.1f}  {r['main thread']:22s} {r['update ms']:9.1f} {r['x idle']:6.2f}")
+        print(f"{r['switch ms']:9.1f}  {r['path']:9s} {r['main thread']:22s} {r['update ms']:9.1f} "
+              f"{r['x idle']:6.2f}")
     return rows
 
 

@@ -465,17 +465,21 @@ def test_gil_probe_times_every_case_and_restores_the_switch_interval(capsys):
     rows = bench.main(["--elems", "4096", "--chunk", "1024", "--threads", "1", "--rounds", "1",
                        "--intervals-ms", "2"])
     assert sys.getswitchinterval() == before
-    assert [r["main thread"] for r in rows] == list(bench.CASES)
+    assert [(r["path"], r["main thread"]) for r in rows] == [
+        (path, case) for path in ("kernel", "optimizer") for case in bench.CASES]
     assert rows[0]["x idle"] == 1.0 and all(r["update ms"] > 0 for r in rows)
     assert "x idle" in capsys.readouterr().out
 
 
 def test_gil_probe_chunked_update_is_fused_adamw_over_the_whole_bucket():
+    """Both paths compute what one fused AdamW step over the whole bucket does."""
     bench = _benchmark_module("gil_probe")
-    chunked = bench.ChunkedUpdate(5000, 1024)
     whole = bench.ChunkedUpdate(5000, 5000)
-    whole.grad.copy_(chunked.grad)
-    chunked.run()
     whole.run()
-    assert torch.isfinite(chunked.master).all() and chunked.master.abs().sum() > 0
-    assert torch.equal(chunked.master, whole.master) and torch.equal(chunked.param, whole.param)
+    assert torch.isfinite(whole.master).all() and whole.master.abs().sum() > 0
+    for optimizer in (False, True):
+        chunked = bench.ChunkedUpdate(5000, 1024, optimizer=optimizer)
+        chunked.grad.copy_(whole.grad)
+        chunked.run()
+        assert torch.equal(chunked.master, whole.master), optimizer
+        assert torch.equal(chunked.param, whole.param), optimizer
