@@ -493,15 +493,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if clipping:
                 self._step_streamed(hypers, scale)
             else:  # the rest of its chunks, after the device part's update (``StreamedPart.step``)
-                for part in self._parts:
-                    part.queue_rest()
+                self._queue_streamed_rest()
             for bs in st.buckets:  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(bs.landed)
             self._cpu.release_grads(st)
         except BaseException:
             try:  # a streamed update started is queued whole, as if it had been queued first
-                for part in self._parts:
-                    part.queue_rest()
+                self._queue_streamed_rest()
             finally:
                 self._abandon(st)
             raise
@@ -522,6 +520,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         (``queue_rest``)."""
         for part in self._parts:
             part.step(hypers, scale, ahead=part.ahead_chunks if ahead and part.overlapped else None)
+
+    def _queue_streamed_rest(self) -> None:
+        """Every streamed part queues the chunks ``step(ahead=...)`` left. A part that fails
+        does not stop the others (none may stay half queued); the first error is raised once
+        all have run."""
+        error = None
+        for part in self._parts:
+            try:
+                part.queue_rest()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the other parts
+                error = error or exc
+        if error is not None:
+            raise error
 
     @property
     def last_step_stats(self) -> dict[str, Any]:

@@ -923,3 +923,51 @@ def test_an_error_between_the_first_chunks_and_the_rest_queues_the_rest(monkeypa
     train(m, opt, 1, start=2)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     opt.close()
+
+
+def test_a_part_failing_in_its_second_half_leaves_no_other_part_half_queued(monkeypatch):
+    """Two streamed parts (a group added later gets its own), both queued in two parts; the
+    device part fails, and then, while the parts' rest is queued on the way out, the first part
+    fails too: the second still queues its rest, the error is raised (the device part's as its
+    context), and the next step works."""
+    dev = SimulatedDevice()
+    m = model()
+    layers = [layer for layer in m.children() if list(layer.parameters())]
+    opt = HybridDeviceOptimizer(
+        layers[0].parameters(), 1.0, device=dev, overlap="next_forward", stream_fraction=1.0,
+        stream_budget_bytes=BUDGET, cpu_threads=1, **KW)
+    for layer in layers[1:]:
+        opt.add_param_group({"params": list(layer.parameters())})
+    opt.register_forward_waits(m)
+    parts = opt._parts
+    assert len(parts) >= 2
+    for part in parts:
+        part.ahead_chunks = 0  # every chunk in the second half
+    train(m, opt, 1)
+    calls = []
+    update = ChunkRunner._step
+
+    def failing(self, chunk, pieces, views, grads=None, scale=None):
+        calls.append(1)
+        if len(calls) == 1:  # the first part's first chunk, queued by queue_rest
+            raise RuntimeError("update failed")
+        update(self, chunk, pieces, views, grads, scale)
+
+    def device_fails(*args, **kwargs):
+        raise RuntimeError("device part failed")
+
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    monkeypatch.setattr(opt._dev_part, "step", device_fails)
+    loss_of(m, 1).backward()
+    with pytest.raises(RuntimeError, match="update failed") as raised:
+        opt.step()
+    assert "device part failed" in str(raised.value.__context__)
+    assert all(part._queuing is None for part in parts)
+    assert len(calls) > 1  # the other parts' chunks were queued
+    opt.wait_params()
+    assert dev.pending_ops() == 0
+    monkeypatch.undo()
+    opt.zero_grad()
+    train(m, opt, 1, start=2)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    opt.close()
