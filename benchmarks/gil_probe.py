@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
+from plain_table import format_table
+
 CASES = ("idle", "python + torch calls", "python only")
 
 
@@ -127,10 +129,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         sys.setswitchinterval(before)
     n_chunks = len(next(iter(updates.values())).ranges)
     print(f"{args.elems / 1e6:.0f}M params in {n_chunks} chunks, {args.threads} threads")
-    print(f"{'switch ms':>9s}  {'path':9s} {'main thread':22s} {'update ms':>9s} {'x idle':>6s}")
-    for r in rows:
-        print(f"{r['switch ms']:9.1f}  {r['path']:9s} {r['main thread']:22s} {r['update ms']:9.1f} "
-              f"{r['x idle']:6.2f}")
+    print(format_table(["switch ms", "path", "main thread", "update ms", "x idle"],
+                       [[f"{r['switch ms']:.1f}", r["path"], r["main thread"], f"{r['update ms']:.1f}",
+                         f"{r['x idle']:.2f}"] for r in rows]))
     return rows
 
 

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from plain_table import format_table
+
 BLOCKED_S = 1e-3  # a launch this slow waited for the device, not for the host
 
 
@@ -76,14 +78,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     for name, n, sleep_s in cases:
         t = launches([torch.cuda.Stream() for _ in range(n)], args.launches // n, sleep_s)
         k = first_blocked(t)
-        rows.append({"case": name, "queued before blocking": "-" if k is None else k,
-                     "blocked ms": "-" if k is None else round(t[k] * 1e3, 1),
+        rows.append({"case": name, "queued before blocking": k,
+                     "blocked ms": None if k is None else round(t[k] * 1e3, 1),
                      "median launch us": round(statistics.median(t) * 1e6, 1)})
     base = rows[0]["median launch us"]
-    print(f"{'case':22s} {'queued before blocking':>22s} {'blocked ms':>10s} {'median launch us':>16s} {'x baseline':>10s}")
-    for r in rows:
-        print(f"{r['case']:22s} {str(r['queued before blocking']):>22s} {str(r['blocked ms']):>10s} "
-              f"{r['median launch us']:16.1f} {r['median launch us'] / base:10.2f}")
+    print(format_table(["case", "queued before blocking", "blocked ms", "median launch us", "x baseline"],
+                       [[*r.values(), f"{r['median launch us'] / base:.2f}"] for r in rows]))
     return rows
 
 

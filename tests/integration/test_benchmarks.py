@@ -447,6 +447,16 @@ def test_fsdp2_host_overhead_checks_k():
         bench.parse_args(["--layers", "4", "--k", "4"])
 
 
+@pytest.mark.parametrize("name", ["plain_table", "launch_queue_probe"])
+def test_probe_docstring_examples_run(name):
+    """The examples in these modules' docstrings run (``benchmarks/`` is outside the doctest
+    collection of ``setup.cfg``)."""
+    import doctest
+
+    result = doctest.testmod(_benchmark_module(name))
+    assert result.attempted > 0 and result.failed == 0
+
+
 def test_launch_queue_probe_finds_the_first_blocked_launch(capsys):
     bench = _benchmark_module("launch_queue_probe")
     assert bench.first_blocked([4e-6, 9e-6, 2e-3, 0.3]) == 2
