@@ -60,11 +60,10 @@ class ChunkedUpdate:
                 self.keys[k].grad = g
                 self.optimizers[k].step()
                 self.keys[k].grad = None
-                self.param[a:b].copy_(self.master[a:b])
-                continue
-            torch._fused_adamw_([self.master[a:b]], [g], [self.m[a:b]], [self.v[a:b]], [],
-                                [self.step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
-                                eps=1e-8, amsgrad=False, maximize=False)
+            else:
+                torch._fused_adamw_([self.master[a:b]], [g], [self.m[a:b]], [self.v[a:b]], [],
+                                    [self.step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                                    eps=1e-8, amsgrad=False, maximize=False)
             self.param[a:b].copy_(self.master[a:b])
         return time.perf_counter() - t0
 
