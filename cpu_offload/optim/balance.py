@@ -145,11 +145,12 @@ def measure_cpu_rate(update: Callable[[], None], threads: int, elems: int, repea
 
 
 def cpu_update_probe(dtype: torch.dtype, make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-                     hypers: dict, chunk_elems: int, elems: int = PROBE_ELEMS) -> tuple[Callable[[], None], int]:
+                     hypers: dict, chunk_elems: int, elems: int = PROBE_ELEMS,
+                     fp32_masters: bool = True) -> tuple[Callable[[], None], int]:
     """A CPU update of ``elems`` parameters of ``dtype`` as the CPU path runs it (a ``CpuBucket``:
     conversion, chunked steps, write-back), and ``elems``; for ``measure_cpu_rate``."""
     x = torch.zeros(elems, dtype=dtype)
-    bucket = CpuBucket([x], [0], [x], [hypers], make_optimizer, chunk_elems)
+    bucket = CpuBucket([x], [0], [x], [hypers], make_optimizer, chunk_elems, fp32_masters)
     grad, out = torch.full_like(x, 1e-3), torch.empty_like(x)
     scratch = torch.empty(bucket.scratch_elems, dtype=torch.float32)
     return (lambda: bucket.update([grad], [out], scratch, [hypers], None)), elems
@@ -207,23 +208,22 @@ def stream_share(fraction: Union[str, float], rates_fn: Callable[[], dict], cpu_
 
 
 def split(params: Sequence[torch.Tensor], fraction: Union[str, float], state_elems: int,
-          rates_fn: Callable[[], dict], log: bool = True) -> tuple[set, dict]:
+          rates_fn: Callable[[], dict], log: bool = True, fp32_masters: bool = True) -> tuple[set, dict]:
     """Which of ``params`` (offloaded, earliest gradient first) stay on the CPU path: the first
     ``1 - share`` of the elements, where ``share`` is ``fraction`` or, for ``"auto"``, the
     balanced streamed share (logged when ``log``). Returns their positions and the plan
     (``stream_fraction``, bytes per parameter each way on each path, the rates used or None).
 
     Bytes per parameter each way: the CPU path moves the model dtype (gradient out, parameter
-    in); the streamed one the master (low-precision parameters only: others are their own
-    master) and ``state_elems`` state tensors of the master dtype.
+    in); the streamed one the master (low-precision parameters with ``fp32_masters`` only:
+    others are their own master) and ``state_elems`` state tensors of the master dtype.
     """
     numels = [p.numel() for p in params]
     total = sum(numels) or 1
     cpu_bytes = sum(n * p.element_size() for n, p in zip(numels, params)) / total
-    stream_bytes = sum(
-        n * ((master_dtype(p.dtype).itemsize if master_dtype(p.dtype) != p.dtype else 0)
-             + state_elems * master_dtype(p.dtype).itemsize)
-        for n, p in zip(numels, params)) / total
+    md = [master_dtype(p.dtype, fp32_masters) for p in params]
+    stream_bytes = sum(n * ((m.itemsize if m != p.dtype else 0) + state_elems * m.itemsize)
+                       for n, p, m in zip(numels, params, md)) / total
     share, used = stream_share(fraction, rates_fn, cpu_bytes, stream_bytes)
     if used is not None and log:
         _log.info("HybridDeviceOptimizer: stream_fraction=%r chose %.3f of the offloaded "

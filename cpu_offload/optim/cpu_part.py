@@ -55,12 +55,13 @@ class CpuPart:
     """
 
     def __init__(self, device: OffloadDevice, engine: TransferEngine, worker: CpuWorker,
-                 mode: OverlapMode, max_grad_norm: Optional[float]) -> None:
+                 mode: OverlapMode, max_grad_norm: Optional[float], fp32_masters: bool = True) -> None:
         self.device = device
         self.engine = engine
         self.worker = worker
         self.mode = mode
         self.max_grad_norm = max_grad_norm
+        self.fp32_masters = fp32_masters  # fp32 masters for bf16/fp16 parameters (cpu_update.master_dtype)
         self.buckets: list[CpuBucket] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         self.early_copies = True
@@ -79,7 +80,7 @@ class CpuPart:
         self.engine.add_bucket(params)
         self.engine.read_params(params)
         bucket = CpuBucket(params, group_ids, [self.engine.params.typed(p) for p in params],
-                           _on_host(hypers), make_optimizer, chunk_elems)
+                           _on_host(hypers), make_optimizer, chunk_elems, self.fp32_masters)
         for k, p in enumerate(params):
             self.where[id(p)] = (len(self.buckets), k)
         self._wrote(params)

@@ -3,7 +3,8 @@ update that reads gradients from staging and writes new parameter values back to
 
 **Master dtype** (``master_dtype``): fp32 for low-precision parameters (bf16, fp16), the
 parameter's own dtype otherwise (fp32, fp64): an fp64 parameter keeps fp64 masters and state,
-as the wrapped class run on it directly would, so nothing is rounded away.
+as the wrapped class run on it directly would, so nothing is rounded away. With
+``fp32_masters=False`` every parameter is its own master (state in its dtype).
 
 Each bucket has its own instances of the CPU optimizer class, so a bucket can be updated as soon
 as its gradients land. That is bit-identical to one optimizer over all parameters for optimizers
@@ -58,11 +59,13 @@ ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # exact cl
 ALIGN_ELEMS = 1024  # piece boundaries (elements): a multiple of every CPU vector width
 
 
-def master_dtype(dtype: torch.dtype) -> torch.dtype:
+def master_dtype(dtype: torch.dtype, fp32_masters: bool = True) -> torch.dtype:
     """The dtype of the CPU master weights (and so of the optimizer state) of a parameter of
     ``dtype``: ``torch.float32`` for floating dtypes narrower than fp32 (bf16, fp16), else
     ``dtype`` itself, so fp32 and fp64 parameters are updated in their own precision (exactly
-    as the wrapped optimizer class run on them directly).
+    as the wrapped optimizer class run on them directly). ``fp32_masters=False``
+    (``OptimizerOffloadOptions.fp32_masters``): every parameter is its own master, and its
+    state has its dtype, as the wrapped class keeps it on the parameter itself.
 
     Example::
 
@@ -70,8 +73,10 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
         >>> from cpu_offload.optim.cpu_update import master_dtype
         >>> master_dtype(torch.bfloat16), master_dtype(torch.float64)
         (torch.float32, torch.float64)
+        >>> master_dtype(torch.bfloat16, fp32_masters=False)
+        torch.bfloat16
     """
-    if dtype.is_floating_point and dtype.itemsize < 4:
+    if fp32_masters and dtype.is_floating_point and dtype.itemsize < 4:
         return torch.float32
     return dtype
 
@@ -265,8 +270,9 @@ class CpuBucket:
     """Master weights and optimizers for the CPU parameters of one bucket.
 
     ``params`` are the model's (device) parameters, ``group_ids`` their wrapper param-group
-    indices. Masters are CPU tensors of ``master_dtype(param.dtype)``: fp32 for bf16/fp16
-    parameters, a copy in the parameter's dtype for fp32 and fp64 ones. Masters of one dtype are
+    indices. Masters are CPU tensors of ``master_dtype(param.dtype, fp32_masters)``: fp32 for
+    bf16/fp16 parameters (unless ``fp32_masters=False``), a copy in the parameter's dtype
+    otherwise. Masters of one dtype are
     views of one flat buffer, laid out as ``initial`` is where that is one buffer's slices (the
     staging buffer), so that a chunk's gradients come in and its new values go out in one copy
     each (see ``flat_offsets``, ``coalesce``).
@@ -286,9 +292,10 @@ class CpuBucket:
         hypers: Sequence[dict],
         make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
         chunk_elems: int = 0,
+        fp32_masters: bool = True,
     ) -> None:
         self.params = list(params)
-        dtypes = {master_dtype(p.dtype) for p in self.params}
+        dtypes = {master_dtype(p.dtype, fp32_masters) for p in self.params}
         if len(dtypes) == 1:
             self._offsets: Optional[list[int]] = flat_offsets(initial)
             flat = torch.zeros(max((o + p.numel() for o, p in zip(self._offsets, params)), default=0),
@@ -297,7 +304,7 @@ class CpuBucket:
                             for o, p, v in zip(self._offsets, params, initial)]
         else:
             self._offsets = None
-            self.masters = [torch.empty(p.shape, dtype=master_dtype(p.dtype)).copy_(v)
+            self.masters = [torch.empty(p.shape, dtype=master_dtype(p.dtype, fp32_masters)).copy_(v)
                             for p, v in zip(params, initial)]
         self.group_of = list(group_ids)
         self.group_ids = list(dict.fromkeys(group_ids))  # wrapper groups, in optimizer-group order

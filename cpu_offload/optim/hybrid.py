@@ -41,8 +41,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     A drop-in ``torch.optim.Optimizer`` for parameters on one accelerator. The parameters whose
     gradients are final earliest in backward (the last layers), ``offload_fraction`` of the
-    parameter bytes, keep master weights (fp32 for bf16/fp16 parameters) and state in pinned
-    CPU memory. Of those, ``stream_fraction`` are updated on the device by
+    parameter bytes, keep master weights (fp32 for bf16/fp16 parameters; with
+    ``fp32_masters=False`` their state stays in their own dtype, as the wrapped class keeps it on
+    them) and state in CPU memory. Of those, ``stream_fraction`` are updated on the device by
     ``gpu_optimizer_cls`` from state streamed through it; the rest by ``cpu_optimizer_cls`` on
     a CPU worker thread, overlapped with backward (and with the next forward in
     ``overlap="next_forward"``). The other parameters are updated on the device as usual.
@@ -75,7 +76,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         options: an ``OptimizerOffloadOptions``; its fields may also be given as keywords
             (``overlap``, ``max_grad_norm``, ``grad_order``, ``bucket_bytes``, ``cpu_threads``,
             ``cpu_chunk_bytes``, ``stream_fraction``, ``stream_budget_bytes``,
-            ``bind_cpu_cores``, ``stream_during_backward``; see docs/optimizer.md).
+            ``bind_cpu_cores``, ``stream_during_backward``, ``fp32_masters``; see
+            docs/optimizer.md).
         **optimizer_kwargs: hyperparameters for both classes (``lr``, ``weight_decay``, ...).
 
     Raises:
@@ -191,7 +193,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         cuda_index = index if self._torch_device is not None and self._torch_device.type == "cuda" else None
         self._worker = CpuWorker(self._cpu_threads, cuda_index,
                                  worker_cores(self._cpu_threads, cuda_index) if opts.bind_cpu_cores else None)
-        self._cpu = CpuPart(self._device, self._engine, self._worker, self._mode, self.max_grad_norm)
+        self._cpu = CpuPart(self._device, self._engine, self._worker, self._mode, self.max_grad_norm,
+                            opts.fp32_masters)
         self._attach(range(len(self.param_groups)))
 
     # -- construction -------------------------------------------------------------------------
@@ -273,6 +276,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._launcher = self._device.host_launcher(params[0].device)
         part = StreamedPart(self._device, params, group_ids, hypers, self._make(self._gpu_cls),
                             self.stream_budget_bytes, *self._state_probe, overlapped=self._mode.forward_waits,
+                            fp32_masters=self.options.fp32_masters,
                             early=self.stream_during_backward, launcher=self._launcher)
         self._parts.append(part)
         self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
@@ -295,10 +299,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if request == "auto":
                 return balance.planning_rates(self._device)
             return balance.rates(self._device, params[0].device, lambda: balance.cpu_update_probe(
-                params[0].dtype, self._make(self._cpu_cls), hypers[0], self._chunk_elems), self._cpu_threads)
+                params[0].dtype, self._make(self._cpu_cls), hypers[0], self._chunk_elems,
+                fp32_masters=self.options.fp32_masters), self._cpu_threads)
 
         on_cpu, self._balance = balance.split(params, request, self._state_probe[0], rates,
-                                              log=self.stream_fraction is None)
+                                              log=self.stream_fraction is None,
+                                              fp32_masters=self.options.fp32_masters)
         self.stream_fraction = self._balance["stream_fraction"]
         return ([i for k, i in enumerate(chosen) if k in on_cpu],
                 [i for k, i in enumerate(chosen) if k not in on_cpu])

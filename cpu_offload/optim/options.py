@@ -75,6 +75,7 @@ class OptimizerOffloadOptions:
     stream_budget_bytes: int = DEFAULT_STREAM_BUDGET_BYTES
     bind_cpu_cores: bool = False
     stream_during_backward: bool = False
+    fp32_masters: bool = True
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen
@@ -120,6 +121,7 @@ class OptimizerOffloadOptions:
                                          MIN_STREAM_BUDGET_BYTES, unit="bytes"))
         put("bind_cpu_cores", _flag("bind_cpu_cores", self.bind_cpu_cores))
         put("stream_during_backward", _flag("stream_during_backward", self.stream_during_backward))
+        put("fp32_masters", _flag("fp32_masters", self.fp32_masters))
 
     def replace(self, **changes: Any) -> "OptimizerOffloadOptions":
         """A copy with ``changes`` (checked again)."""

@@ -30,18 +30,19 @@ class MasterWeightOptimizer:
     parameter's device). ``in_place``: parameters stepped as they are, without a master.
     ``follow_edits=False`` skips taking edits (a full pass over every master each step): what a
     mixed-precision loop without offloading does, the benchmarks' baseline.
+    ``fp32_masters=False``: masters in each parameter's own dtype (``master_dtype``).
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
                  optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
                  master_device: Optional[torch.device] = None,
                  in_place: Iterable[torch.Tensor] = (), follow_edits: bool = True,
-                 **kwargs: Any) -> None:
+                 fp32_masters: bool = True, **kwargs: Any) -> None:
         self.params = list(params)
         self.follow_edits = follow_edits
         direct = {id(p) for p in in_place}
         self.masters = [p if id(p) in direct else p.detach().to(
-            master_device or p.device, master_dtype(p.dtype), copy=True) for p in self.params]
+            master_device or p.device, master_dtype(p.dtype, fp32_masters), copy=True) for p in self.params]
         if optimizer_cls is None:
             kwargs.setdefault("fused", True)
             optimizer_cls = torch.optim.AdamW
@@ -83,7 +84,8 @@ class PlacedReference:
     device for the others (its streamed part, and its device part with
     ``param_update_in_fp32``), and over the parameters themselves for ``in_place`` (its device
     part otherwise). Classes default as the hybrid's (fused AdamW). On ``SimulatedDevice`` this
-    equals the wrapped class; on a GPU it is the exact reference.
+    equals the wrapped class; on a GPU it is the exact reference. ``fp32_masters=False``
+    (the hybrid's option of that name): CPU masters in each parameter's own dtype.
 
     ``params`` are the reference model's (a copy of the hybrid's model), ``on_cpu`` and
     ``in_place`` positions in them; ``like`` reads both from a hybrid optimizer. DTensor
@@ -111,7 +113,7 @@ class PlacedReference:
     def __init__(self, params: Iterable[torch.Tensor], on_cpu: Iterable[int],
                  cpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
                  gpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None, *,
-                 in_place: Iterable[int] = (), **kwargs: Any) -> None:
+                 in_place: Iterable[int] = (), fp32_masters: bool = True, **kwargs: Any) -> None:
         self.params = list(params)
         self._shards = ShardedParams()
         keys = [self._shards.add(p) for p in self.params]  # a DTensor's local shard, else p
@@ -122,7 +124,7 @@ class PlacedReference:
         if here:
             self.parts.append(MasterWeightOptimizer(
                 here, cpu_optimizer_cls or default_cls(kwargs), master_device=torch.device("cpu"),
-                **kwargs))
+                fp32_masters=fp32_masters, **kwargs))
         if there:
             self.parts.append(MasterWeightOptimizer(
                 there, gpu_optimizer_cls or default_cls(kwargs),
@@ -134,16 +136,21 @@ class PlacedReference:
              gpu_optimizer_cls: Optional[Callable[..., torch.optim.Optimizer]] = None,
              **kwargs: Any) -> "PlacedReference":
         """The reference for ``opt`` over ``hybrid_params``, run on ``params`` (the same
-        positions): ``opt.offloaded_params()`` on the CPU, ``opt.streamed_params()`` (and all
-        low-precision ones with ``param_update_in_fp32``) on device masters, the rest in place."""
+        positions): ``opt.offloaded_params()`` on the CPU, ``opt.streamed_params()`` (unless
+        ``fp32_masters=False``) and the device part's low-precision ones with
+        ``param_update_in_fp32`` on device masters, the rest in place."""
         pos = {id(p): i for i, p in enumerate(hybrid_params)}
         on_cpu = {pos[id(p)] for p in opt.offloaded_params()}
-        masters = {pos[id(p)] for p in opt.streamed_params()}
-        if getattr(opt, "param_update_in_fp32", False):
-            masters |= {i for i, p in enumerate(hybrid_params) if master_dtype(p.dtype) != p.dtype}
+        fp32 = opt.options.fp32_masters
+        streamed = {pos[id(p)] for p in opt.streamed_params()}
+        # streamed parameters are stepped on device masters, or in place where each is its own
+        masters = set(streamed) if fp32 else set()
+        if getattr(opt, "param_update_in_fp32", False):  # the device part's masters
+            masters |= {i for i, p in enumerate(hybrid_params)
+                        if master_dtype(p.dtype) != p.dtype and i not in streamed}
         in_place = [i for i in range(len(hybrid_params)) if i not in on_cpu | masters]
         return cls(params, on_cpu, cpu_optimizer_cls, gpu_optimizer_cls, in_place=in_place,
-                   **kwargs)
+                   fp32_masters=fp32, **kwargs)
 
     def step(self) -> None:
         self._shards.sync_grads()

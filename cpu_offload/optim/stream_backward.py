@@ -77,7 +77,7 @@ class BackwardUpdates:
         self.started = self.kept = 0  # early updates of the last step, and how many it kept
         self.needed = [len(c.param_indices()) for c in self.chunks]  # gradients per chunk
         # the spare copy: pinned memory allocated with the part (later would stall a step)
-        self.spares = HostCopy(self.device, runner.params, state_elems)
+        self.spares = HostCopy(self.device, runner.params, state_elems, runner.store.fp32_masters)
         self.spares.reserve_small(len(plan.pieces))
         self.round = BackwardRound.start(self.needed)
 

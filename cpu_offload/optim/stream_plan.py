@@ -132,7 +132,8 @@ class ChunkPlan:
 def bytes_per_elem(param: torch.Tensor, lowp: bool, state_elems: int) -> int:
     """Slot bytes an element of ``param`` takes: master, gradient and edit mask (low
     precision), state."""
-    return (9 if lowp else 0) + state_elems * master_dtype(param.dtype).itemsize
+    state_dtype = master_dtype(param.dtype) if lowp else param.dtype  # its own master: its dtype
+    return (9 if lowp else 0) + state_elems * state_dtype.itemsize
 
 
 def plan_ranges(params: Sequence[torch.Tensor], lowp: Sequence[bool], budget_bytes: int,

@@ -35,19 +35,21 @@ class HostCopy:
     docstring): ``masters[i]`` (``None`` where parameter ``i`` is its own master), per-element
     state from buffers reserved per parameter, small state from a pool (``reserve_small``)."""
 
-    def __init__(self, device: OffloadDevice, params: Sequence[torch.Tensor], state_elems: int) -> None:
+    def __init__(self, device: OffloadDevice, params: Sequence[torch.Tensor], state_elems: int,
+                 fp32_masters: bool = True) -> None:
         self.device = device
         self.params = list(params)
+        self.fp32_masters = fp32_masters  # else every parameter is its own master (master_dtype)
         sizes = []
         for p in self.params:
-            md = master_dtype(p.dtype)
+            md = master_dtype(p.dtype, fp32_masters)
             sizes += [p.numel() * md.itemsize] * ((md != p.dtype) + state_elems)
         bufs = iter(pack_pinned(device, sizes))
         self.masters: list[Optional[torch.Tensor]] = []  # typed, the parameter's shape
         self._master_raw: list[Optional[torch.Tensor]] = []  # the same bytes, as carved
         self._free: list[list[torch.Tensor]] = []  # per param: buffers for its per-element state
         for p in self.params:
-            md = master_dtype(p.dtype)
+            md = master_dtype(p.dtype, fp32_masters)
             raw = next(bufs) if md != p.dtype else None
             self._master_raw.append(raw)
             self.masters.append(raw.view(md).view(p.shape) if raw is not None else None)

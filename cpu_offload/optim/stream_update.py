@@ -161,6 +161,7 @@ class StreamedPart:
         overlapped: bool = False,
         early: bool = False,
         launcher: Optional[Launcher] = None,
+        fp32_masters: bool = True,
     ) -> None:
         self._device = device
         # overlapped (``overlap="next_forward"``): the update runs on its own stream and step()
@@ -178,7 +179,7 @@ class StreamedPart:
         self.budget_bytes = budget_bytes
         self._link = Link(device)
         self.h2d, self.d2h = self._link.h2d, self._link.d2h
-        self._store = HostCopy(device, self.params, state_elems)
+        self._store = HostCopy(device, self.params, state_elems, fp32_masters)
         self._io = ParamIO(device, self.params, self._store.masters)
         self.read_params()
         self.keys = [m if m is not None else p for p, m in zip(self.params, self._store.masters)]

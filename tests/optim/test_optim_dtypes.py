@@ -127,17 +127,23 @@ def test_fp64_clipping_equals_torch(how, mode):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_state_dict_round_trips_keep_the_dtype_and_continue_exactly(dtype):
+    check_state_dict_round_trips(dtype)
+
+
+def check_state_dict_round_trips(dtype: torch.dtype, **kw) -> None:
+    """Hybrid -> hybrid at another fraction, hybrid -> the wrapped class, and back: the state
+    keeps ``dtype`` and training continues exactly (``kw``: more hybrid options)."""
     ref = model(dtype)
     ref_opt = fused_adamw(ref.parameters(), **KW)
     train(ref, ref_opt, 4)
     m = model(dtype)
-    opt = hybrid(m, 0.5, "backward_update")
+    opt = hybrid(m, 0.5, "backward_update", **kw)
     train(m, opt, 2)
     sd = _roundtrip(opt.state_dict())
     assert all(w.dtype == dtype for w in {i: e["master_weight"] for i, e in sd["state"].items() if "master_weight" in e}.values())
     # hybrid -> hybrid at another fraction
     m2 = copy.deepcopy(m)
-    opt2 = hybrid(m2, 1.0, "next_forward")
+    opt2 = hybrid(m2, 1.0, "next_forward", **kw)
     opt2.load_state_dict(sd)
     train(m2, opt2, 2, start=2)
     assert_same(m2, opt2, ref, ref_opt)
@@ -152,7 +158,7 @@ def test_state_dict_round_trips_keep_the_dtype_and_continue_exactly(dtype):
     half = model(dtype)
     half_opt = fused_adamw(half.parameters(), **KW)
     train(half, half_opt, 2)
-    opt4 = hybrid(half, 1.0, "none")
+    opt4 = hybrid(half, 1.0, "none", **kw)
     opt4.load_state_dict(_roundtrip(half_opt.state_dict()))
     train(half, opt4, 2, start=2)
     assert_same(half, opt4, ref, ref_opt)

@@ -97,14 +97,16 @@ def test_default_arguments_same_bits_in_three_processes(tmp_path):
 
 
 @pytest.mark.parametrize("clamp", [0.0, 0.02], ids=["", "clamped"])
-@pytest.mark.parametrize("update_in_fp32", [False, True], ids=["device-bf16", "device-fp32"])
+@pytest.mark.parametrize("precision", ["device-bf16", "device-fp32", "state-bf16"])
 @pytest.mark.parametrize("stream_fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("overlap", ["none", "backward_copies", "backward_update", "next_forward"])
 def test_fixed_split_equals_placed_reference(deterministic, overlap, stream_fraction,
-                                             update_in_fp32, clamp):
+                                             precision, clamp):
     """Half the parameters offloaded (split between the CPU and the streamed part as given),
     the rest on the device: bit for bit ``PlacedReference`` of that placement; also with the
-    parameters clamped after every step (each part takes the edit into its masters)."""
+    parameters clamped after every step (each part takes the edit into its masters).
+    ``precision``: the device part in bf16 or on fp32 masters (``param_update_in_fp32``), the
+    offloaded part on fp32 masters; ``state-bf16``: everything in bf16 (``fp32_masters=False``)."""
     from cpu_offload.optim import HybridDeviceOptimizer
     from cpu_offload.optim.reference import PlacedReference
 
@@ -112,7 +114,8 @@ def test_fixed_split_equals_placed_reference(deterministic, overlap, stream_frac
     params = list(m.parameters())
     opt = HybridDeviceOptimizer(params, 0.5, lr=1e-3, overlap=overlap,
                                 stream_fraction=stream_fraction,
-                                param_update_in_fp32=update_in_fp32)
+                                param_update_in_fp32=precision == "device-fp32",
+                                fp32_masters=precision != "state-bf16")
     try:
         if overlap == "next_forward":
             opt.register_forward_waits(m)
@@ -121,6 +124,33 @@ def test_fixed_split_equals_placed_reference(deterministic, overlap, stream_frac
         ref_opt = PlacedReference.like(opt, params, ref.parameters(), lr=1e-3)
         train(m, opt, clamp=clamp)
         train(ref, ref_opt, clamp=clamp)
+    finally:
+        opt.close()
+    for i, (a, b) in enumerate(zip(m.parameters(), ref.parameters())):
+        assert torch.equal(a, b), f"parameter {i}: {(a.float() - b.float()).abs().max():g}"
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward_copies", "backward_update", "next_forward"])
+def test_all_streamed_in_bf16_equals_training_without_offloading(deterministic, overlap):
+    """``fp32_masters=False`` with every parameter offloaded and streamed: the GPU class updates
+    every parameter in bf16 from state streamed through the GPU, so the result is bit for bit
+    ``torch.optim.AdamW(fused=True)`` on the GPU without any offloading."""
+    from cpu_offload.optim import HybridDeviceOptimizer
+
+    m, ref = model(), model()
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, lr=1e-3, overlap=overlap, stream_fraction=1.0,
+                                fp32_masters=False)
+    try:
+        if overlap == "next_forward":
+            opt.register_forward_waits(m)
+        assert len(opt.streamed_params()) == len(list(m.parameters()))
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+        train(m, opt, steps=4)
+        train(ref, ref_opt, steps=4)
+        for i, (p, q) in enumerate(zip(m.parameters(), ref.parameters())):
+            for k in ("exp_avg", "exp_avg_sq"):
+                mine, theirs = opt.state[p][k], ref_opt.state[q][k]
+                assert mine.dtype == torch.bfloat16 and torch.equal(mine.cpu(), theirs.cpu()), (i, k)
     finally:
         opt.close()
     for i, (a, b) in enumerate(zip(m.parameters(), ref.parameters())):

@@ -1,0 +1,91 @@
+"""``fp32_masters=False``: offloaded bf16/fp16 parameters keep their optimizer state in their own
+dtype, as the wrapped class keeps it on the parameters themselves (and as torchao's
+``CPUOffloadOptimizer`` does), with no fp32 master. On the simulated device parameters and state
+equal (``torch.equal``) ``torch.optim.AdamW(fused=True)`` run on the parameters without
+offloading, for every split and overlap mode; the pinned host memory drops to about a third for
+the streamed part. The GPU version is in ``test_reproducible_gpu.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload import OffloadConfigError, SimulatedDevice
+from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer
+from cpu_offload.optim.cpu_update import master_dtype
+
+from test_optim_dtypes import KW, assert_same, check_state_dict_round_trips, fused_adamw, hybrid, model, train
+
+LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+def test_master_dtype_without_fp32_masters_is_the_parameter_dtype():
+    assert master_dtype(torch.bfloat16, fp32_masters=False) == torch.bfloat16
+    assert master_dtype(torch.float16, fp32_masters=False) == torch.float16
+    assert master_dtype(torch.float64, fp32_masters=False) == torch.float64
+
+
+def test_fp32_masters_must_be_a_bool():
+    with pytest.raises(OffloadConfigError, match="fp32_masters must be True or False"):
+        HybridDeviceOptimizer([torch.nn.Parameter(torch.ones(4))], device=SimulatedDevice(),
+                              fp32_masters="no")
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+@pytest.mark.parametrize("stream_fraction", [0.0, 0.5, 1.0, "auto"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_equals_the_wrapped_class_on_the_parameters(dtype, stream_fraction, mode):
+    ref = model(dtype)
+    ref_opt = fused_adamw(ref.parameters(), **KW)
+    ref_losses = train(ref, ref_opt, 3)
+    m = model(dtype)
+    opt = hybrid(m, 1.0, mode, stream_fraction=stream_fraction, fp32_masters=False)
+    assert train(m, opt, 3) == ref_losses
+    assert_same(m, opt, ref, ref_opt)  # parameters, and state of the parameters' dtype
+    assert opt.offloaded_params() or opt.streamed_params()
+    assert all(e["exp_avg"].dtype == dtype for e in opt.state_dict()["state"].values())
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_state_dict_round_trips_keep_the_dtype_and_continue_exactly(dtype):
+    check_state_dict_round_trips(dtype, fp32_masters=False)
+
+
+class CountingDevice(SimulatedDevice):
+    """Counts the pinned host bytes the optimizer allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_bytes = 0
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        self.host_bytes += nbytes
+        return super().alloc_host(nbytes)
+
+
+def state_bytes(opt) -> int:
+    """Bytes of the per-parameter state and masters the optimizer keeps (``state_dict()``)."""
+    return sum(v.nbytes for e in opt.state_dict()["state"].values() for v in e.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("stream_fraction", [0.0, 1.0])
+def test_host_memory_drops_without_fp32_masters(stream_fraction):
+    """Per offloaded bf16 AdamW parameter the state and master take 12 B (fp32 master,
+    exp_avg, exp_avg_sq) with masters; without, 6 B on the CPU part (a bf16 copy and bf16
+    state) and 4 B on the streamed part (the parameter is its master), whose pinned host copies
+    shrink with it."""
+    kept, pinned = {}, {}
+    for fp32 in (True, False):
+        dev = CountingDevice()
+        m = model(torch.bfloat16)
+        opt = HybridDeviceOptimizer(m.parameters(), 1.0, device=dev, stream_fraction=stream_fraction,
+                                    fp32_masters=fp32, **KW)
+        train(m, opt, 2)
+        kept[fp32], pinned[fp32] = state_bytes(opt), dev.host_bytes
+        opt.close()
+    n = sum(p.numel() for p in model(torch.bfloat16).parameters())
+    assert kept[True] == 12 * n  # the streamed parameters are their own masters without fp32
+    assert kept[False] == (6 if stream_fraction == 0.0 else 4) * n
+    if stream_fraction == 1.0:
+        assert pinned[False] <= 0.4 * pinned[True], pinned
