@@ -178,7 +178,7 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
     """``make_opt()`` (the hybrid optimizer, or the reference: the torch class itself, over
     fp32 masters where parameters are bf16/fp16), the optimizer, its scheduler and scaler."""
     opt = spec.optimizer
-    low = spec.low_precision
+    masters = spec.low_precision and opt.fp32_masters  # the reference keeps fp32 masters
     cls_name, cls_kw = OPTIMIZERS[opt.cls]
     hyper = dict(lr=_lr(0.01, opt), weight_decay=opt.weight_decay)
 
@@ -194,8 +194,10 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
         kw.update(max_grad_norm=opt.max_grad_norm)
     if opt.stream_during_backward:
         kw.update(stream_during_backward=True)
-    if low:
+    if masters:
         kw.update(param_update_in_fp32=True)
+    elif spec.low_precision:
+        kw.update(fp32_masters=False)
     if not opt.pin_grads:
         kw.update(pin_cpu_grads=False)
     if not opt.pin_params:
@@ -222,7 +224,7 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
     if opt.stream_ahead is not None:
         out(4, f"set_stream_ahead(o, {opt.stream_ahead})")
     out(4, "return o")
-    if low:  # the hybrid optimizer keeps fp32 master weights: compare with a master-weight run
+    if masters:  # the hybrid optimizer keeps fp32 master weights: compare with a master-weight run
         out(3, f"return Masters({groups}, torch.optim.{cls_name}, {_kwargs(**hyper)})")
     else:
         out(3, f"return torch.optim.{cls_name}({groups}, {_kwargs(**hyper)})")
