@@ -15,7 +15,10 @@ master weights). Rows, each on a freshly built model in the same process:
   everything offloaded on the CPU);
 - ``torchao f=1``  torchao's ``CPUOffloadOptimizer`` (fused AdamW, ``offload_gradients=True``)
   when torchao is importable: the peer users compare with (it keeps bf16 state and no fp32
-  masters, so it moves and touches fewer bytes; its loss differs accordingly).
+  masters, so it moves and touches fewer bytes; its loss differs accordingly);
+- ``plain bf16``, ``split f=0.25/0.5/1 bf16`` the same precision as torchao's: fused AdamW on the
+  bf16 parameters with bf16 state on the GPU, and the hybrid with ``fp32_masters=False`` (state
+  in bf16, no masters). Their loss difference is to ``plain bf16``, and so is torchao's.
 
 Split rows add: the streamed share chosen, link time each way (H2D ms, D2H ms: measured bytes
 per step over the measured link rates), and the optimizer's own balanced estimate (``balanced
@@ -94,7 +97,7 @@ TARGET = 1.10
 DEFAULT_CFG = GPTConfig(hidden=2048, heads=16, seq=2048, batch=2, layers=30, dtype=torch.bfloat16)
 BIG_CFG = GPTConfig(hidden=4096, heads=32, seq=2048, batch=1, layers=28, dtype=torch.bfloat16)
 ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation offloading,
-    #                  stream_fraction)
+    #                  stream_fraction[, "bf16": state in the parameters' dtype, no fp32 masters])
     "plain": (None, None, False, 0),
     "f=0.25": (0.25, "next_forward", False, 0),
     "f=0.5": (0.5, "next_forward", False, 0),
@@ -105,7 +108,11 @@ ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation of
     "split f=0.5": (0.5, "next_forward", False, "auto"),
     "split f=1": (1.0, "next_forward", False, "auto"),
     "split f=1 +act": (1.0, "next_forward", True, "auto"),
-    "torchao f=1": ("torchao", None, False, 0),
+    "plain bf16": (None, None, False, 0, "bf16"),
+    "split f=0.25 bf16": (0.25, "next_forward", False, "auto", "bf16"),
+    "split f=0.5 bf16": (0.5, "next_forward", False, "auto", "bf16"),
+    "split f=1 bf16": (1.0, "next_forward", False, "auto", "bf16"),
+    "torchao f=1": ("torchao", None, False, 0, "bf16"),
 }
 KW = dict(lr=1e-4, weight_decay=0.1)
 
@@ -142,7 +149,9 @@ class Row:
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
                     device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
                     stream: Any = 0, bind: bool = False, budget_mib: Optional[float] = None,
-                    during_backward: bool = False) -> Any:
+                    during_backward: bool = False, masters: bool = True) -> Any:
+    if fraction is None and not masters:  # bf16 state, as torch.optim keeps it on bf16 weights
+        return torch.optim.AdamW(model.parameters(), fused=True, **KW)
     if fraction is None:  # what a mixed-precision loop does without offloading
         return MasterWeightOptimizer(model.parameters(), follow_edits=False, **KW)
     if fraction == "torchao":  # the peer users compare with: bf16 state on the CPU, no masters
@@ -153,8 +162,8 @@ def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: 
         return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True,
                                    fused=True, **KW)
     opt = HybridDeviceOptimizer(
-        model.parameters(), fraction, overlap=overlap, param_update_in_fp32=True,
-        stream_fraction=stream, bind_cpu_cores=bind,
+        model.parameters(), fraction, overlap=overlap, param_update_in_fp32=masters,
+        fp32_masters=masters, stream_fraction=stream, bind_cpu_cores=bind,
         **({"stream_during_backward": True} if during_backward and stream != 0 else {}),
         **({} if budget_mib is None else {"stream_budget_bytes": int(budget_mib * 2**20)}),
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
@@ -176,7 +185,8 @@ def make_forward(model: torch.nn.Module, act: bool, device: BenchDevice, cfg: GP
 
 def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: BenchDevice,
             args: argparse.Namespace, link: dict) -> Row:
-    fraction, overlap, act, stream = spec
+    fraction, overlap, act, stream = spec[:4]
+    masters = spec[4:] != ("bf16",)
     if stream == "auto" and args.stream_fraction != "auto":
         stream = float(args.stream_fraction)
     row = Row(label, workload)
@@ -187,7 +197,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
         opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib,
                               stream, args.bind_cores, args.stream_budget_mib,
-                              args.stream_during_backward)
+                              args.stream_during_backward, masters)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -275,6 +285,8 @@ def add_probe_bound(row: Row, label: str, rates: Optional[host_rates.HostRates])
     parameters split at the share that minimizes their work (a ``split`` row) or all on the
     CPU (an ``f=`` row), the work overlapping forward and backward at best."""
     if rates is None or row.error or not row.offloaded or row.fwd_bwd_ms is None:
+        return
+    if label.endswith(" bf16"):  # host_rates models the fp32-master path only
         return
     bound = host_rates.split_bound(row.offloaded, rates, None if label.startswith("split") else 0.0)
     row.probe_share = bound.stream_fraction
@@ -420,11 +432,13 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
             big = BIG_CFG if device.is_cuda else cfg.with_(layers=6)
             workloads.append(("big", big, ["plain", "f=1 +act", "split f=1 +act"]))
         for name, wcfg, wlabels in workloads:
-            base = None
+            bases: dict = {}  # precision -> its plain row
             for label in wlabels:
                 row = run_row(label, ROWS[label], wcfg, name, device, args, link)
-                if label == "plain":
-                    base = row
+                precision = ROWS[label][4] if len(ROWS[label]) > 4 else "fp32"
+                base = bases.get(precision)
+                if label in ("plain", "plain bf16"):
+                    bases[precision] = row
                 elif base is not None and base.losses and row.losses:
                     row.max_loss_diff = max(abs(a - b) for a, b in zip(row.losses, base.losses))
                 add_probe_bound(row, label, rates)

@@ -58,6 +58,20 @@ def test_optim_benchmark_smoke_sim(tmp_path):
     assert (tmp_path / "optim_benchmark_sim.md").exists()
 
 
+def test_optim_benchmark_bf16_state_rows_equal_their_plain_row_sim(tmp_path):
+    """The ``bf16`` rows (``fp32_masters=False``) are compared with plain fused AdamW on the bf16
+    weights, not with the master-weight baseline: on the simulated device, the same losses."""
+    bench = _benchmark_module("optim_benchmark")
+    rows = bench.main([
+        "--device", "sim", "--no-microbench", "--no-probe", "--rows", "plain,plain bf16,split f=1 bf16",
+        "--layers", "2", "--warmup", "1", "--iters", "2", "--out", str(tmp_path),
+    ])
+    assert all(r.error is None for r in rows), rows
+    _, plain_bf16, split = rows
+    assert split.max_loss_diff == 0 and 0 < split.stream_pct < 100
+    assert split.losses == plain_bf16.losses
+
+
 def test_hook_overhead_smoke_sim(tmp_path):
     bench = _benchmark_module("hook_overhead")
     payload = bench.main([
