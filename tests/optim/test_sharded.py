@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(TORCH_VERSION < Version("2.8"), reason="FSDP2 on
 KW = dict(lr=1e-2, weight_decay=0.1)
 
 
-def sharded(**shard) -> nn.Module:
+def sharded(dtype: torch.dtype = torch.float32, **shard) -> nn.Module:
     """The tests' three-layer net, ``fully_shard`` on each layer and on the net."""
-    m = net()
+    m = net(dtype)
     for layer in (m.l1, m.l2, m.l3):
         fully_shard()(layer, **shard)
     fully_shard()(m, **shard)
@@ -78,6 +78,20 @@ def test_equals_adamw_over_the_fsdp2_model(gloo, made, split, device):
     p = opt.offloaded_params()[0] if opt.offloaded_params() else opt.streamed_params()[0]
     live = opt.state[p]["exp_avg"]
     assert is_dtensor(live) and live.to_local().data_ptr() == opt.state[p]["exp_avg"].to_local().data_ptr()
+
+
+@splits(during_backward=False)
+def test_bf16_state_in_the_parameter_dtype_equals_adamw_over_the_fsdp2_model(gloo, made, split):
+    """``fp32_masters=False`` over bf16 shards: bf16 DTensor state, as AdamW keeps it."""
+    a, b = sharded(torch.bfloat16), sharded(torch.bfloat16)
+    opt = make_hybrid(a, split, fp32_masters=False, **KW)
+    made.append(opt)
+    ref = torch.optim.AdamW(b.parameters(), fused=True, **KW)
+    train([(a, opt), (b, ref)])
+    assert_same_shards(a, b)
+    for p, q in zip(a.parameters(), b.parameters()):
+        mine, theirs = opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine.to_local(), theirs.to_local())
 
 
 def test_state_dict_loads_into_adamw_and_back(gloo, made):

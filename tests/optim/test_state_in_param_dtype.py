@@ -6,14 +6,16 @@ offloading, for every split and overlap mode; the pinned host memory drops to ab
 the streamed part. The GPU version is in ``test_reproducible_gpu.py``."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from cpu_offload import OffloadConfigError, SimulatedDevice
-from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer
+from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
 from cpu_offload.optim.cpu_update import master_dtype
 
-from test_optim_dtypes import KW, assert_same, check_state_dict_round_trips, fused_adamw, hybrid, model, train
+from test_optim_dtypes import KW, _roundtrip, assert_same, check_state_dict_round_trips, fused_adamw, hybrid, model, train
 
 LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
@@ -89,3 +91,23 @@ def test_host_memory_drops_without_fp32_masters(stream_fraction):
     assert kept[False] == (6 if stream_fraction == 0.0 else 4) * n
     if stream_fraction == 1.0:
         assert pinned[False] <= 0.4 * pinned[True], pinned
+
+
+@pytest.mark.parametrize("stream_fraction", [0.0, 0.5, 1.0])
+def test_a_checkpoint_with_fp32_masters_loads_as_torch_loads_it(stream_fraction):
+    """A checkpoint saved with fp32 masters, loaded with ``fp32_masters=False``: the state is
+    cast to bf16, as ``torch.optim.AdamW`` on the bf16 parameters casts it when it loads the
+    same checkpoint (in its own format), and training continues equal to that."""
+    m = model(torch.bfloat16)
+    opt = hybrid(m, 1.0, "backward_update", stream_fraction=stream_fraction)
+    train(m, opt, 2)
+    sd = opt.state_dict()
+    opt.close()
+    mine, theirs = copy.deepcopy(m), copy.deepcopy(m)
+    opt2 = hybrid(mine, 1.0, "next_forward", stream_fraction=stream_fraction, fp32_masters=False)
+    opt2.load_state_dict(_roundtrip(sd))  # each its own copy: torch keeps the loaded step tensors
+    ref_opt = fused_adamw(theirs.parameters(), **KW)
+    ref_opt.load_state_dict(_roundtrip(to_wrapped_format(sd)))
+    assert train(mine, opt2, 2, start=2) == train(theirs, ref_opt, 2, start=2)
+    assert_same(mine, opt2, theirs, ref_opt)
+    opt2.close()
