@@ -357,6 +357,23 @@ def test_kept_early_updates_are_bit_identical_to_fused_adamw_on_cuda(dtype, mode
     opt.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("mode", MODES)
+def test_kept_early_updates_in_bf16_state_are_plain_fused_adamw_on_cuda(mode):
+    """``fp32_masters=False``, everything streamed and started in backward (the spare host
+    copies hold bf16 state): bit for bit ``torch.optim.AdamW(fused=True)`` on the bf16 model."""
+    ref = model(torch.bfloat16, "cuda")
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
+    ref_losses = train(ref, ref_opt, 4, edit=None)
+    m = model(torch.bfloat16, "cuda")
+    opt = hybrid(m, 1.0, 1.0, mode, device=_cuda(), budget=2**20, fp32_masters=False)
+    assert train(m, opt, 4, edit=None) == ref_losses
+    assert early_stats(opt) == (chunks(opt), chunks(opt))
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
 def _wide(dtype):
     torch.manual_seed(0)
     layers = [m for _ in range(6) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())]
