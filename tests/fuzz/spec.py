@@ -474,8 +474,9 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
         param_edits=() if low and opt.fp32_masters else opt.param_edits,
         stream_ahead=(opt.stream_ahead if opt.overlap == "next_forward" and opt.fraction > 0
                       and opt.stream_fraction != 0.0 else None),
-        # torch's fused CPU SGD on bf16 parameters: DCP's state dict of a plain run showed
-        # momentum entries of 1e30 now and then (seed 2000226, in the run without offloading)
+        # torch's fused CPU SGD with momentum on bf16/fp16 weights writes garbage momentum from
+        # its second step on, now and then (torch 2.6: nearly always; 2.8, 2.13: sometimes;
+        # seed 2000226 showed 1e30 entries in the run without offloading)
         fp32_masters=opt.fp32_masters or not low or opt.cls == "sgd_fused",
     )
 
