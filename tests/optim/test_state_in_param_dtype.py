@@ -15,7 +15,8 @@ from cpu_offload import OffloadConfigError, SimulatedDevice
 from cpu_offload.optim import OVERLAP_MODES, HybridDeviceOptimizer, to_wrapped_format
 from cpu_offload.optim.cpu_update import master_dtype
 
-from test_optim_dtypes import KW, _roundtrip, assert_same, check_state_dict_round_trips, fused_adamw, hybrid, model, train
+from test_optim_dtypes import (KW, _roundtrip, assert_same, check_state_dict_round_trips, fused_adamw, hybrid,
+                               model, train, trained_like_fused_adamw)
 
 LOW = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
@@ -36,13 +37,8 @@ def test_fp32_masters_must_be_a_bool():
 @pytest.mark.parametrize("stream_fraction", [0.0, 0.5, 1.0, "auto"])
 @pytest.mark.parametrize("dtype", LOW)
 def test_equals_the_wrapped_class_on_the_parameters(dtype, stream_fraction, mode):
-    ref = model(dtype)
-    ref_opt = fused_adamw(ref.parameters(), **KW)
-    ref_losses = train(ref, ref_opt, 3)
-    m = model(dtype)
-    opt = hybrid(m, 1.0, mode, stream_fraction=stream_fraction, fp32_masters=False)
-    assert train(m, opt, 3) == ref_losses
-    assert_same(m, opt, ref, ref_opt)  # parameters, and state of the parameters' dtype
+    _, opt = trained_like_fused_adamw(dtype, 1.0, mode, stream_fraction=stream_fraction,
+                                      fp32_masters=False)  # parameters and state equal
     assert opt.offloaded_params() or opt.streamed_params()
     assert all(e["exp_avg"].dtype == dtype for e in opt.state_dict()["state"].values())
     opt.close()
@@ -51,18 +47,6 @@ def test_equals_the_wrapped_class_on_the_parameters(dtype, stream_fraction, mode
 @pytest.mark.parametrize("dtype", LOW)
 def test_state_dict_round_trips_keep_the_dtype_and_continue_exactly(dtype):
     check_state_dict_round_trips(dtype, fp32_masters=False)
-
-
-class CountingDevice(SimulatedDevice):
-    """Counts the pinned host bytes the optimizer allocates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.host_bytes = 0
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        self.host_bytes += nbytes
-        return super().alloc_host(nbytes)
 
 
 def state_bytes(opt) -> int:
@@ -79,12 +63,12 @@ def test_host_memory_drops_without_fp32_masters(stream_fraction):
     shrink with it."""
     kept, pinned = {}, {}
     for fp32 in (True, False):
-        dev = CountingDevice()
+        dev = SimulatedDevice()
         m = model(torch.bfloat16)
         opt = HybridDeviceOptimizer(m.parameters(), 1.0, device=dev, stream_fraction=stream_fraction,
                                     fp32_masters=fp32, **KW)
         train(m, opt, 2)
-        kept[fp32], pinned[fp32] = state_bytes(opt), dev.host_bytes
+        kept[fp32], pinned[fp32] = state_bytes(opt), dev.host_bytes_allocated
         opt.close()
     n = sum(p.numel() for p in model(torch.bfloat16).parameters())
     assert kept[True] == 12 * n  # the streamed parameters are their own masters without fp32
