@@ -117,6 +117,12 @@ ROWS = {  # label -> (offload_fraction or None for plain, overlap, activation of
 KW = dict(lr=1e-4, weight_decay=0.1)
 
 
+def precision(label: str) -> str:
+    """A row's optimizer-state precision: "fp32" (fp32 masters) or "bf16" (ROWS' 5th field)."""
+    spec = ROWS[label]
+    return spec[4] if len(spec) > 4 else "fp32"
+
+
 @dataclass
 class Row:
     label: str
@@ -186,7 +192,7 @@ def make_forward(model: torch.nn.Module, act: bool, device: BenchDevice, cfg: GP
 def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: BenchDevice,
             args: argparse.Namespace, link: dict) -> Row:
     fraction, overlap, act, stream = spec[:4]
-    masters = spec[4:] != ("bf16",)
+    masters = precision(label) == "fp32"
     if stream == "auto" and args.stream_fraction != "auto":
         stream = float(args.stream_fraction)
     row = Row(label, workload)
@@ -286,7 +292,7 @@ def add_probe_bound(row: Row, label: str, rates: Optional[host_rates.HostRates])
     CPU (an ``f=`` row), the work overlapping forward and backward at best."""
     if rates is None or row.error or not row.offloaded or row.fwd_bwd_ms is None:
         return
-    if label.endswith(" bf16"):  # host_rates models the fp32-master path only
+    if precision(label) != "fp32":  # host_rates models the fp32-master path only
         return
     bound = host_rates.split_bound(row.offloaded, rates, None if label.startswith("split") else 0.0)
     row.probe_share = bound.stream_fraction
@@ -435,10 +441,9 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
             bases: dict = {}  # precision -> its plain row
             for label in wlabels:
                 row = run_row(label, ROWS[label], wcfg, name, device, args, link)
-                precision = ROWS[label][4] if len(ROWS[label]) > 4 else "fp32"
-                base = bases.get(precision)
+                base = bases.get(precision(label))
                 if label in ("plain", "plain bf16"):
-                    bases[precision] = row
+                    bases[precision(label)] = row
                 elif base is not None and base.losses and row.losses:
                     row.max_loss_diff = max(abs(a - b) for a, b in zip(row.losses, base.losses))
                 add_probe_bound(row, label, rates)
