@@ -3,13 +3,21 @@ that a class has a torch optimizer's API, and how its instances are built."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
+from packaging.version import Version
 
+from ..compat import TORCH_VERSION
 from ..core.errors import OffloadConfigError
 
-__all__ = ["REQUIRED_API", "build", "default_optimizer_cls", "probe_class", "warm_torch_optim"]
+__all__ = ["REQUIRED_API", "build", "check_cpu_class_dtypes", "default_optimizer_cls", "probe_class",
+           "warm_torch_optim"]
+
+# torch's fused CPU SGD on bf16/fp16 tensors leaves every full vector block of a parameter
+# un-updated and loads its momentum through the wrong type (pytorch/pytorch#191763, fixed by
+# #192545 in torch 2.14). On the GPU the same class is right, so offloading would change training.
+FUSED_CPU_SGD_LOW_PRECISION_FIXED = Version("2.14")
 
 
 def build(cls: Callable[..., torch.optim.Optimizer], kwargs: dict, groups: list[dict]) -> torch.optim.Optimizer:
@@ -67,3 +75,21 @@ def probe_class(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
             "torch.optim.Optimizer-like class (param_groups, state, defaults, step, zero_grad, "
             "state_dict, load_state_dict, add_param_group); subclass torch.optim.Optimizer")
     return dict(probe.defaults)
+
+
+def check_cpu_class_dtypes(cls: Callable[..., Any], kwargs: dict, dtypes: Iterable[torch.dtype]) -> None:
+    """Refuse a CPU class that torch is known to get wrong on the dtypes it would update there:
+    fused SGD on bf16/fp16 state before torch 2.14 (``FUSED_CPU_SGD_LOW_PRECISION_FIXED``).
+    Only ``fp32_masters=False`` puts low-precision state on the CPU; the error names the ways out.
+    """
+    low = sorted({str(d).replace("torch.", "") for d in dtypes if d.is_floating_point and d.itemsize < 4})
+    if not low or TORCH_VERSION >= FUSED_CPU_SGD_LOW_PRECISION_FIXED:
+        return
+    probe = cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    if isinstance(probe, torch.optim.SGD) and probe.defaults.get("fused"):
+        raise OffloadConfigError(
+            f"torch {TORCH_VERSION}'s fused CPU SGD updates {'/'.join(low)} tensors wrongly (it skips "
+            "whole vector blocks and corrupts momentum: pytorch/pytorch#191763, fixed in torch "
+            f"{FUSED_CPU_SGD_LOW_PRECISION_FIXED}), and with fp32_masters=False the CPU part would "
+            "run it on them: keep fp32_masters=True, pass fused=False (or leave it unset), or use "
+            f"torch>={FUSED_CPU_SGD_LOW_PRECISION_FIXED}")

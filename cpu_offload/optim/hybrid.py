@@ -23,9 +23,9 @@ from ..core.launcher import Launcher
 from . import balance, ddp
 from . import state as state_format
 from .amp import LossScale
-from .classes import build, default_optimizer_cls, probe_class, warm_torch_optim
+from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
-from .cpu_update import IMPLEMENTATION_KEYS
+from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
 from .device_part import DevicePart
 from .guards import snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
@@ -252,6 +252,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         offloaded = set(chosen)
         hypers = snapshot_hypers(self.param_groups)
         on_cpu, streamed = self._split([keys[i] for i in chosen], chosen, hypers)
+        check_cpu_class_dtypes(self._cpu_cls, self._kwargs, {master_dtype(keys[i].dtype, self.options.fp32_masters)
+                                                             for i in on_cpu})
         if streamed:
             self._add_streamed([keys[i] for i in streamed], [entries[i][0] for i in streamed], hypers,
                                [params[i] for i in streamed])

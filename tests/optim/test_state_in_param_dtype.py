@@ -95,3 +95,54 @@ def test_a_checkpoint_with_fp32_masters_loads_as_torch_loads_it(stream_fraction)
     assert train(mine, opt2, 2, start=2) == train(theirs, ref_opt, 2, start=2)
     assert_same(mine, opt2, theirs, ref_opt)
     opt2.close()
+
+
+def _fused_sgd_error_free(dtype: torch.dtype) -> bool:
+    """Whether this torch's fused CPU SGD with momentum updates a ``dtype`` parameter as torch's
+    fp32 SGD does, to within the ``dtype``'s rounding of each step."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4096 + 5).to(dtype))
+    ref = torch.nn.Parameter(p.detach().float())
+    fused = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    exact = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        g = (torch.randn(p.shape) * 0.1).to(dtype)
+        p.grad, ref.grad = g, g.float()
+        fused.step()
+        exact.step()
+    # three roundings of values below 5: at most 3 ulps of 4 apart (bf16: 0.094); momentum makes
+    # the third update about 0.27 x the gradient, so skipped updates go past that
+    tolerance = 3 * 4 * torch.finfo(dtype).eps
+    return bool((p.detach().float() - ref.detach()).abs().max() <= tolerance)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_refusing_fused_cpu_sgd_matches_the_torch_releases_that_get_it_wrong(dtype):
+    """torch's fused CPU SGD skips whole vector blocks of bf16/fp16 tensors before 2.14
+    (pytorch/pytorch#191763): the refusal below is bound to the releases that have the bug."""
+    from cpu_offload.compat import TORCH_VERSION
+    from cpu_offload.optim.classes import FUSED_CPU_SGD_LOW_PRECISION_FIXED
+
+    assert _fused_sgd_error_free(dtype) == (TORCH_VERSION >= FUSED_CPU_SGD_LOW_PRECISION_FIXED)
+
+
+@pytest.mark.parametrize("version,refused", [("2.13.0", True), ("2.14.1", False)])
+@pytest.mark.parametrize("dtype", LOW)
+def test_fused_cpu_sgd_on_low_precision_state_is_refused_before_torch_2_14(monkeypatch, dtype, version, refused):
+    from packaging.version import Version
+
+    monkeypatch.setattr("cpu_offload.optim.classes.TORCH_VERSION", Version(version))
+    params = [torch.nn.Parameter(torch.randn(64, 64).to(dtype)) for _ in range(2)]
+
+    def build(**kw):
+        return HybridDeviceOptimizer(params, 1.0, torch.optim.SGD, torch.optim.SGD, device=SimulatedDevice(),
+                                     stream_fraction=0.5, lr=0.1, momentum=0.9, **kw)
+
+    if refused:
+        with pytest.raises(OffloadConfigError, match=r"fused CPU SGD updates (bfloat16|float16) tensors wrongly"
+                           r".*#191763.*keep fp32_masters=True, pass fused=False"):
+            build(fused=True, fp32_masters=False)
+    else:
+        build(fused=True, fp32_masters=False).close()
+    for kw in (dict(fused=True), dict(fp32_masters=False), dict(fused=False, fp32_masters=False)):
+        build(**kw).close()  # fp32 masters, or SGD not fused: right on every release
