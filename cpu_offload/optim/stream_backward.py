@@ -13,7 +13,7 @@ rest of backward:
   runs, after its allocations. A chunk with an fp32/fp64 parameter (its own master, read from
   the parameter) is updated in the hook itself, after the queued ones: user code may change
   such a parameter once backward returns. ``step()`` waits for the launcher first.
-- the chunk's masters and state are copied in (``h2d``) into one of two staging slots of its
+- the chunk's masters and state are copied in (``h2d``) into one of the staging slots of its
   own, the device optimizer class steps over them on a side stream (``update_stream`` under
   ``next_forward``), and the new masters and state are copied out (``d2h``) into each piece's
   *spare* host copy. The new parameter values wait on the device, in a buffer of the chunk's
@@ -29,7 +29,7 @@ rest of backward:
 
 So the result is bit for bit that of the update inside ``step()``. The costs: a second pinned
 host copy of the streamed masters and state (12 B/param for bf16 AdamW, allocated with the
-part), two staging slots from the first early update of a backward to the end of the update
+part), the staging slots from the first early update of a backward to the end of the update
 (``stream_budget_bytes``), and on the device the new values of the chunks updated early (the
 parameters' size: 2 B/param for bf16), from their update to ``step()`` (``next_forward``: to
 the next forward of their modules). They are alive with every gradient at the end of backward,
@@ -174,7 +174,7 @@ class BackwardUpdates:
 
     def _allocate(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The device memory of a chunk's update, from the compute stream's pool: at the first
-        update of a backward the two staging slots, and the chunk's new-values buffer
+        update of a backward the staging slots, and the chunk's new-values buffer
         (``_new_values``)."""
         r, run = self.round, self.runner
         if not r.slots:

@@ -17,7 +17,12 @@ import torch
 from .cpu_update import ALIGN_ELEMS, chunk_param_groups, master_dtype, plan_chunks
 from .stream_store import PieceHost
 
-SLOTS = 2  # staging slots (of the update in step(), and of the updates started in backward)
+# Staging slots (of the update in step(), and of the updates started in backward). A chunk's copy
+# in waits for the copy out of the chunk SLOTS before it, so with two the link idled while a
+# chunk's update and the hops between streams ran: three kept it busier (H200, everything
+# streamed, slots of 128 MiB: step 15-20% shorter; four no better; benchmarks/RESULTS.md,
+# eighteenth session).
+SLOTS = 3
 SLOT_ALIGN = 256  # bytes: every region of a device buffer starts aligned (vectorized kernels)
 
 

@@ -122,7 +122,7 @@ class BackwardRound:
     phases: list  # per chunk: its ``EarlyPhase``
     landed: dict = field(default_factory=dict)  # param index -> ``Landed``
     done: dict = field(default_factory=dict)  # chunk -> ``EarlyUpdate`` (phase UPDATED on)
-    slots: list = field(default_factory=list)  # the two staging slots, from the first update
+    slots: list = field(default_factory=list)  # the staging slots, from the first update
     free: list = field(default_factory=list)  # per slot: its last copy out
     launched: int = 0
     held: list = field(default_factory=list)  # device buffers queued work uses

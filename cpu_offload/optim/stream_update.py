@@ -4,10 +4,10 @@ update on the device, the state streamed through a bounded device staging area.
 For the parameters of a ``StreamedPart`` the master weights (fp32 for bf16/fp16 parameters; an
 fp32 or fp64 parameter is its own master and stays on the device) and the wrapped optimizer's
 per-parameter state (``exp_avg``, ``exp_avg_sq``, ``step``...) live in pinned host memory. Inside
-``step()`` the parameters are updated chunk by chunk (about ``budget_bytes / 2`` of staging each):
+``step()`` the parameters are updated chunk by chunk (about ``budget_bytes / SLOTS`` of staging each):
 
 1. the chunk's masters and state are copied host -> device on a side stream (``h2d``) into one
-   of two device slots;
+   of ``SLOTS`` (three) device slots;
 2. the compute stream waits for that copy, takes into each master any edit of its parameter
    since the part wrote it (``stream_chunk.merge_edits``: the part keeps no record of what it
    wrote), converts the gradients to the master dtype in the slot, runs the device optimizer
@@ -15,8 +15,10 @@ per-parameter state (``exp_avg``, ``exp_avg_sq``, ``step``...) live in pinned ho
    new masters into the parameters (cast to their dtype);
 3. masters and state are copied back device -> host on another side stream (``d2h``).
 
-Two slots: the copy in of chunk ``i + 1`` overlaps the update of chunk ``i`` and the copy out of
-chunk ``i - 1``; a slot is refilled only after the copy out of the chunk before has read it.
+Three slots: the copy in of chunk ``i + 1`` overlaps the update of chunk ``i`` and the copy out of
+chunk ``i - 1``; a slot is refilled only after the copy out of the chunk ``SLOTS`` before has read
+it, so with three the copy in does not wait for the update and the copy out just before it (with
+two it did, and each copy stream idled about a fifth of the streaming).
 Device memory for it is allocated at the start of the update (compute stream) and dropped at
 its end, after the compute stream has waited for the last copy out, so the next step's copies
 in are ordered after this step's copies out, and outside ``step()`` the part holds no device
@@ -93,8 +95,8 @@ __all__ = [
 # each) to stay far below the ~1000 launches a stream may have waiting before CUDA blocks the
 # host. 24 measured best of 8, 24 and all (benchmarks/RESULTS.md, sixteenth session)
 STREAM_AHEAD_CHUNKS = 24
-DEFAULT_STREAM_BUDGET_BYTES = 256 * 2**20  # device staging of the streamed part (both slots)
-MIN_STREAM_BUDGET_BYTES = 64 * 2**10  # two slots of at least 1024 elements each
+DEFAULT_STREAM_BUDGET_BYTES = 384 * 2**20  # device staging of the streamed part (SLOTS of 128 MiB)
+MIN_STREAM_BUDGET_BYTES = 96 * 2**10  # SLOTS slots of at least 1024 elements each
 
 
 def state_elems_per_param(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> tuple[int, bool]:

@@ -12,6 +12,7 @@ from typing import List
 from packaging.version import Version
 
 from cpu_offload.compat import TORCH_VERSION
+from cpu_offload.optim.stream_update import MIN_STREAM_BUDGET_BYTES
 
 from . import layers as layer_module
 from . import prelude
@@ -189,7 +190,7 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
               bucket_bytes=num(opt.bucket_bytes, "int64"),
               cpu_chunk_bytes=num(opt.chunk_bytes, "int64"), cpu_threads=1,
               stream_fraction=num(opt.stream_fraction, "float32"),
-              stream_budget_bytes=num(1 << 16, "int64"))
+              stream_budget_bytes=num(MIN_STREAM_BUDGET_BYTES, "int64"))  # 1024-element chunks
     if opt.max_grad_norm is not None:
         kw.update(max_grad_norm=opt.max_grad_norm)
     if opt.stream_during_backward:
