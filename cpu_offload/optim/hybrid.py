@@ -201,12 +201,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group, as ``torch.optim.Optimizer.add_param_group``; ``offload_fraction`` of its
-        bytes are offloaded (pinned buffers for them are allocated here)."""
-        super().add_param_group(param_group)
-        if self._cpu is not None:  # after construction; the constructor partitions globally
+        bytes are offloaded (pinned buffers for them are allocated here). A group that is refused
+        (an ``OffloadConfigError`` from the checks of its parameters) is not added: ``step()``
+        would otherwise leave its parameters as they are."""
+        built = self._cpu is not None  # after construction; the constructor partitions globally
+        if built:
             self._check_open("add_param_group")
-            self._drain_all()
-            self._attach([len(self.param_groups) - 1])
+        super().add_param_group(param_group)
+        if built:
+            try:
+                self._drain_all()
+                self._attach([len(self.param_groups) - 1])
+            except BaseException:
+                self.param_groups.pop()
+                raise
 
     def _check_param(self, p: torch.Tensor, pos: int) -> None:
         """``p``: what the parts update (a DTensor parameter's local shard)."""

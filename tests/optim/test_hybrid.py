@@ -432,6 +432,26 @@ def test_add_param_group_and_per_group_hyperparameters():
     assert_same_params(m, ref)
 
 
+def test_a_refused_param_group_is_not_added_and_training_stays_exact():
+    """A group whose parameters fail the checks raises and leaves the optimizer as it was: kept
+    in ``param_groups`` but never partitioned, ``step()`` would skip its parameters."""
+    ref = model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    train(ref, ref_opt, 3)
+    m = model()
+    opt = hybrid(m, 0.5)
+    refused = nn.Parameter(torch.randn(8, 4).t())  # not contiguous
+    with pytest.raises(OffloadConfigError, match="must be a contiguous dense leaf tensor"):
+        opt.add_param_group({"params": [refused]})
+    assert len(opt.param_groups) == 1 and len(opt.state_dict()["param_groups"]) == 1
+    train(m, opt, 3)
+    assert_same_params(m, ref)
+    opt.close()
+    with pytest.raises(OffloadUsageError, match="close"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))]})
+    assert len(opt.param_groups) == 1
+
+
 def test_gradient_accumulation_with_no_sync():
     ref = model()
     ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
