@@ -143,6 +143,33 @@ def check_compatible(param_groups: Sequence[dict], state_dict: dict[str, Any]) -
         raise ValueError(f"unknown hybrid state format {hybrid.get('format')!r}, expected {FORMAT!r}")
 
 
+# Per-parameter state that torch's own optimizers keep in their parameter's shape (Adam, AdamW,
+# SGD, Adagrad, RMSprop, Adadelta, ASGD, Rprop, Adamax), and the masters. Other classes' state
+# may have other shapes (factored statistics, say): not checked.
+PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
+                          "square_avg", "grad_avg", "acc_delta", "ax", "prev", "step_size",
+                          "exp_inf", MASTER})
+
+
+def check_state_shapes(state_dict: dict[str, Any], placements: Sequence[Placement]) -> None:
+    """Refuse, before anything is loaded, a state tensor shaped unlike its parameter (a state
+    dict from another model, or one edited by hand). torch's optimizers load it unchecked and
+    fail or write out of bounds at the next step; here the parts copy state into buffers of
+    their own, so a wrong shape would be half taken."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    masters = (state_dict.get("hybrid") or {}).get("master_weights", {})
+    for pos, pl in enumerate(placements):
+        entry = dict(state_dict["state"].get(saved_ids[pos]) or {})
+        if saved_ids[pos] in masters:
+            entry.setdefault(MASTER, masters[saved_ids[pos]])
+        for name, value in entry.items():
+            if name in PARAM_SHAPED and torch.is_tensor(value) and value.shape != pl.key.shape:
+                raise ValueError(
+                    f"state dict entry {saved_ids[pos]!r} (parameter {pos}): {name!r} has shape "
+                    f"{tuple(value.shape)}, the parameter {tuple(pl.key.shape)}: load a state dict "
+                    "saved with this model's parameters, in the same order")
+
+
 def scatter(
     state_dict: dict[str, Any],
     param_groups: list[dict],
@@ -156,6 +183,7 @@ def scatter(
     to its parameters' device and dtype exactly as the wrapped class does.
     """
     check_compatible(param_groups, state_dict)
+    check_state_shapes(state_dict, placements)
     saved_groups = state_dict["param_groups"]
     saved_ids = [i for g in saved_groups for i in g["params"]]
     saved_state = {i: {k: v for k, v in e.items() if k != MASTER} for i, e in state_dict["state"].items()}

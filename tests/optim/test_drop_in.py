@@ -85,6 +85,40 @@ def test_state_of_bf16_params_is_the_masters_state(made, stream_fraction):
     assert_state_view(opt, m, ref_opt.optimizer.state, ref_opt.masters, list(m.parameters()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_shaped_unlike_its_parameter_is_refused_before_anything_loads(made, dtype):
+    """A state tensor (or master) of another shape raises ``ValueError`` naming the entry, and
+    leaves state and parameters as they were, wherever the parameter is updated (device part,
+    CPU part, streamed part). torch's own optimizers load it unchecked."""
+    m = net(dtype)
+    opt = hybrid(m, Split("backward_update", 0.5), **KW)
+    made.append(opt)
+    train(m, opt)
+    good = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in m.parameters()]
+    keys = ["exp_avg", "exp_avg_sq"] + (["master_weight"] if dtype == torch.bfloat16 else [])
+    where = {"device": [], "offloaded": opt.offloaded_params(), "streamed": opt.streamed_params()}
+    where["device"] = [p for p in m.parameters() if not any(p is q for q in where["offloaded"] + where["streamed"])]
+    assert all(where.values())
+    for part, ps in where.items():
+        index = next(i for i, p in enumerate(m.parameters()) if p is ps[0])
+        for key in keys:
+            if key not in good["state"][index]:
+                assert key == "master_weight" and part == "device"
+                continue
+            bad = copy.deepcopy(good)
+            bad["state"][index][key] = torch.zeros(3, dtype=bad["state"][index][key].dtype)
+            bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"] + 1  # would be loaded first
+            with pytest.raises(ValueError, match=rf"entry {index} \(parameter {index}\): '{key}' has shape "
+                               r"\(3,\), the parameter .*saved with this model's parameters"):
+                opt.load_state_dict(bad)
+            now = opt.state_dict()["state"]
+            assert sorted(now) == sorted(good["state"])
+            assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(now[i][k]))
+                       for i, e in good["state"].items() for k, v in e.items()), part
+            assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params)), part
+
+
 @splits()
 def test_state_is_a_live_view(made, split):
     """Writing into ``opt.state[p]`` changes the next step, as with the wrapped optimizer."""
