@@ -180,6 +180,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
         self._covered: set[int] = set()
+        self._partitioned: list[tuple[int, ...]] = []  # per group: ids of the parameters placed
         self._no_sync = 0
         self._ddp = False
         self.last_grad_norm: Optional[torch.Tensor] = None
@@ -279,6 +280,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if rest:
                 device_groups.append((gi, rest, hypers[gi]))
         self._dev_part.add_groups(device_groups)
+        self._partitioned += [tuple(map(id, self.param_groups[gi]["params"])) for gi in group_ids]
 
     def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict],
                       hooked: list[torch.Tensor]) -> None:
@@ -447,6 +449,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"{what}() after close(): the optimizer's worker thread and hooks are gone; build "
                 "a new HybridDeviceOptimizer (load this one's state_dict() into it to continue)")
 
+    def _check_groups(self) -> None:
+        """The parameters of each group are those placed when it was added: torch's optimizers
+        step whatever ``param_groups[i]["params"]`` holds, but here a parameter appended there
+        has no master, state or part, and would silently not be updated."""
+        now = [tuple(map(id, g["params"])) for g in self.param_groups]
+        if now != self._partitioned:
+            gi = next((i for i, (a, b) in enumerate(zip(now, self._partitioned)) if a != b),
+                      min(len(now), len(self._partitioned)))
+            raise OffloadUsageError(
+                f"the parameters of param group {gi} changed after the optimizer placed them "
+                "(param_groups were edited in place): add parameters with opt.add_param_group("
+                "{'params': [...]}) instead, or build a new HybridDeviceOptimizer")
+
     # -- backward hooks -------------------------------------------------------------------------
 
     def _hypers_now(self) -> list[dict]:
@@ -476,6 +491,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         is running; the next forward's modules wait for their own parameters.
         """
         self._check_open("step")
+        self._check_groups()
         scale = LossScale.take(self)
         loss = None
         if closure is not None:

@@ -452,6 +452,29 @@ def test_a_refused_param_group_is_not_added_and_training_stays_exact():
     assert len(opt.param_groups) == 1
 
 
+def test_parameters_put_into_param_groups_by_hand_are_refused_at_step():
+    """torch's optimizers step whatever ``param_groups[i]["params"]`` holds; here a parameter
+    appended there has no place (no master, state or part) and would silently stay as it is."""
+    ref = model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    train(ref, ref_opt, 3)
+    m = model()
+    opt = hybrid(m, 0.5)
+    extra = nn.Parameter(torch.randn(4, 4))
+    opt.param_groups[0]["params"].append(extra)
+    loss_of(m, 0).backward()
+    with pytest.raises(OffloadUsageError, match=r"parameters of param group 0 changed .*add_param_group"):
+        opt.step()
+    opt.param_groups[0]["params"].pop()
+    opt.zero_grad()
+    train(m, opt, 3)  # nothing was stepped by the refused call
+    assert_same_params(m, ref)
+    opt.param_groups.append({"params": [extra], **opt.defaults})
+    with pytest.raises(OffloadUsageError, match=rf"parameters of param group {len(opt.param_groups) - 1} changed"):
+        opt.step()
+    opt.close()
+
+
 def test_gradient_accumulation_with_no_sync():
     ref = model()
     ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
