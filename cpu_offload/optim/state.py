@@ -151,21 +151,21 @@ PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_b
                           "exp_inf", MASTER})
 
 
-def check_state_shapes(state_dict: dict[str, Any], placements: Sequence[Placement]) -> None:
-    """Refuse, before anything is loaded, a state tensor shaped unlike its parameter (a state
-    dict from another model, or one edited by hand). torch's optimizers load it unchecked and
-    fail or write out of bounds at the next step; here the parts copy state into buffers of
-    their own, so a wrong shape would be half taken."""
-    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    masters = (state_dict.get("hybrid") or {}).get("master_weights", {})
-    for pos, pl in enumerate(placements):
-        entry = dict(state_dict["state"].get(saved_ids[pos]) or {})
-        if saved_ids[pos] in masters:
-            entry.setdefault(MASTER, masters[saved_ids[pos]])
+def check_state_shapes(saved_ids: Sequence[Any], saved_state: dict, masters: dict,
+                       placements: Sequence[Placement]) -> None:
+    """Refuse, before anything is loaded, a state tensor or master shaped unlike its parameter
+    (a state dict from another model, or one edited by hand). torch's optimizers load it
+    unchecked and fail or write out of bounds at the next step; here the parts copy state into
+    buffers of their own, so a wrong shape would be half taken. ``saved_ids``, ``saved_state``
+    (without masters) and ``masters`` are ``scatter``'s reading of the state dict."""
+    for pos, (sid, pl) in enumerate(zip(saved_ids, placements)):
+        entry = dict(saved_state.get(sid) or {})
+        if sid in masters:
+            entry[MASTER] = masters[sid]
         for name, value in entry.items():
             if name in PARAM_SHAPED and torch.is_tensor(value) and value.shape != pl.key.shape:
                 raise ValueError(
-                    f"state dict entry {saved_ids[pos]!r} (parameter {pos}): {name!r} has shape "
+                    f"state dict entry {sid!r} (parameter {pos}): {name!r} has shape "
                     f"{tuple(value.shape)}, the parameter {tuple(pl.key.shape)}: load a state dict "
                     "saved with this model's parameters, in the same order")
 
@@ -183,12 +183,12 @@ def scatter(
     to its parameters' device and dtype exactly as the wrapped class does.
     """
     check_compatible(param_groups, state_dict)
-    check_state_shapes(state_dict, placements)
     saved_groups = state_dict["param_groups"]
     saved_ids = [i for g in saved_groups for i in g["params"]]
     saved_state = {i: {k: v for k, v in e.items() if k != MASTER} for i, e in state_dict["state"].items()}
     masters = dict((state_dict.get("hybrid") or {}).get("master_weights", {}))
     masters.update((i, e[MASTER]) for i, e in state_dict["state"].items() if MASTER in e)
+    check_state_shapes(saved_ids, saved_state, masters, placements)  # before anything is loaded
     for g, s in zip(param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
     by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[int, int]]] = {}
