@@ -24,7 +24,11 @@ checks that no thread of its own is left and prints one ``TEARDOWN {json}`` line
 
 ``--device cpu`` (the default where CUDA is not available) uses gloo, the simulated device and a
 tiny model (seconds on 2 cores); ``--device cuda`` (the default elsewhere) uses NCCL, one GPU per rank, deterministic kernels and a model big enough that
-activations dominate memory.
+activations dominate memory. ``--device cuda-shared`` puts both ranks on GPU 0 and uses gloo (NCCL
+refuses two ranks on one GPU), for the cases in ``SHARED_GPU_CASES`` (all but the pipelines): on
+a one-GPU machine they still run with real streams and the GPU's rounding against the CPU's,
+which is what the optimizer cases check (each rank's CPU part against the CPU class, both ranks'
+parameters the same); what they do not exercise is NCCL itself and two GPUs' links.
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, run_lay
 
 CASES = ("ddp", "fsdp2", "fsdp2-apply", "pipeline-gpipe", "pipeline-1f1b", "tp", "ddp-optim",
          "ddp-optim-clip", "fsdp2-optim", "zero-optim")
+# The cases ``cuda-shared`` runs: every one but the pipelines, whose send/recv of CUDA tensors
+# gloo fails ("writev ... Bad address", torch 2.11 on an H200).
+SHARED_GPU_CASES = tuple(c for c in CASES if not c.startswith("pipeline-"))
+DEVICE_KINDS = ("cpu", "cuda", "cuda-shared")
 
 # Tensor parallelism saves DTensors and AsyncCollectiveTensors for backward. V2 needs
 # core.subclass.tensor_flatten for them (non-tensor inner attributes such as DTensor's
@@ -60,10 +68,11 @@ class Env:
     """What a case needs to know about where it runs."""
 
     def __init__(self, device_kind: str) -> None:
-        self.cuda = device_kind == "cuda"
+        self.cuda = device_kind in ("cuda", "cuda-shared")
+        self.backend = "nccl" if device_kind == "cuda" else "gloo"
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", self.rank))
+        local = 0 if device_kind == "cuda-shared" else int(os.environ.get("LOCAL_RANK", self.rank))
         if self.cuda:
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
@@ -73,9 +82,7 @@ class Env:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(1)
-        dist.init_process_group(
-            "nccl" if self.cuda else "gloo", timeout=datetime.timedelta(seconds=120)
-        )
+        dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=120))
         # Held to the end of the process: freeing a gloo group can hang (exit_skipping_shutdown).
         self.group = dist.group.WORLD
         self.sims: List[SimulatedDevice] = []
@@ -125,8 +132,7 @@ class Env:
         if ours:
             raise RuntimeError(f"rank {self.rank}: threads still running after the last case: "
                                f"{ours} (an optimizer not closed?)")
-        return {"rank": self.rank, "backend": "nccl" if self.cuda else "gloo",
-                "python_threads": ours}
+        return {"rank": self.rank, "backend": self.backend, "python_threads": ours}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -955,16 +961,18 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--case", required=True,
                         help=f"one of {', '.join(CASES)}, or several separated by commas")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=("cpu", "cuda"),
-                        help="default: cuda where CUDA is available, else cpu")
+                        choices=DEVICE_KINDS,
+                        help="default: cuda where CUDA is available, else cpu; cuda-shared: both "
+                             "ranks on GPU 0 over gloo (the cases in SHARED_GPU_CASES)")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but CUDA is not available here; run with --device cpu "
-                     "(gloo, the simulated device and a tiny model), the default on such machines")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but CUDA is not available here; run with --device "
+                     "cpu (gloo, the simulated device and a tiny model), the default on such machines")
     cases = args.case.split(",")
-    unknown = [c for c in cases if c not in CASES]
+    known = SHARED_GPU_CASES if args.device == "cuda-shared" else CASES
+    unknown = [c for c in cases if c not in known]
     if unknown:
-        parser.error(f"unknown case(s) {unknown}; choose from {CASES}")
+        parser.error(f"unknown case(s) {unknown} for --device {args.device}; choose from {known}")
     if args.device == "cuda":  # NCCL: destroy_process_group shuts its threads down
         run_cases(cases, args.device)
         return

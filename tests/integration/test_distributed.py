@@ -5,6 +5,10 @@ On the CPU (CI): gloo and SimulatedDevice. One run executes every case; each tes
 its case's outcome: gradients with offloading ``torch.equal`` to the same distributed run without
 it, on both ranks, and copies actually made.
 
+On one GPU (marker ``gpu``): every case but the pipelines (gloo cannot send CUDA tensors), both
+ranks on GPU 0 over gloo (``--device cuda-shared``): real streams, and for the optimizer cases
+the GPU's rounding against the CPU's, checked as on 2 GPUs.
+
 On 2 GPUs (marker ``multigpu``; skipped with fewer): NCCL, one GPU per rank, deterministic
 kernels, bf16 GPT blocks of hidden 1024 and sequence 2048, one run per case: gradients with
 offloading ``torch.equal`` to the same run without it on both ranks, peak memory lower, and no
@@ -23,7 +27,7 @@ import torch
 from packaging.version import Version
 
 from cpu_offload.compat import TORCH_VERSION
-from _support.distributed_cases import CASES, launch, torchrun
+from _support.distributed_cases import CASES, SHARED_GPU_CASES, launch, torchrun
 
 # Seconds for the whole CPU run: ~15 s on 2 idle cores; a hang (a collective waiting forever)
 # is killed after this and fails every case.
@@ -116,18 +120,35 @@ def test_the_documented_torchrun_commands_run_without_cuda(command, tmp_path, mo
     assert " NO" not in out and "Traceback" not in out, out[-3000:]
 
 
-@pytest.mark.multigpu
-@pytest.mark.parametrize("case", CASES)
-def test_multigpu_distributed_exact_gradients_and_lower_peak(case):
-    code, out, results = launch([case], "cuda", timeout=MULTIGPU_TIMEOUT)
+def check_gpu_case(case: str, device_kind: str) -> None:
+    """Run ``case`` on the GPU(s) (``launch``): it must end with its result (every rank's
+    gradients or parameters exact, checked inside the run), the memory it lowers lower."""
+    code, out, results = launch([case], device_kind, timeout=MULTIGPU_TIMEOUT)
     if code is None:
         pytest.fail(f"{case}: no result after {MULTIGPU_TIMEOUT} s (hang?)\n{out[-8000:]}")
     assert code == 0 and case in results, out[-8000:]
     result = results[case]
     if "skipped" in result:
         pytest.skip(result["skipped"])
+    assert result["device"] == device_kind and result["world"] == 2, result
     if case == "fsdp2-optim":  # the device memory held by the model and its optimizer
         assert result["held_ratio"] < 1.0, result
     elif case not in ("ddp-optim-clip", "zero-optim"):  # exactness only, not memory
         assert result["peak_ratio"] < 1.0, result
     print(result)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", CASES)
+def test_multigpu_distributed_exact_gradients_and_lower_peak(case):
+    check_gpu_case(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHARED_GPU_CASES)
+def test_two_ranks_on_one_gpu_exact_and_the_same_on_both_ranks(case):
+    """Two ranks on one GPU over gloo: what a one-GPU machine can check of the 2-GPU cases.
+    The optimizer cases compare each rank's parameters bit for bit with ``PlacedReference``
+    (the CPU part rounded by the CPU class, the rest by the GPU's) and between the ranks:
+    placement or rounding that differed between ranks would fail."""
+    check_gpu_case(case, "cuda-shared")
