@@ -204,15 +204,38 @@ def host_list(t: torch.Tensor) -> list:
 
 @dataclass
 class Fingerprint:
-    """What a tensor was when early work read it: the tensor, its version, its bit sum."""
+    """What a tensor was when early work read it: the tensor, its version, its bit sum.
+
+    ``bits`` may be left ``None`` (``pending``) and taken later in one batch for many tensors
+    (``take_bits``): a backward hook then records only the tensor and its version, and the
+    sums run where the work that reads the tensor is queued. Until then, ``changed`` judges the
+    fingerprint by object and version alone."""
 
     tensor: torch.Tensor
     version: int
-    bits: torch.Tensor
+    bits: Optional[torch.Tensor]
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "Fingerprint":
         return cls(t, tensor_version(t), bit_sum(t))
+
+    @classmethod
+    def pending(cls, t: torch.Tensor) -> "Fingerprint":
+        """The tensor and its version now; its bit sum later (``take_bits``)."""
+        return cls(t, tensor_version(t), None)
+
+    @staticmethod
+    def take_bits(prints: Sequence["Fingerprint"]) -> None:
+        """Take the bit sums of those of ``prints`` still pending (their tensors all on one
+        device), in one batch, on the current stream: the content they fingerprint is the one
+        work queued after this on that stream reads, or that work queued on another stream
+        after an event recorded after this reads, once nothing changes it in between (and any
+        change after this shows at ``changed``)."""
+        todo = list({id(fp): fp for fp in prints if fp.bits is None}.values())
+        if todo:
+            sums = bit_sums([fp.tensor for fp in todo])
+            for k, fp in enumerate(todo):
+                fp.bits = sums[k]
 
     @classmethod
     def of_all(cls, tensors: Sequence[torch.Tensor]) -> list["Fingerprint"]:
@@ -231,9 +254,11 @@ class Fingerprint:
 
 def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list[bool]:
     """Per ``(fingerprint, tensor now)``: whether the tensor differs from what was read. Object
-    and version first (no device work); the bit sums of the rest with one host transfer."""
+    and version first (no device work); the bit sums of the rest with one host transfer. A
+    fingerprint whose bits are still pending (no work read its tensor) is judged by object and
+    version alone."""
     out = [not fp.same_object(now) for fp, now in pairs]
-    todo = [i for i, c in enumerate(out) if not c]
+    todo = [i for i, c in enumerate(out) if not c and pairs[i][0].bits is not None]
     if not todo:
         return out
     by_device: dict[torch.device, list[int]] = {}

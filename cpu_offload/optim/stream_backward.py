@@ -53,7 +53,7 @@ from ..core.launcher import Launcher
 from .cpu_update import ELEMENTWISE, tensor_version
 from .stream_chunk import ChunkRunner, PieceViews, copy_all
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, slot_aligned
-from .guards import changed, same_hypers
+from .guards import Fingerprint, changed, same_hypers
 from .stream_records import BackwardRound, EarlyPhase, EarlyUpdate, Landed
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -126,6 +126,9 @@ class BackwardUpdates:
         r, run, link, dev = self.round, self.runner, self.link, self.device
         chunk = self.chunks[ci]
         pieces = chunk.pieces
+        # what the update reads, fingerprinted where it is queued (compute stream, before the
+        # event it waits for), not in the hooks: a change after this shows at ``validate``
+        Fingerprint.take_bits([fp for _, landed in seen for fp in landed.fingerprints()])
         first = not r.slots
         buffer, new = self._allocate(pieces)
         ready = self._ready()
@@ -251,6 +254,8 @@ class BackwardUpdates:
               for i, group in zip(order, checks)}
         kept = []
         for ci, rec in sorted(r.done.items()):
+            assert all(fp.bits is not None for _, landed in rec.seen for fp in landed.fingerprints()), \
+                "an early update kept no fingerprint of what it read"
             keep = not scaled and same_hypers(rec.hypers, hypers) and all(ok[i] for i, _ in rec.seen)
             r.move(ci, EarlyPhase.KEPT if keep else EarlyPhase.REDONE)
             if keep:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_offload.optim.guards import bit_sum, bit_sums, differs_from_rounded, host_list, merge_edited
+from cpu_offload.optim.guards import (
+    Fingerprint, bit_sum, bit_sums, changed, differs_from_rounded, host_list, merge_edited,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -57,6 +59,23 @@ def test_bit_sums_see_writes_that_bypass_the_version_counter(device, edit):
         assert t._version == v0  # the version counter did not see it
     now = bit_sums(ts)
     assert (before != now).any(dim=1).all(), (before, now)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pending_fingerprints_see_versions_then_contents_once_their_bits_are_taken(device):
+    """A fingerprint taken in a hook records object and version only; its bits come later in
+    one batch (``take_bits``), and from then on writes through ``.data`` show too. Writes
+    before the bits were taken are part of what is fingerprinted."""
+    a, b, c = (torch.randn(4096, device=device) for _ in range(3))
+    prints = [Fingerprint.pending(t) for t in (a, b, c)]
+    b.data.mul_(2)  # before the bits: fingerprinted as it is now
+    c.mul_(2)  # a version bump: seen with or without bits
+    assert changed([(fp, t) for fp, t in zip(prints, (a, b, c))]) == [False, False, True]
+    Fingerprint.take_bits(prints + prints[:1])  # a repeated fingerprint is taken once
+    assert all(fp.bits is not None for fp in prints)
+    a.data.add_(1)  # after the bits: seen
+    assert changed([(fp, t) for fp, t in zip(prints, (a, b, c))]) == [True, False, True]
+    assert changed([(prints[1], a)]) == [True]  # another tensor
 
 
 @pytest.mark.parametrize("device", DEVICES)
