@@ -81,7 +81,7 @@ from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk
 from .stream_records import ChunkMark, QueuedUpdate, UpdatePhase
 from .stream_store import HostCopy, ParamIO
 from .amp import LossScale
-from .guards import merge_edited
+from .guards import check_layout, merge_edited
 
 __all__ = [
     "DEFAULT_STREAM_BUDGET_BYTES", "MIN_STREAM_BUDGET_BYTES", "SLOTS", "STREAM_AHEAD_CHUNKS",
@@ -176,6 +176,8 @@ class StreamedPart:
         self.backward: Optional[BackwardUpdates] = None
         self.chunks: list[Chunk] = []
         self.params = list(params)
+        # where each parameter's memory was when the pieces last looked (``follow_params``)
+        self._memory = [(p.data_ptr(), p.shape, p.dtype) for p in self.params]
         self.group_of = list(group_ids)
         self.group_ids = list(dict.fromkeys(group_ids))
         self.budget_bytes = budget_bytes
@@ -290,6 +292,7 @@ class StreamedPart:
         so that the staging and device state the update used can be freed (dropped here). The
         host is not blocked."""
         assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
+        self.follow_params()
         q = self._queued
         if q is None:
             return
@@ -313,13 +316,37 @@ class StreamedPart:
             if master is not None and p.numel():
                 merge_edited(master, p)
 
+    def follow_params(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Parameters (``indices``, default all) given new memory since the part last looked
+        (``p.data = t``, as torch's optimizers allow): their pieces follow it, as the CPU and
+        device parts do (before, the update kept writing into the old memory and the parameter
+        stayed as assigned). New memory of another shape or dtype is refused: the masters and
+        state were made for the old one."""
+        for i in range(len(self.params)) if indices is None else indices:
+            p = self.params[i]
+            ptr, shape, dtype = self._memory[i]
+            if p.data_ptr() == ptr and p.shape == shape and p.dtype == dtype:
+                continue
+            check_layout(p, shape, dtype)
+            if not p.is_contiguous():
+                raise OffloadUsageError(
+                    f"parameter {tuple(shape)} was given non-contiguous data (p.data = ...): "
+                    "offloaded parameters must stay contiguous; assign t.contiguous()")
+            for pc in self._plan.pieces:
+                if pc.index == i:
+                    pc.follow(p, own_master=not self._runner.lowp[i])
+            self._memory[i] = (p.data_ptr(), p.shape, p.dtype)
+
     def sync(self) -> None:
         """Block until the last update's copies into host memory have landed (before the host
-        reads masters or state: ``state_dict``, ``load_state_dict``); device work that reads
-        or writes the parameters after this is ordered after the update. Updates queued in
-        backward are queued on the device first (``BackwardUpdates.settle``)."""
+        reads masters or state: ``opt.state[p]``, ``state_dict``, ``load_state_dict``); device
+        work that reads or writes the parameters after this is ordered after the update.
+        Updates started in this backward are dropped (``BackwardUpdates.abandon``; ``step()``
+        updates their chunks again): they wrote the spare copies, which the host may now read
+        or bring up to date (``PieceHost.settle``), and state read before ``step()`` is the
+        last step's, as with torch's optimizers."""
         if self.backward is not None:
-            self.backward.settle()
+            self.backward.abandon()
         self.finish()
         if self._link.last_out is not None:
             self._device.wait_host(self._link.last_out)
@@ -362,6 +389,7 @@ class StreamedPart:
         every chunk first would hold back the device part's update until the link is nearly
         done."""
         assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
+        self.follow_params()
         for p in self.params:
             if p.grad is not None and p.grad.layout != torch.strided:
                 raise OffloadUsageError(

@@ -169,6 +169,46 @@ def test_hooks_take_no_bit_sums_each_launched_chunk_takes_them_once(monkeypatch,
     opt.close()
 
 
+@pytest.mark.parametrize("launches", LAUNCHES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("read", ["between", "in_backward"])
+def test_reading_the_state_before_step_reads_the_last_steps_and_changes_nothing(read, mode, launches):
+    """``opt.state[p]`` read between backward and step() (or from a hook in backward) shows the
+    last step's state, as torch's optimizers do, and the training stays exact: the updates
+    started in that backward are dropped and done again in step(). (Before, the read brought
+    the spare host copies up to date over what those updates had written, and step() kept
+    them: the state lost a step, every other step.)"""
+    ref, ref_opt = reference(torch.float32)
+    m = model(torch.float32)
+    opt = hybrid(m, 1.0, 1.0, mode, launches=launches)
+    weight = list(m.parameters())[2]
+    seen = []
+
+    def read_state():
+        if weight not in opt.state:  # before the first step
+            return
+        st = opt.state[weight]
+        seen.append((st["step"].item(), st["exp_avg"].clone()))
+
+    if read == "in_backward":
+        list(m.parameters())[0].register_post_accumulate_grad_hook(lambda p: read_state())
+    for i in range(5):
+        for mm, o in ((ref, ref_opt), (m, opt)):
+            loss_of(mm, i).backward()
+            if o is opt and read == "between":
+                read_state()
+            if o is ref_opt and i > 0:
+                expected = (ref_opt.state[list(ref.parameters())[2]]["step"].item(),
+                            ref_opt.state[list(ref.parameters())[2]]["exp_avg"].clone())
+            o.step()
+            o.zero_grad()
+        if i > 0:
+            assert seen[-1][0] == expected[0] and torch.equal(seen[-1][1], expected[1])
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
 def test_after_a_changed_step_the_next_backward_waits_then_resumes():
     m = model(torch.bfloat16)
     opt = hybrid(m, 1.0, 1.0, "backward_update")
