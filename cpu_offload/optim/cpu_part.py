@@ -27,7 +27,7 @@ from ..core.errors import OffloadUsageError
 from .amp import LossScale
 from .cpu_step import BucketStep, CpuStep, GradCopy, Phase, UpdateJob
 from .cpu_update import CpuBucket
-from .guards import Fingerprint, changed, merge_edited, same_hypers
+from .guards import Fingerprint, changed, check_layout, merge_edited, same_hypers
 from .overlap import OverlapMode
 from .partition import next_update
 from .transfer import TransferEngine
@@ -64,6 +64,7 @@ class CpuPart:
         self.fp32_masters = fp32_masters  # fp32 masters for bf16/fp16 parameters (cpu_update.master_dtype)
         self.buckets: list[CpuBucket] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
+        self.layouts: dict[int, tuple[torch.Size, torch.dtype]] = {}  # id(param) -> as placed
         self.early_copies = True
         self.early_updates = True
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -83,6 +84,7 @@ class CpuPart:
                            _on_host(hypers), make_optimizer, chunk_elems, self.fp32_masters)
         for k, p in enumerate(params):
             self.where[id(p)] = (len(self.buckets), k)
+            self.layouts[id(p)] = (p.shape, p.dtype)
         self._wrote(params)
         self.buckets.append(bucket)
         if bucket.scratch_elems > self._scratch.numel():
@@ -91,6 +93,14 @@ class CpuPart:
     @property
     def params(self) -> list[torch.Tensor]:
         return [p for b in self.buckets for p in b.params]
+
+    def check_layouts(self) -> None:
+        """Every parameter has the shape and dtype it was placed with (``guards.check_layout``;
+        new memory of the same layout, ``p.data = t``, is followed: the buckets read and write
+        the parameter itself)."""
+        for b in self.buckets:
+            for p in b.params:
+                check_layout(p, *self.layouts[id(p)])
 
     def owns(self, p: torch.Tensor) -> bool:
         return id(p) in self.where
@@ -117,6 +127,7 @@ class CpuPart:
             raise OffloadUsageError(
                 f"parameter {tuple(p.shape)} has a sparse gradient: offloaded parameters need "
                 "dense gradients (e.g. nn.Embedding(sparse=False))")
+        check_layout(p, *self.layouts[id(p)])
         st = self._current()
         b, k = self.where[id(p)]
         bs = st.buckets[b]

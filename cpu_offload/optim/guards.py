@@ -29,6 +29,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..core.errors import OffloadUsageError
+
 __all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "differs_from_rounded", "host_list",
            "merge_edited", "same_hypers", "snapshot_hypers", "tensor_version"]
 
@@ -319,3 +321,15 @@ def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:
         master.copy_(value)
         return
     torch.where(master.to(value.dtype) == value, master, value.to(master.dtype), out=master)
+
+
+def check_layout(param: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+    """``param`` still has the ``shape`` and ``dtype`` the optimizer placed it with: ``p.data =
+    t`` with another shape or dtype would leave masters, state and staging made for the old
+    one (copies of the wrong size, or torch's fused kernels over mismatched state)."""
+    if param.shape != shape or param.dtype != dtype:
+        raise OffloadUsageError(
+            f"parameter {tuple(shape)} ({dtype}) was given data of shape {tuple(param.shape)} "
+            f"({param.dtype}) after the optimizer placed it (p.data = ...): its optimizer state "
+            "was made for the old shape; build a new HybridDeviceOptimizer (or copy values of "
+            "the same shape in: p.data.copy_(t))")

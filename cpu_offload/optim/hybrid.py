@@ -479,6 +479,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu.finish()
         key, grad = self._shards.grad(p)
         part, k = self._streamed[id(key)]
+        part.follow_params([k])  # the early update reads it
         part.backward.on_grad(k, grad, self._hypers_now())
 
     # -- step -------------------------------------------------------------------------------------
@@ -492,6 +493,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         self._check_open("step")
         self._check_groups()
+        self._cpu.check_layouts()
         scale = LossScale.take(self)
         loss = None
         if closure is not None:

@@ -64,6 +64,14 @@ class Piece:
         p = param.detach()
         return p.view(-1)[self.start:self.stop] if self.split else p
 
+    def follow(self, param: torch.Tensor, own_master: bool) -> None:
+        """``param`` was given new memory (``param.data = t``): what this piece keeps of the old
+        one points at the new (its key, when the parameter is its own master; the bytes a kept
+        early update writes)."""
+        self.target_bytes = None
+        if own_master:
+            self.key.set_(self.written(param))
+
 
 @dataclass(eq=False)
 class Chunk:

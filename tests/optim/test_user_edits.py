@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cpu_offload import OffloadUsageError
 from cpu_offload.optim.reference import MasterWeightOptimizer
 
 from _support.hybrid_cases import (
@@ -232,7 +233,15 @@ def _clamp_no_grad(m):
             p.clamp_(-CLIP, CLIP)
 
 
-PARAM_EDITS = {"p.data.clamp_": _clamp_data, "no_grad p.clamp_": _clamp_no_grad}
+def _assign_data(m):
+    """New memory each time (``p.data = t``): the streamed part kept writing into the old one,
+    and its parameters stayed as assigned."""
+    for p in m.parameters():
+        p.data = p.data.clamp(-CLIP, CLIP)
+
+
+PARAM_EDITS = {"p.data.clamp_": _clamp_data, "no_grad p.clamp_": _clamp_no_grad,
+               "p.data = t": _assign_data}
 
 
 @pytest.mark.parametrize("edit", list(PARAM_EDITS))
@@ -309,6 +318,38 @@ def test_bf16_param_edits_reach_the_fp32_masters(made, split, device, edit):
     assert_same_params(m, ref)
     # saved after the last edit: its masters carry it
     reload_and_step(made, split, device, (m, opt), (ref, ref_opt), 3, param_update_in_fp32=True, **kw)
+
+
+@pytest.mark.parametrize("when", ["before_backward", "before_step"])
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+@splits(("none", "backward_update"), during_backward=False)
+def test_data_of_another_shape_or_dtype_is_refused(made, split, change, when):
+    """``p.data = t`` with ``t`` of another shape or dtype on an offloaded parameter: masters,
+    state and staging were made for the old one (the CPU part copied the gradient into a
+    staging slice of the old size: a truncated copy on CUDA); the backward hook or ``step()``
+    names the fix instead."""
+    (m, opt), _ = pair(made, split, "late", lr=1e-2)
+    loss_of(m, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    settle(opt)
+    w = list(m.parameters())[-1]  # offloaded (the last registered)
+    assert id(w) in opt._streamed or opt._cpu.owns(w)
+
+    def change_it():
+        w.data = torch.zeros(w.shape[0] + 1, *w.shape[1:]) if change == "shape" else w.data.double()
+
+    with pytest.raises(OffloadUsageError, match=r"p\.data = .*build a new HybridDeviceOptimizer"):
+        if when == "before_backward":
+            change_it()
+            w.grad = None
+            x = torch.randn(2, w.shape[1] if w.dim() > 1 else 1, dtype=w.dtype)
+            (x @ w.t() if w.dim() > 1 else x * w).sum().backward()
+        else:
+            loss_of(m, 1).backward()
+            change_it()
+            w.grad = torch.zeros_like(w)
+        opt.step()
 
 
 @devices
