@@ -200,6 +200,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # -- construction -------------------------------------------------------------------------
 
+    @property
+    def state(self) -> state_format.StateView:  # type: ignore[override]
+        """Each stepped parameter -> its state (``opt.state[p]``), a view of what the parts
+        keep: torch's ``Optimizer.__init__`` sets ``self.state``, which is ignored; a user's
+        ``opt.state = defaultdict(dict)`` (torch's way to reset) would leave the parts' state in
+        place and hide it, so it raises."""
+        return self.__dict__.get("_state_view", {})
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if isinstance(value, state_format.StateView):
+            self.__dict__["_state_view"] = value
+        elif "_state_view" in self.__dict__:
+            raise OffloadUsageError(
+                "opt.state of a HybridDeviceOptimizer cannot be replaced: its parts keep the "
+                f"state; {state_format.STATE_WRITE_FIX}")
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group, as ``torch.optim.Optimizer.add_param_group``; ``offload_fraction`` of its
         bytes are offloaded (pinned buffers for them are allocated here). A group that is refused
@@ -231,7 +248,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"parameters are on several devices ({self._torch_device} and {p.device}): build "
                 "one HybridDeviceOptimizer per device")
         if p.layout != torch.strided or not p.is_contiguous() or not p.is_leaf:
-            raise OffloadConfigError(f"parameter {pos} ({tuple(p.shape)}) must be a contiguous dense leaf tensor")
+            raise OffloadConfigError(
+                f"parameter {pos} ({tuple(p.shape)}) must be a contiguous dense leaf tensor (its "
+                "bytes are copied flat): build the optimizer over the model's own parameters, in "
+                "the contiguous memory format (model.to(memory_format=torch.contiguous_format))")
 
     def _make(self, cls: Callable[..., torch.optim.Optimizer]) -> Callable[[list[dict]], torch.optim.Optimizer]:
         """A factory of ``cls`` over given groups; it holds no reference to the optimizer (no
@@ -242,6 +262,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Partition the parameters of ``group_ids``: of those with at least one dimension and
         one element, ``offload_fraction`` of the bytes by gradient arrival."""
         entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
+        seen: set[int] = set()
+        for gi, p in entries:
+            if id(p) in seen:
+                raise OffloadConfigError(
+                    f"parameter {tuple(p.shape)} is listed twice in param group {gi}: torch's "
+                    "optimizers step such a parameter twice per step (and warn that this will be "
+                    "an error); list each parameter once (model.parameters() does, tied weights "
+                    "included)")
+            seen.add(id(p))
         keys = [self._shards.add(p) for _, p in entries]  # a DTensor's local shard, else p
         for pos, key in enumerate(keys):
             self._check_param(key, pos)

@@ -452,6 +452,23 @@ def test_a_refused_param_group_is_not_added_and_training_stays_exact():
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_a_parameter_listed_twice_is_refused(fraction):
+    """torch's optimizers step a parameter listed twice twice per step (with a warning that it
+    will be an error); here the placement was keyed by the parameter, so the two entries
+    overwrote each other and the result differed from torch's, by placement and mode."""
+    m = model()
+    params = list(m.parameters())
+    with pytest.warns(UserWarning, match="duplicate"), \
+            pytest.raises(OffloadConfigError, match=r"listed twice in param group 0.*once"):
+        HybridDeviceOptimizer(params + params[-1:], fraction, device=SimulatedDevice(), **KW)
+    opt = hybrid(m, 0.5)
+    with pytest.raises(OffloadConfigError, match=r"listed twice in param group 1"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))] * 2})
+    assert len(opt.param_groups) == 1
+    opt.close()
+
+
 def test_parameters_put_into_param_groups_by_hand_are_refused_at_step():
     """torch's optimizers step whatever ``param_groups[i]["params"]`` holds; here a parameter
     appended there has no place (no master, state or part) and would silently stay as it is."""
