@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..core.errors import OffloadUsageError
 from .amp import LossScale, run_step
 
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -581,8 +582,8 @@ class CpuBucket:
         st = c.optimizer.state.get(pc.key) or {}
         if not pc.split or not st:
             return st
-        return {k: self._full.get((index, k), v) if torch.is_tensor(v) and v.shape == pc.key.shape else v
-                for k, v in st.items()}
+        return StateEntry({k: self._full.get((index, k), v) if torch.is_tensor(v) and v.shape == pc.key.shape else v
+                           for k, v in st.items()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format over ``masters`` (grouped as ``param_groups``)."""
@@ -654,6 +655,27 @@ def chunk_state_dicts(
 def _slice(entry: dict, pc: Any, shape: torch.Size) -> dict:
     return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
             if torch.is_tensor(v) else v for k, v in entry.items()}
+
+
+STATE_WRITE_FIX = ("change its tensors in place (opt.state[p]['exp_avg'].zero_()), or load a "
+                   "state dict (opt.load_state_dict(sd)); to start afresh, build a new "
+                   "HybridDeviceOptimizer")
+
+
+class StateEntry(dict):
+    """One parameter's state assembled for ``opt.state[p]`` (a streamed parameter, or one split
+    over CPU chunks): a copy of the mapping over the live tensors, so that setting or removing
+    a key would change nothing; those raise instead."""
+
+    def _refuse(self, *_: Any, **__: Any) -> None:
+        raise OffloadUsageError(f"this parameter's state is kept in pieces (streamed, or split "
+                                f"over CPU chunks): a key cannot be set or removed here; "
+                                f"{STATE_WRITE_FIX}")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple:  # pickled, deep-copied: a plain dict of the same items
+        return dict, (dict(self),)
 
 
 class KeyedState(Mapping):

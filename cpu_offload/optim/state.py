@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from .cpu_update import IMPLEMENTATION_KEYS
+from ..core.errors import OffloadUsageError
+from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX  # noqa: F401 (hybrid reads it here)
 
 FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
 FORMATS = (FORMAT, "cpu_offload.optim.HybridDeviceOptimizer/1")  # /1: masters under "hybrid"
@@ -216,7 +217,9 @@ def scatter(
 
 class StateView(Mapping):
     """``opt.state``: each stepped parameter -> its state, live (the parts' own tensors), as a
-    torch optimizer's ``state`` maps them."""
+    torch optimizer's ``state`` maps them. Read-only as a mapping: the parts keep the state (in
+    host memory, in chunks), so entries added or removed here would be silently ignored;
+    ``del``, ``clear`` and the like raise instead, naming what works."""
 
     def __init__(self, owner: "weakref.ref[Any]") -> None:
         self._owner = owner  # the optimizer, weakly: no cycle through its own attribute
@@ -235,3 +238,10 @@ class StateView(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    def _refuse(self, *_: Any, **__: Any) -> None:
+        raise OffloadUsageError(f"opt.state of a HybridDeviceOptimizer is a view of the state its "
+                                f"parts keep; entries cannot be set or removed: {STATE_WRITE_FIX}")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+

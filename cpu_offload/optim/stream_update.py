@@ -73,7 +73,7 @@ from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
 from ..core.launcher import Launcher
 from .cpu_update import (
-    ELEMENTWISE, KeyedState, chunk_state_dicts, part_param_groups,
+    ELEMENTWISE, KeyedState, StateEntry, chunk_state_dicts, part_param_groups,
 )
 from .stream_backward import BackwardUpdates
 from .stream_chunk import ChunkRunner, Link, own_hypers, snapshot
@@ -586,7 +586,7 @@ class StreamedPart:
         for name, host in first.streamed.items():
             full = self._store.full(index, name)
             out[name] = full if full is not None else host
-        return out
+        return StateEntry(out)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format over ``keys`` (grouped as ``param_groups``): each chunk's optimizer

@@ -72,6 +72,38 @@ def test_state_maps_stepped_params_to_their_state(made, split):
     assert_state_view(opt, m, ref_opt.state, list(ref.parameters()), stepped)
 
 
+@splits(("none",))
+def test_state_entries_are_changed_in_place_and_never_set_aside(made, split):
+    """``opt.state`` writes: in place they reach the optimizer, as with torch (``zero_()`` of an
+    offloaded parameter's ``exp_avg`` equals torch after the same); setting or removing an entry
+    of a parameter whose state is assembled from pieces (streamed), removing a parameter's state
+    (``del``, ``clear``) or replacing ``opt.state`` (torch's reset) would be silently ignored,
+    so each raises ``OffloadUsageError`` naming what works."""
+    from collections import defaultdict
+
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt)
+    train(ref, ref_opt)
+    p, q = list(m.parameters())[-1], list(ref.parameters())[-1]  # offloaded
+    opt.state[p]["exp_avg"].zero_()
+    ref_opt.state[q]["exp_avg"].zero_()
+    if id(p) in opt._streamed:
+        with pytest.raises(OffloadUsageError, match=r"kept in pieces.*in place"):
+            opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    for write in (lambda: opt.state.__delitem__(p), opt.state.clear,
+                  lambda: opt.state.__setitem__(p, {})):
+        with pytest.raises(OffloadUsageError, match=r"view of the state.*in place"):
+            write()
+    with pytest.raises(OffloadUsageError, match=r"cannot be replaced.*build a new"):
+        opt.state = defaultdict(dict)
+    train(m, opt, range(3, 5))
+    train(ref, ref_opt, range(3, 5))
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
 @pytest.mark.parametrize("stream_fraction", [0.0, 1.0, 0.5])
 def test_state_of_bf16_params_is_the_masters_state(made, stream_fraction):
     """Everything offloaded: each parameter's state is that of its fp32 master."""
