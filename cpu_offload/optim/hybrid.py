@@ -197,6 +197,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu = CpuPart(self._device, self._engine, self._worker, self._mode, self.max_grad_norm,
                             opts.fp32_masters)
         self._attach(range(len(self.param_groups)))
+        # dropped without close(): the step left in flight (next_forward) still lands
+        self._finalizer = weakref.finalize(self, _finish_dropped, self._cpu, self._parts)
+        self._finalizer.atexit = False
 
     # -- construction -------------------------------------------------------------------------
 
@@ -465,6 +468,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._drain_all()
         finally:
             self._closed = True
+            self._finalizer.detach()
             for h in self._hooks + self._module_hooks:
                 h.remove()
             self._hooks, self._module_hooks = [], []
@@ -812,3 +816,19 @@ class _Handles:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _finish_dropped(cpu: CpuPart, parts: list[StreamedPart]) -> None:
+    """An optimizer dropped without ``close()`` (``del opt``, or ``opt = HybridDeviceOptimizer(
+    ...)`` again): under ``next_forward`` its last step was still running, and the forward
+    pre-hooks that would have waited for it and written its parameters hold the optimizer only
+    weakly, so that step was lost (found by an adversarial probe). Here the parts finish it, as
+    ``close()`` does: work started in an unfinished backward is dropped, the step's CPU update
+    is waited for and its parameters written, the streamed update ordered before later work."""
+    cpu.abandon()
+    for part in parts:
+        if part.backward is not None:
+            part.backward.abandon()
+    cpu.finish()
+    for part in parts:
+        part.finish()

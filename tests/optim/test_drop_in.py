@@ -380,3 +380,36 @@ def test_a_closed_optimizer_is_freed_without_the_cycle_collector(mode, stream_fr
         assert [r() is None for r in refs] == [True] * len(refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("device", ["late", "early"])
+@pytest.mark.parametrize("stream_fraction", [0.0, 1.0, 0.5])
+def test_an_optimizer_dropped_without_close_lands_its_last_step(stream_fraction, device):
+    """``next_forward``: ``step()`` returns with its update running, and the forward pre-hooks
+    that wait for it hold the optimizer weakly. Dropped right after (``del opt``, or rebinding
+    ``opt`` for a new phase, without ``close()``), the step still lands: the next forward sees
+    it, bit for bit the wrapped class's, and the worker thread is gone (before, the CPU part's
+    parameters stayed as they were). With the cycle collector off: it goes at once."""
+    import gc
+
+    from _support.hybrid_cases import DEVICES
+
+    m, ref = net(), net()
+    ref_opt = adamw(ref)
+    threads = set(threading.enumerate())
+    gc.disable()
+    try:
+        opt = HybridDeviceOptimizer(m.parameters(), 1.0, overlap="next_forward",
+                                    stream_fraction=stream_fraction, device=DEVICES[device](), **KW)
+        opt.register_forward_waits(m)
+        for model, o in ((m, opt), (ref, ref_opt)):
+            loss_of(model, 0).backward()
+            o.step()
+            o.zero_grad()
+        del opt
+        with torch.no_grad():
+            assert torch.equal(m(torch.ones(2, 8)), ref(torch.ones(2, 8)))
+        assert_same_params(m, ref)
+        assert set(threading.enumerate()) <= threads
+    finally:
+        gc.enable()

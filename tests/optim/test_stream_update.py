@@ -719,6 +719,7 @@ def test_dropping_the_optimizer_waits_for_its_queued_copies(monkeypatch, fence):
     for h in opt._hooks + opt._module_hooks:
         h.remove()
     opt._worker.shutdown()
+    opt._finalizer.detach()  # the parts dropped with their copies queued: only the fence waits
     del opt
     gc.collect()
     if fence:
