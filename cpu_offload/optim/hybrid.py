@@ -98,7 +98,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         >>> model(torch.randn(4, 8, device=where)).square().mean().backward()
         >>> opt.step(); opt.zero_grad()
         >>> sorted(opt.state[model[1].weight])      # a drop-in optimizer: state per parameter
-        ['exp_avg', 'exp_avg_sq', 'step']
+        ['exp_avg', 'exp_avg_sq', 'master_weight', 'step']
         >>> opt.close()
     """
 
@@ -387,8 +387,29 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def state_of(self, p: torch.Tensor) -> Optional[dict]:
         """``p``'s optimizer state as the wrapped class keeps it (live tensors; DTensors for a
-        DTensor parameter), or ``None`` before its first step. ``opt.state[p]`` reads it."""
-        return self._shards.state_view(p, self._state_of(self._shards.key(p)))
+        DTensor parameter), with its ``"master_weight"`` where it has one, as ``state_dict()``
+        saves it; ``None`` before its first step. ``opt.state[p]`` reads it. (DCP's
+        ``set_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True`` loads only
+        the keys listed here: without the master, a resumed run continued from the rounded
+        parameters.)"""
+        key = self._shards.key(p)
+        st = self._state_of(key)
+        if st:
+            master = self._master_of(key)
+            if master is not None:
+                st = state_format.StateEntry({**st, state_format.MASTER: master})
+        return self._shards.state_view(p, st)
+
+    def _master_of(self, key: torch.Tensor) -> Optional[torch.Tensor]:
+        """The master the parts keep for ``key`` (``Placement.master``'s rule), or None."""
+        if id(key) in self._streamed:
+            part, k = self._streamed[id(key)]
+            master = part.keys[k]
+        elif self._cpu is not None and self._cpu.owns(key):
+            master = self._cpu.master(key)
+        else:
+            master = self._dev_part.key(key)
+        return None if master is key else master
 
     def _state_of(self, p: torch.Tensor) -> Optional[dict]:
         if self._cpu is not None and self._cpu.owns(p):

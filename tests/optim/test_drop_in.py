@@ -49,13 +49,17 @@ def train(m, opt, steps=range(3), skip=()):
 
 def assert_state_view(opt, model, ref_state, ref_params, stepped):
     """``opt.state``: exactly the ``stepped`` parameters of ``model`` (identity), each mapped
-    to the state ``ref_state`` holds for the matching one of ``ref_params``."""
+    to the state ``ref_state`` holds for the matching one of ``ref_params``, plus its
+    ``master_weight`` where the optimizer keeps one (as ``state_dict()`` saves it): the
+    matching one of ``ref_params`` (the reference's master, or its parameter)."""
     assert {id(p) for p in opt.state} == {id(p) for p in stepped}
     for (name, p), q in zip(model.named_parameters(), ref_params):
         if q not in ref_state:
             continue
         got, want = opt.state[p], ref_state[q]
-        assert sorted(got) == sorted(want), name
+        assert sorted(set(got) - {"master_weight"}) == sorted(want), name
+        if "master_weight" in got:
+            assert torch.equal(got["master_weight"].cpu(), q.detach().cpu()), name
         for k, v in want.items():
             assert torch.equal(torch.as_tensor(got[k]), torch.as_tensor(v)), f"{name} {k}"
 
@@ -206,6 +210,32 @@ def test_dcp_state_dict_round_trips_without_stepping(made, split):
     assert_same_params(fresh_model, ref)
     assert_same_state(opt, ref_opt)
     assert_same_state(fresh, ref_opt)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@splits(("backward_update",))
+def test_dcp_keeps_the_fp32_masters_of_bf16_parameters(made, split, flatten):
+    """bf16 parameters with fp32 masters through DCP's ``get``/``set_optimizer_state_dict``,
+    also with ``flatten_optimizer_state_dict=True``: the resumed run continues bit for bit as
+    the uninterrupted one. (Flattened, DCP loads only the keys ``opt.state[p]`` lists; the
+    masters were saved but not loaded, and training went on from the rounded parameters.)"""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    m, ref = net(torch.bfloat16), net(torch.bfloat16)
+    opt, ref_opt = (hybrid(x, split, fraction=1.0, **KW) for x in (m, ref))
+    made += [opt, ref_opt]
+    train(m, opt)
+    train(ref, ref_opt, range(5))  # uninterrupted
+    osd = get_optimizer_state_dict(m, opt, options=options)
+    opt.close()
+    fresh = hybrid(m, split, fraction=1.0, **KW)
+    made.append(fresh)
+    set_optimizer_state_dict(m, fresh, copy.deepcopy(osd), options=options)
+    train(m, fresh, range(3, 5))
+    assert_same_params(m, ref)
 
 
 # --- defect 5: Adagrad (state made at construction), low precision, streamed -----------------
