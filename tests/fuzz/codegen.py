@@ -69,7 +69,8 @@ PRELUDE = (
     prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
     prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
     prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight, prelude.set_stream_ahead,
-    prelude.div_grad_data, prelude.mul_grad_data, prelude.clip_values, prelude.Masters, prelude.Stack,
+    prelude.div_grad_data, prelude.mul_grad_data, prelude.read_states, prelude.clip_values,
+    prelude.Masters, prelude.Stack,
     prelude.ensure_process_group, prelude.record_state, prelude.step_after_close,
     prelude.misuse,
 )
@@ -530,6 +531,8 @@ EDIT_CODE = {  # a gradient edit's line; {1}, {2}: the edit's fields (OptSpec.ed
 def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     opt = spec.optimizer
     lines = []
+    if opt.state_read:  # a read of the state between backward and step() changes nothing
+        lines.append("read_states(opt, params)")
     for edit in opt.edits:
         if edit[0] == "lr":
             lr = f'opt.param_groups[{edit[1]}]["lr"]'
@@ -583,6 +586,10 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
                 out(3, "for p in params:", f"    p.data.clamp_(-{c}, {c})")
             else:
                 out(3, "with torch.no_grad():", "    for p in params:", f"        p.clamp_(-{c}, {c})")
+    if opt.data_assign:  # new memory, same values: the optimizer must follow it
+        if opt.overlap == "next_forward" and not opt.param_edits:
+            out(3, "if offload:", "    opt.wait_params()  # before reading parameters outside a forward")
+        out(3, "for p in params:", "    p.data = p.data.clone()")
     if opt.overlap != "next_forward":  # next_forward: read after opt.wait_params(), at the end
         out(3, 'rec.put(f"step{step}.params", params)')
     out(3, 'rec.put(f"step{step}.lrs", tuple(g["lr"] for g in opt.param_groups))')

@@ -223,6 +223,16 @@ def clip_values(params, value):
         torch.nn.utils.clip_grad_value_(grads, value)
 
 
+def read_states(opt, params):
+    """Read every parameter's optimizer state (as a logger or a checkpoint hook does): for a
+    torch optimizer a dict lookup; it must not change what the next step() computes."""
+    for p in params:
+        if p in opt.state:
+            for v in opt.state[p].values():
+                if torch.is_tensor(v):
+                    v.sum()
+
+
 def mul_grad_data(p, c):
     if p.grad is not None:
         p.grad.data.mul_(c)

@@ -132,6 +132,10 @@ class OptSpec:
     # bf16/fp16 parameters: False keeps their state in their own dtype (no fp32 master), and the
     # reference is then torch's class itself on the parameters
     fp32_masters: bool = True
+    # opt.state[p] read for every parameter between backward and step() (it must change nothing)
+    state_read: bool = False
+    # after every step(), each parameter given new memory of the same values (p.data = clone)
+    data_assign: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,10 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f["numpy_args"] += 1
         if opt.misuse:
             f[f"misuse={opt.misuse}"] += 1
+        if opt.state_read:
+            f["state_read"] += 1
+        if opt.data_assign:
+            f["data_assign"] += 1
     return f
 
 
@@ -688,4 +696,7 @@ def _more_optimizer(rng: random.Random, opt: OptSpec, steps: int) -> OptSpec:
         chunk_bytes=rng.choice((64, 256)) if rng.random() < 0.25 else opt.chunk_bytes,
         stream_fraction=(round(rng.uniform(0.05, 0.95), 2) if rng.random() < 0.2
                          else opt.stream_fraction),
+        # drawn last: the programs of earlier seeds stay as they were
+        state_read=rng.random() < 0.15,
+        data_assign=rng.random() < 0.15,
     )
