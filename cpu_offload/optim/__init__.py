@@ -14,6 +14,7 @@ Modules, one job each:
   updates started in backward);
 - ``guards``       what changed since early work read it (gradients, parameters, hyperparameters);
 - ``amp``          ``GradScaler``'s scale and inf check, applied to every sub-optimizer;
+- ``clipping``     ``max_grad_norm``: the global-norm clip inside ``step()``, as torch's;
 - ``options``      ``OptimizerOffloadOptions``, the knobs beyond Megatron's signature;
 - ``partition``    which parameters are offloaded and in which buckets (pure logic);
 - ``balance``      how the offloaded parameters split between the CPU and the streamed part;

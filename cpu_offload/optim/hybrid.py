@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..core.checks import check_bool
 from ..core.device import OffloadDevice, default_device
@@ -26,11 +25,14 @@ from .amp import LossScale
 from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
+from .clipping import clip_by_global_norm
 from .device_part import DevicePart
 from .guards import snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
-from .partition import arrival_from_order, check_fraction, choose_offloaded, default_arrival, make_buckets
+from .partition import (
+    arrival_from_order, check_fraction, check_listed_once, choose_offloaded, default_arrival, make_buckets,
+)
 from .sharded import ShardedParams, fsdp_roots
 from .stream_update import StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
@@ -197,7 +199,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu = CpuPart(self._device, self._engine, self._worker, self._mode, self.max_grad_norm,
                             opts.fp32_masters)
         self._attach(range(len(self.param_groups)))
-        # dropped without close(): the step left in flight (next_forward) still lands
         self._finalizer = weakref.finalize(self, _finish_dropped, self._cpu, self._parts)
         self._finalizer.atexit = False
 
@@ -205,10 +206,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> state_format.StateView:  # type: ignore[override]
-        """Each stepped parameter -> its state (``opt.state[p]``), a view of what the parts
-        keep: torch's ``Optimizer.__init__`` sets ``self.state``, which is ignored; a user's
-        ``opt.state = defaultdict(dict)`` (torch's way to reset) would leave the parts' state in
-        place and hide it, so it raises."""
+        """``opt.state[p]``: a view of the parts' state; replacing it (torch's reset) raises."""
         return self.__dict__.get("_state_view", {})
 
     @state.setter
@@ -216,9 +214,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if isinstance(value, state_format.StateView):
             self.__dict__["_state_view"] = value
         elif "_state_view" in self.__dict__:
-            raise OffloadUsageError(
-                "opt.state of a HybridDeviceOptimizer cannot be replaced: its parts keep the "
-                f"state; {state_format.STATE_WRITE_FIX}")
+            raise OffloadUsageError("opt.state cannot be replaced: the optimizer's parts keep the "
+                                    f"state; {state_format.STATE_WRITE_FIX}")
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group, as ``torch.optim.Optimizer.add_param_group``; ``offload_fraction`` of its
@@ -265,15 +262,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Partition the parameters of ``group_ids``: of those with at least one dimension and
         one element, ``offload_fraction`` of the bytes by gradient arrival."""
         entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
-        seen: set[int] = set()
-        for gi, p in entries:
-            if id(p) in seen:
-                raise OffloadConfigError(
-                    f"parameter {tuple(p.shape)} is listed twice in param group {gi}: torch's "
-                    "optimizers step such a parameter twice per step (and warn that this will be "
-                    "an error); list each parameter once (model.parameters() does, tied weights "
-                    "included)")
-            seen.add(id(p))
+        check_listed_once(entries)
         keys = [self._shards.add(p) for _, p in entries]  # a DTensor's local shard, else p
         for pos, key in enumerate(keys):
             self._check_param(key, pos)
@@ -387,29 +376,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def state_of(self, p: torch.Tensor) -> Optional[dict]:
         """``p``'s optimizer state as the wrapped class keeps it (live tensors; DTensors for a
-        DTensor parameter), with its ``"master_weight"`` where it has one, as ``state_dict()``
-        saves it; ``None`` before its first step. ``opt.state[p]`` reads it. (DCP's
-        ``set_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True`` loads only
-        the keys listed here: without the master, a resumed run continued from the rounded
-        parameters.)"""
+        DTensor parameter) and its ``"master_weight"`` where it has one, as ``state_dict()``
+        saves it (DCP's flattened load takes only the keys listed here); ``None`` before its
+        first step. ``opt.state[p]`` reads it."""
         key = self._shards.key(p)
         st = self._state_of(key)
-        if st:
-            master = self._master_of(key)
-            if master is not None:
-                st = state_format.StateEntry({**st, state_format.MASTER: master})
+        master = self._placement(key).master if st else None
+        if master is not None:
+            st = state_format.StateEntry({**st, state_format.MASTER: master})
         return self._shards.state_view(p, st)
-
-    def _master_of(self, key: torch.Tensor) -> Optional[torch.Tensor]:
-        """The master the parts keep for ``key`` (``Placement.master``'s rule), or None."""
-        if id(key) in self._streamed:
-            part, k = self._streamed[id(key)]
-            master = part.keys[k]
-        elif self._cpu is not None and self._cpu.owns(key):
-            master = self._cpu.master(key)
-        else:
-            master = self._dev_part.key(key)
-        return None if master is key else master
 
     def _state_of(self, p: torch.Tensor) -> Optional[dict]:
         if self._cpu is not None and self._cpu.owns(p):
@@ -575,7 +550,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._cpu.flush(st)
             coef = None
             if clipping:
-                self.last_grad_norm, coef = self._clip(st, self.max_grad_norm, 2.0)
+                self.last_grad_norm, coef = clip_by_global_norm(
+                    [p for g in self.param_groups for p in g["params"]],
+                    self._cpu.norms(st, 2.0), self.max_grad_norm, 2.0)
             self._cpu.queue_rest(st, hypers, coef, scale)
             self._dev_part.step(hypers, scale)
             if clipping:
@@ -704,47 +681,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
-    def _clip(self, st: Any, max_norm: float, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global norm over every gradient (the CPU part's from its host copies), in torch's
-        grouping and order; scales the device gradients in place, returns the CPU coefficient."""
-        cpu_norms = self._cpu.norms(st, norm_type)
-        clipped = [p for g in self.param_groups for p in g["params"]
-                   if p.grad is not None or id(p) in cpu_norms]
-        if not clipped:
-            return torch.tensor(0.0), torch.tensor(1.0)
-        # torch's own grouping, in its order: the norms are summed in that order, and a group
-        # order of first appearance rounds differently when the dtypes are mixed
-        grouped = _group_tensors_by_device_and_dtype([clipped], with_indices=True)
-        groups = {key: [clipped[i] for i in indices] for key, (_, indices) in grouped.items()}
-        first = clipped[0].device
-        norms: list[torch.Tensor] = []
-        for params in groups.values():
-            on_device = [p.grad for p in params if id(p) not in cpu_norms]
-            device_norms = iter(torch._foreach_norm(on_device, norm_type) if on_device else [])
-            norms += [cpu_norms[id(p)] if id(p) in cpu_norms else next(device_norms) for p in params]
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for (dev, _), params in groups.items():
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef.to(dev))
-        return total, coef.to("cpu")
-
     # -- state dict ------------------------------------------------------------------------------------
 
+    def _placement(self, p: torch.Tensor) -> state_format.Placement:  # p: a part's key
+        if id(p) in self._streamed:
+            part, k = self._streamed[id(p)]
+            return state_format.Placement(p, part, part.keys[k], True)
+        if self._cpu.owns(p):
+            b, _ = self._cpu.where[id(p)]
+            return state_format.Placement(p, self._cpu.buckets[b], self._cpu.master(p), True)
+        return state_format.Placement(p, self._dev_part.optimizer, self._dev_part.key(p), False)
+
     def _placements(self) -> list[state_format.Placement]:
-        out = []
-        for g in self.param_groups:
-            for p in map(self._shards.key, g["params"]):
-                if id(p) in self._streamed:
-                    part, k = self._streamed[id(p)]
-                    out.append(state_format.Placement(p, part, part.keys[k], True))
-                elif self._cpu.owns(p):
-                    b, _ = self._cpu.where[id(p)]
-                    out.append(state_format.Placement(p, self._cpu.buckets[b], self._cpu.master(p), True))
-                else:
-                    out.append(state_format.Placement(p, self._dev_part.optimizer, self._dev_part.key(p), False))
-        return out
+        return [self._placement(self._shards.key(p)) for g in self.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer format, each offloaded parameter's master weight in its state
@@ -840,12 +789,8 @@ class _Handles:
 
 
 def _finish_dropped(cpu: CpuPart, parts: list[StreamedPart]) -> None:
-    """An optimizer dropped without ``close()`` (``del opt``, or ``opt = HybridDeviceOptimizer(
-    ...)`` again): under ``next_forward`` its last step was still running, and the forward
-    pre-hooks that would have waited for it and written its parameters hold the optimizer only
-    weakly, so that step was lost (found by an adversarial probe). Here the parts finish it, as
-    ``close()`` does: work started in an unfinished backward is dropped, the step's CPU update
-    is waited for and its parameters written, the streamed update ordered before later work."""
+    """Dropped without ``close()``: the step left running (``next_forward``; the forward
+    pre-hooks that would finish it hold the optimizer weakly) still lands, as at ``close()``."""
     cpu.abandon()
     for part in parts:
         if part.backward is not None:

@@ -35,6 +35,20 @@ def check_fraction(fraction: float) -> float:
     return float(fraction)
 
 
+def check_listed_once(entries: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Each parameter appears once in ``(group index, parameter)`` ``entries``: torch's
+    optimizers step a parameter listed twice twice per step (and warn that this will be an
+    error); here the placement is keyed by the parameter, so the two would collide."""
+    seen: set[int] = set()
+    for gi, p in entries:
+        if id(p) in seen:
+            raise OffloadConfigError(
+                f"parameter {tuple(p.shape)} is listed twice in param group {gi}: torch's "
+                "optimizers step such a parameter twice per step (and warn that this will be an "
+                "error); list each parameter once (model.parameters() does, tied weights included)")
+        seen.add(id(p))
+
+
 def choose_offloaded(sizes: Sequence[int], arrival: Sequence[int], fraction: float) -> list[int]:
     """Indices (into ``sizes``) that go to the CPU: a prefix of ``arrival`` holding ``fraction``
     of the total bytes.

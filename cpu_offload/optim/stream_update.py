@@ -292,7 +292,6 @@ class StreamedPart:
         so that the staging and device state the update used can be freed (dropped here). The
         host is not blocked."""
         assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
-        self.follow_params()
         q = self._queued
         if q is None:
             return

@@ -440,6 +440,8 @@ def test_an_optimizer_dropped_without_close_lands_its_last_step(stream_fraction,
         with torch.no_grad():
             assert torch.equal(m(torch.ones(2, 8)), ref(torch.ones(2, 8)))
         assert_same_params(m, ref)
+        for t in set(threading.enumerate()) - threads:  # the worker's pool, shutting down
+            t.join(10)
         assert set(threading.enumerate()) <= threads
     finally:
         gc.enable()

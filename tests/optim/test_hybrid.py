@@ -824,10 +824,11 @@ def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
     speculative."""
     import threading
 
-    gate, kept = threading.Event(), []
+    gate, started, kept = threading.Event(), threading.Event(), []
     real_update, real_validate = CpuBucket.update, CpuPart.validate
 
     def update(self, *args, keep_previous=False, **kw):
+        started.set()
         gate.wait(30)  # the first update starts before step(), the others queue behind it
         kept.append(keep_previous)
         return real_update(self, *args, keep_previous=keep_previous, **kw)
@@ -842,7 +843,10 @@ def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
     ref, _ = reference(1)
     m = model()
     opt = hybrid(m, 1.0, "backward_update", bucket_bytes=2**14)
-    train(m, opt, 1)
+    loss_of(m, 0).backward()
+    assert started.wait(30)  # the worker took the first update before step() (a loaded host)
+    opt.step()
+    opt.zero_grad()
     assert len(kept) == len(opt._cpu.buckets) > 2
     assert kept[0] and not any(kept[1:]), kept
     assert_same_params(m, ref)

@@ -292,6 +292,8 @@ def test_zeroing_gradients_in_place_waits_for_the_update_that_reads_them(monkeyp
     monkeypatch.setattr(StreamedPart, "order_params", lambda self: None)
     with pytest.raises(SimulatedHazard, match="still reads or writes"):
         opt.zero_grad(set_to_none=False)
+    monkeypatch.undo()
+    opt.close()
 
 
 def test_wait_params_orders_the_whole_update(monkeypatch):
@@ -303,6 +305,8 @@ def test_wait_params_orders_the_whole_update(monkeypatch):
     monkeypatch.setattr(StreamedPart, "finish", lambda self: None)
     with pytest.raises(SimulatedHazard, match="still writes"):
         opt.wait_params()
+    monkeypatch.undo()
+    opt.close()
 
 
 @pytest.mark.parametrize("edit", ["wait_params", "state_dict", "reload", "zero_in_place", "none"])
