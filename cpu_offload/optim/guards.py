@@ -324,12 +324,17 @@ def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:
 
 
 def check_layout(param: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
-    """``param`` still has the ``shape`` and ``dtype`` the optimizer placed it with: ``p.data =
-    t`` with another shape or dtype would leave masters, state and staging made for the old
-    one (copies of the wrong size, or torch's fused kernels over mismatched state)."""
+    """``param`` still has the ``shape`` and ``dtype`` the optimizer placed it with, contiguous:
+    ``p.data = t`` with another shape or dtype would leave masters, state and staging made for
+    the old one (copies of the wrong size, or torch's fused kernels over mismatched state), and
+    non-contiguous data would be copied through a flat temporary and the update lost."""
     if param.shape != shape or param.dtype != dtype:
         raise OffloadUsageError(
             f"parameter {tuple(shape)} ({dtype}) was given data of shape {tuple(param.shape)} "
             f"({param.dtype}) after the optimizer placed it (p.data = ...): its optimizer state "
             "was made for the old shape; build a new HybridDeviceOptimizer (or copy values of "
             "the same shape in: p.data.copy_(t))")
+    if not param.is_contiguous():
+        raise OffloadUsageError(
+            f"parameter {tuple(shape)} was given non-contiguous data (p.data = ...): offloaded "
+            "parameters are copied as flat bytes and must stay contiguous; assign t.contiguous()")

@@ -319,18 +319,14 @@ class StreamedPart:
         """Parameters (``indices``, default all) given new memory since the part last looked
         (``p.data = t``, as torch's optimizers allow): their pieces follow it, as the CPU and
         device parts do (before, the update kept writing into the old memory and the parameter
-        stayed as assigned). New memory of another shape or dtype is refused: the masters and
-        state were made for the old one."""
+        stayed as assigned). New memory of another shape or dtype, or not contiguous, is
+        refused (``guards.check_layout``)."""
         for i in range(len(self.params)) if indices is None else indices:
             p = self.params[i]
             ptr, shape, dtype = self._memory[i]
             if p.data_ptr() == ptr and p.shape == shape and p.dtype == dtype:
                 continue
             check_layout(p, shape, dtype)
-            if not p.is_contiguous():
-                raise OffloadUsageError(
-                    f"parameter {tuple(shape)} was given non-contiguous data (p.data = ...): "
-                    "offloaded parameters must stay contiguous; assign t.contiguous()")
             for pc in self._plan.pieces:
                 if pc.index == i:
                     pc.follow(p, own_master=not self._runner.lowp[i])

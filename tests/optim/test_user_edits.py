@@ -321,25 +321,29 @@ def test_bf16_param_edits_reach_the_fp32_masters(made, split, device, edit):
 
 
 @pytest.mark.parametrize("when", ["before_backward", "before_step"])
-@pytest.mark.parametrize("change", ["shape", "dtype"])
+@pytest.mark.parametrize("change", ["shape", "dtype", "strides"])
 @splits(("none", "backward_update"), during_backward=False)
-def test_data_of_another_shape_or_dtype_is_refused(made, split, change, when):
+def test_data_of_another_layout_is_refused(made, split, change, when):
     """``p.data = t`` with ``t`` of another shape or dtype on an offloaded parameter: masters,
     state and staging were made for the old one (the CPU part copied the gradient into a
-    staging slice of the old size: a truncated copy on CUDA); the backward hook or ``step()``
-    names the fix instead."""
+    staging slice of the old size: a truncated copy on CUDA); non-contiguous ``t`` is copied
+    through a flat temporary, its update lost. The backward hook or ``step()`` names the fix
+    instead."""
     (m, opt), _ = pair(made, split, "late", lr=1e-2)
     loss_of(m, 0).backward()
     opt.step()
     opt.zero_grad()
     settle(opt)
-    w = list(m.parameters())[-1]  # offloaded (the last registered)
+    w = m.l3.weight  # offloaded (among the last registered); 2-D, so it has strides to change
     assert id(w) in opt._streamed or opt._cpu.owns(w)
 
     def change_it():
-        w.data = torch.zeros(w.shape[0] + 1, *w.shape[1:]) if change == "shape" else w.data.double()
+        w.data = {"shape": lambda: torch.zeros(w.shape[0] + 1, *w.shape[1:]),
+                  "dtype": lambda: w.data.double(),
+                  "strides": lambda: w.data.t().contiguous().t()}[change]()
 
-    with pytest.raises(OffloadUsageError, match=r"p\.data = .*build a new HybridDeviceOptimizer"):
+    fix = "assign t.contiguous()" if change == "strides" else "build a new HybridDeviceOptimizer"
+    with pytest.raises(OffloadUsageError, match=rf"p\.data = .*{fix}"):
         if when == "before_backward":
             change_it()
             w.grad = None
