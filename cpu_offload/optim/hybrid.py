@@ -24,7 +24,7 @@ from . import state as state_format
 from .amp import LossScale
 from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
-from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
+from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry, master_dtype
 from .clipping import clip_by_global_norm
 from .device_part import DevicePart
 from .guards import snapshot_hypers
@@ -215,7 +215,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.__dict__["_state_view"] = value
         elif "_state_view" in self.__dict__:
             raise OffloadUsageError("opt.state cannot be replaced: the optimizer's parts keep the "
-                                    f"state; {state_format.STATE_WRITE_FIX}")
+                                    f"state; {STATE_WRITE_FIX}")
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group, as ``torch.optim.Optimizer.add_param_group``; ``offload_fraction`` of its
@@ -383,7 +383,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         st = self._state_of(key)
         master = self._placement(key).master if st else None
         if master is not None:
-            st = state_format.StateEntry({**st, state_format.MASTER: master})
+            st = StateEntry({**st, state_format.MASTER: master})
         return self._shards.state_view(p, st)
 
     def _state_of(self, p: torch.Tensor) -> Optional[dict]:
@@ -566,7 +566,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             try:  # a streamed update started is queued whole, as if it had been queued first
                 self._queue_streamed_rest()
             finally:
-                self._abandon(st)
+                _abandon_parts(self._cpu, self._parts, st)
             raise
         finally:
             self._shards.drop_grads()
@@ -626,16 +626,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "stream_early_kept": sum(p.backward.kept for p in self._parts if p.backward),
         }
 
-    def _abandon(self, st: Any = None) -> None:
-        """A backward that never reached a finished ``step()`` (``zero_grad``, ``state_dict``,
-        an error): every part drops the work it started from it and fences what it queued."""
-        self._cpu.abandon(st)
-        for part in self._parts:
-            if part.backward is not None:
-                part.backward.abandon()
-
     def _drain_all(self) -> None:
-        self._abandon()
+        _abandon_parts(self._cpu, self._parts)
         self._cpu.finish()
         for part in self._parts:
             part.sync()
@@ -646,7 +638,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         those of the last ``step()``."""
         if self._cpu is not None:
             self._shards.sync_grads()
-            self._abandon()
+            _abandon_parts(self._cpu, self._parts)
             if set_to_none:
                 self._cpu.free_grads()
             else:  # zeroed in place: after the streamed update read them (set to None: it holds them)
@@ -788,13 +780,20 @@ class _Handles:
             h.remove()
 
 
-def _finish_dropped(cpu: CpuPart, parts: list[StreamedPart]) -> None:
-    """Dropped without ``close()``: the step left running (``next_forward``; the forward
-    pre-hooks that would finish it hold the optimizer weakly) still lands, as at ``close()``."""
-    cpu.abandon()
+def _abandon_parts(cpu: CpuPart, parts: list[StreamedPart], st: Any = None) -> None:
+    """A backward that never reached a finished ``step()`` (``zero_grad``, ``state_dict``, an
+    error, a dropped optimizer): every part drops the work it started from it and fences what
+    it queued."""
+    cpu.abandon(st)
     for part in parts:
         if part.backward is not None:
             part.backward.abandon()
+
+
+def _finish_dropped(cpu: CpuPart, parts: list[StreamedPart]) -> None:
+    """Dropped without ``close()``: the step left running (``next_forward``; the forward
+    pre-hooks that would finish it hold the optimizer weakly) still lands, as at ``close()``."""
+    _abandon_parts(cpu, parts)
     cpu.finish()
     for part in parts:
         part.finish()

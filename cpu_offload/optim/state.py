@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from ..core.errors import OffloadUsageError
-from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry  # noqa: F401 (hybrid reads them here)
+from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX
 
 FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
 FORMATS = (FORMAT, "cpu_offload.optim.HybridDeviceOptimizer/1")  # /1: masters under "hybrid"
