@@ -31,7 +31,8 @@ from .guards import snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import (
-    arrival_from_order, check_fraction, check_listed_once, choose_offloaded, default_arrival, make_buckets,
+    arrival_from_order, check_fraction, check_listed_once, check_offloadable, choose_offloaded, default_arrival,
+    make_buckets,
 )
 from .sharded import ShardedParams, fsdp_roots
 from .stream_update import StreamedPart, state_elems_per_param
@@ -84,7 +85,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     Raises:
         OffloadConfigError: an argument out of range or of the wrong type (the message names the
-            fix); parameters on several devices, non-contiguous or non-leaf.
+            fix); parameters on several devices, non-leaf, or non-contiguous in the offloaded share.
         OffloadUsageError: ``step()`` after ``close()``; sparse gradients on offloaded
             parameters; ``next_forward`` without ``register_forward_waits``.
 
@@ -247,11 +248,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise OffloadConfigError(
                 f"parameters are on several devices ({self._torch_device} and {p.device}): build "
                 "one HybridDeviceOptimizer per device")
-        if p.layout != torch.strided or not p.is_contiguous() or not p.is_leaf:
+        if p.layout != torch.strided or not p.is_leaf:
             raise OffloadConfigError(
-                f"parameter {pos} ({tuple(p.shape)}) must be a contiguous dense leaf tensor (its "
-                "bytes are copied flat): build the optimizer over the model's own parameters, in "
-                "the contiguous memory format (model.to(memory_format=torch.contiguous_format))")
+                f"parameter {pos} ({tuple(p.shape)}) must be a dense leaf tensor: build the "
+                "optimizer over the model's own parameters")
 
     def _make(self, cls: Callable[..., torch.optim.Optimizer]) -> Callable[[list[dict]], torch.optim.Optimizer]:
         """A factory of ``cls`` over given groups; it holds no reference to the optimizer (no
@@ -279,6 +279,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # and a 0-dim parameter's state is all shaped like it (AdamW's step count too)
         chosen = [i for i in choose_offloaded(sizes, arrival, self.offload_fraction)
                   if sizes[i] > 0 and params[i].dim() > 0]
+        check_offloadable(keys, chosen)
         offloaded = set(chosen)
         hypers = snapshot_hypers(self.param_groups)
         on_cpu, streamed = self._split([keys[i] for i in chosen], chosen, hypers)
@@ -411,8 +412,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Make each submodule of ``model`` wait, before its forward, for its own offloaded
         parameters from the last ``step()`` (needed by ``overlap="next_forward"``; harmless
         otherwise). An FSDP2 module waits for every parameter before its root pre-forward
-        (FSDP2 orders its all-gathers after the compute stream there only). Returns a handle
-        whose ``remove()`` unregisters the hooks."""
+        (FSDP2 orders its all-gathers after the compute stream there only). After
+        ``add_param_group``, call it again. Returns a handle whose ``remove()`` unregisters the hooks."""
         handles = []
         parts = {id(part): k for k, part in enumerate(self._parts)}
         wait_cpu, wait_streamed = weak_call(self, "_wait_cpu"), weak_call(self, "_wait_streamed")
@@ -532,8 +533,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self._mode.forward_waits and uncovered > 0:
             raise OffloadUsageError(
                 "overlap='next_forward' needs opt.register_forward_waits(model) for the modules "
-                f"owning the offloaded parameters ({uncovered} are not covered), or another "
-                "overlap mode")
+                f"owning the offloaded parameters ({uncovered} are not covered; after add_param_group "
+                "call it again), or another overlap mode")
         if scale is not None and scale.grad_scale is not None and self.max_grad_norm is not None:
             raise OffloadUsageError(
                 "max_grad_norm clips inside step(), but GradScaler still has the gradients scaled: "

@@ -49,6 +49,18 @@ def check_listed_once(entries: Sequence[tuple[int, torch.Tensor]]) -> None:
         seen.add(id(p))
 
 
+def check_offloadable(params: Sequence[torch.Tensor], chosen: Sequence[int]) -> None:
+    """The parameters ``chosen`` for offloading are contiguous: their bytes are copied flat.
+    Parameters kept on the device are not (the device part is the wrapped class over them)."""
+    for i in chosen:
+        if not params[i].is_contiguous():
+            raise OffloadConfigError(
+                f"parameter {i} ({tuple(params[i].shape)}) is not contiguous and falls in the "
+                "offloaded share (offloaded bytes are copied flat): convert the model to the "
+                "contiguous memory format (model.to(memory_format=torch.contiguous_format)) "
+                "before building the optimizer, or lower offload_fraction")
+
+
 def choose_offloaded(sizes: Sequence[int], arrival: Sequence[int], fraction: float) -> list[int]:
     """Indices (into ``sizes``) that go to the CPU: a prefix of ``arrival`` holding ``fraction``
     of the total bytes.

@@ -44,7 +44,7 @@ def hybrid(m, fraction=0.5, overlap="backward_update", cls=torch.optim.AdamW, **
     # covers the split between the CPU path and the streamed device update)
     kw = {**KW, "stream_fraction": 0, **kw}
     opt = HybridDeviceOptimizer(
-        m.parameters(), fraction, cpu_optimizer_cls=cls, gpu_optimizer_cls=cls,
+        kw.pop("params", None) or m.parameters(), fraction, cpu_optimizer_cls=cls, gpu_optimizer_cls=cls,
         device=kw.pop("device", None) or SimulatedDevice(), overlap=overlap,
         bucket_bytes=kw.pop("bucket_bytes", SMALL_BUCKETS),
         cpu_chunk_bytes=kw.pop("cpu_chunk_bytes", SMALL_CHUNKS), **kw)
@@ -432,6 +432,34 @@ def test_add_param_group_and_per_group_hyperparameters():
     assert_same_params(m, ref)
 
 
+def test_add_param_group_in_next_forward_names_the_second_registration():
+    """``overlap="next_forward"``: a group added mid-training has no forward waits until
+    ``register_forward_waits`` runs again; ``step()`` says so (and does nothing), and after the
+    second registration training is exact."""
+    groups = lambda m: [list(m.layers[0].parameters()) + list(m.layers[1].parameters()),  # noqa: E731
+                        list(m.layers[2].parameters())]
+    ref = model()
+    ref_opt = torch.optim.AdamW(groups(ref)[0], **KW)
+    train(ref, ref_opt, 2)
+    ref_opt.add_param_group({"params": groups(ref)[1]})
+    train(ref, ref_opt, 2, start=2)
+    m = model()
+    opt = hybrid(m, 0.5, overlap="next_forward", stream_fraction=0.5, params=groups(m)[0])
+    train(m, opt, 2)
+    opt.add_param_group({"params": groups(m)[1]})
+    loss_of(m, 2).backward()
+    with pytest.raises(OffloadUsageError, match=r"register_forward_waits\(model\) .*after "
+                       "add_param_group call it again"):
+        opt.step()
+    opt.register_forward_waits(m)
+    opt.step()
+    opt.zero_grad()
+    train(m, opt, 1, start=3)
+    opt.wait_params()
+    assert_same_params(m, ref)
+    opt.close()
+
+
 def test_a_refused_param_group_is_not_added_and_training_stays_exact():
     """A group whose parameters fail the checks raises and leaves the optimizer as it was: kept
     in ``param_groups`` but never partitioned, ``step()`` would skip its parameters."""
@@ -440,9 +468,9 @@ def test_a_refused_param_group_is_not_added_and_training_stays_exact():
     train(ref, ref_opt, 3)
     m = model()
     opt = hybrid(m, 0.5)
-    refused = nn.Parameter(torch.randn(8, 4).t())  # not contiguous
-    with pytest.raises(OffloadConfigError, match="must be a contiguous dense leaf tensor"):
-        opt.add_param_group({"params": [refused]})
+    refused = [nn.Parameter(torch.randn(8, 4).t()) for _ in range(2)]  # not contiguous; one offloaded
+    with pytest.raises(OffloadConfigError, match="not contiguous and falls in the offloaded share"):
+        opt.add_param_group({"params": refused})
     assert len(opt.param_groups) == 1 and len(opt.state_dict()["param_groups"]) == 1
     train(m, opt, 3)
     assert_same_params(m, ref)
@@ -450,6 +478,38 @@ def test_a_refused_param_group_is_not_added_and_training_stays_exact():
     with pytest.raises(OffloadUsageError, match="close"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("fraction,earliest", [(0.0, True), (0.5, False), (0.5, True), (1.0, True)])
+def test_a_non_contiguous_parameter_is_refused_only_where_offloaded(fraction, earliest):
+    """Offloaded bytes are copied flat, so an offloaded parameter must be contiguous; one kept on
+    the device is the wrapped class's as in torch (before, any non-contiguous parameter was
+    refused, even at ``offload_fraction=0``)."""
+    def with_transposed_first(m):  # the first matrix, as the transpose of a contiguous one
+        first = next(p for p in m.parameters() if p.dim() == 2)
+        for mod in m.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                if p is first:
+                    setattr(mod, name, nn.Parameter(first.detach().t().contiguous().t()))
+        return m
+
+    ref = with_transposed_first(model())
+    assert not all(p.is_contiguous() for p in ref.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    m = with_transposed_first(model())
+    order = sorted(m.parameters(), key=lambda p: p.is_contiguous())  # the transposed one first
+    kw = dict(grad_order=order if earliest else order[::-1])
+    if fraction == 0.0 or not earliest:
+        opt = hybrid(m, fraction, **kw)
+        train(ref, ref_opt, 3)
+        train(m, opt, 3)
+        assert_same_params(m, ref)
+        assert not all(p.is_contiguous() for p in m.parameters())
+        opt.close()
+        return
+    with pytest.raises(OffloadConfigError, match=r"parameter \d+ \(.*\) is not contiguous and falls in "
+                       r"the offloaded share .*contiguous_format.* or lower offload_fraction"):
+        hybrid(m, fraction, **kw)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0])
