@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["comm_hook"]
+__all__ = ["after_ddp_writes_grads", "comm_hook"]
 
 
 def comm_hook(
@@ -41,3 +41,16 @@ def comm_hook(
         return inner(state, bucket).then(then)
 
     return None, hook
+
+
+def after_ddp_writes_grads(callback: Callable[[], None]) -> None:
+    """(Backward's thread, inside a bucket's hook.) Run ``callback`` once DDP's own
+    end-of-backward callback has written the reduced gradients into ``.grad``: DDP queues it
+    after the last bucket's hook, so a callback queued now runs before it, and one that
+    callback queues runs after it. Outside a backward nothing is queued (``step()`` then finds
+    nothing recorded and copies again)."""
+    engine = torch.autograd.Variable._execution_engine
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(callback))
+    except RuntimeError:  # not inside a backward
+        pass

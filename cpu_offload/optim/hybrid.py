@@ -755,18 +755,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             offset += n
 
     def _queue_ddp_record(self) -> None:
-        """(Backward's thread.) Have ``CpuPart.record_reduced`` run once DDP's own end-of-backward
-        callback has written the reduced gradients into ``.grad``: DDP queues it after the last
-        bucket's hook, so a callback queued now runs before it, and one that callback queues
-        runs after it."""
-        if not self._mode.copies_in_backward or self._no_sync or not self._cpu.ddp_record_needed():
-            return
-        engine = torch.autograd.Variable._execution_engine
-        record = weak_call(self, "_record_reduced")
-        try:
-            engine.queue_callback(lambda: engine.queue_callback(record))
-        except RuntimeError:  # not inside a backward: step() finds nothing recorded, copies again
-            pass
+        """(Backward's thread.) Have ``CpuPart.record_reduced`` run once DDP has written the
+        reduced gradients into ``.grad``."""
+        if self._mode.copies_in_backward and not self._no_sync and self._cpu.ddp_record_needed():
+            ddp.after_ddp_writes_grads(weak_call(self, "_record_reduced"))
 
     def _record_reduced(self) -> None:
         self._cpu.record_reduced()
