@@ -267,6 +267,13 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list:
+    """The hooks ``opt.register_<kind>_hook`` registered (``kind``: ``state_dict_pre``,
+    ``state_dict_post``, ``load_state_dict_pre``, ``load_state_dict_post``), in order: an
+    optimizer overriding ``state_dict``/``load_state_dict`` runs them itself."""
+    return list(getattr(opt, f"_optimizer_{kind}_hooks").values())
+
+
 def register_forward_hook_always(module: torch.nn.Module, hook: Callable) -> Any:
     """Forward hook that also runs when forward raises (``always_call`` exists from torch 2.1)."""
     return module.register_forward_hook(hook, always_call=True)

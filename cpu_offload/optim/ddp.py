@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..compat import queue_backward_callback
+
 __all__ = ["after_ddp_writes_grads", "comm_hook"]
 
 
@@ -49,8 +51,7 @@ def after_ddp_writes_grads(callback: Callable[[], None]) -> None:
     after the last bucket's hook, so a callback queued now runs before it, and one that
     callback queues runs after it. Outside a backward nothing is queued (``step()`` then finds
     nothing recorded and copies again)."""
-    engine = torch.autograd.Variable._execution_engine
     try:
-        engine.queue_callback(lambda: engine.queue_callback(callback))
+        queue_backward_callback(lambda: queue_backward_callback(callback))
     except RuntimeError:  # not inside a backward
         pass

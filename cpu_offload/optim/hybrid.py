@@ -19,7 +19,7 @@ from ..core.checks import check_bool
 from ..core.device import OffloadDevice, default_device
 from ..core.errors import OffloadConfigError, OffloadUsageError
 from ..core.launcher import Launcher
-from . import balance, ddp
+from . import balance, ddp, forward_waits
 from . import state as state_format
 from .amp import LossScale
 from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, probe_class, warm_torch_optim
@@ -34,7 +34,7 @@ from .partition import (
     arrival_from_order, check_fraction, check_listed_once, check_offloadable, choose_offloaded, default_arrival,
     make_buckets,
 )
-from .sharded import ShardedParams, fsdp_roots
+from .sharded import ShardedParams
 from .stream_update import StreamedPart, state_elems_per_param
 from .transfer import TransferEngine
 from .worker import CpuWorker, default_chunk_bytes, default_cpu_threads, worker_cores
@@ -408,37 +408,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         finally:
             self._no_sync -= 1
 
-    def register_forward_waits(self, model: nn.Module) -> Any:
+    def register_forward_waits(self, model: nn.Module) -> forward_waits.ForwardWaits:
         """Make each submodule of ``model`` wait, before its forward, for its own offloaded
         parameters from the last ``step()`` (needed by ``overlap="next_forward"``; harmless
         otherwise). An FSDP2 module waits for every parameter before its root pre-forward
         (FSDP2 orders its all-gathers after the compute stream there only). After
         ``add_param_group``, call it again. Returns a handle whose ``remove()`` unregisters the hooks."""
-        handles = []
         parts = {id(part): k for k, part in enumerate(self._parts)}
-        wait_cpu, wait_streamed = weak_call(self, "_wait_cpu"), weak_call(self, "_wait_streamed")
-        under_fsdp: set[int] = set()  # ids of the parameters a root's hook covers
-        for root in fsdp_roots(model):
-            wait_all = weak_call(self, "wait_params")
-            handles.append(root.register_forward_pre_hook(lambda m, a: wait_all(), prepend=True))
-            under_fsdp.update(id(p) for p in root.parameters())
-            self._covered.update(id(self._shards.key(p)) for p in root.parameters())
-        for module in model.modules():
-            own = [self._shards.key(p) for p in module.parameters(recurse=False) if id(p) not in under_fsdp]
-            buckets = sorted({self._cpu.where[id(p)][0] for p in own if self._cpu.owns(p)})
-            if buckets:
-                handles.append(module.register_forward_pre_hook(lambda m, a, b=buckets: wait_cpu(b)))
-            streamed: dict[int, list[int]] = {}  # part position -> parameter indices in it
-            for p in own:
-                if id(p) in self._streamed:
-                    part, k = self._streamed[id(p)]
-                    streamed.setdefault(parts[id(part)], []).append(k)
-            if streamed:
-                marks = sorted(streamed.items())
-                handles.append(module.register_forward_pre_hook(lambda m, a, s=marks: wait_streamed(s)))
-            self._covered.update(id(p) for p in own if self._cpu.owns(p) or id(p) in self._streamed)
-        self._module_hooks += handles
-        return _Handles(handles)
+
+        def streamed_at(p: torch.Tensor) -> Optional[tuple[int, int]]:
+            part, k = self._streamed.get(id(p), (None, 0))
+            return None if part is None else (parts[id(part)], k)
+
+        waits = forward_waits.register(
+            model, self._shards.key, lambda p: self._cpu.where[id(p)][0] if self._cpu.owns(p) else None,
+            streamed_at, weak_call(self, "_wait_cpu"), weak_call(self, "_wait_streamed"),
+            weak_call(self, "wait_params"))
+        self._covered |= waits.covered
+        self._module_hooks += waits.handles
+        return waits
 
     def _wait_cpu(self, buckets: Sequence[int]) -> None:
         self._cpu.wait_for(buckets)
@@ -455,6 +443,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             part.finish()
             for p in part.params:
                 self._device.will_read(p)
+
+    def __getstate__(self) -> Any:
+        """Refused (torch's optimizers pickle their groups and state; this one also holds a
+        thread, pinned buffers and streams, and a copy would share them): save ``state_dict()``
+        and load it into a new optimizer."""
+        raise OffloadUsageError(
+            "HybridDeviceOptimizer cannot be copied or pickled (it holds a worker thread, pinned "
+            "host memory and device streams): save opt.state_dict() and load it into a new "
+            "HybridDeviceOptimizer over the copied model's parameters")
 
     def close(self) -> None:
         """Finish pending work, remove every hook and stop the worker thread. The optimizer
@@ -691,7 +688,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer format, each offloaded parameter's master weight in its state
         (``"master_weight"``), plus a ``"hybrid"`` entry (format, placement, the split chosen);
-        ``to_wrapped_format(sd)`` gives the wrapped class's own format."""
+        ``to_wrapped_format(sd)`` gives the wrapped class's own format. Runs the optimizer's
+        state-dict hooks, as torch's optimizers do."""
+        return state_format.saved_with_hooks(self, self._gather_state)
+
+    def _gather_state(self) -> dict[str, Any]:
         self._drain_all()
         self._take_edits()
         sd = state_format.gather(self.param_groups, self._placements(), self._implementation)
@@ -700,8 +701,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
-        wrapped class over the same parameter groups; parameters are set from the masters."""
+        wrapped class over the same parameter groups; parameters are set from the masters.
+        Runs the optimizer's load-state-dict hooks, as torch's optimizers do."""
         self._check_open("load_state_dict")
+        state_format.loaded_with_hooks(self, state_dict, self._load_state)
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
         self._drain_all()
         sub_groups = {id(b): b.group_ids for b in self._cpu.buckets}
         if self._dev_part.optimizer is not None:
@@ -762,15 +767,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _record_reduced(self) -> None:
         self._cpu.record_reduced()
-
-
-class _Handles:
-    def __init__(self, handles: list[Any]) -> None:
-        self._handles = handles
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def _abandon_parts(cpu: CpuPart, parts: list[StreamedPart], st: Any = None) -> None:

@@ -25,10 +25,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ..compat import optimizer_hooks
 from ..core.errors import OffloadUsageError
 from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX
 
@@ -213,6 +214,33 @@ def scatter(
             hp = {k: v for k, v in hyperparameters(saved_groups[gi]).items() if k not in IMPLEMENTATION_KEYS}
             groups.append({**hyperparameters(group), **hp, "params": ids})
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def saved_with_hooks(opt: torch.optim.Optimizer, gather: Callable[[], dict]) -> dict:
+    """``gather()`` between the optimizer's ``register_state_dict_pre_hook`` hooks and its
+    ``register_state_dict_post_hook`` hooks (a post hook may return a new dict), as
+    ``torch.optim.Optimizer.state_dict`` runs them."""
+    for pre_hook in optimizer_hooks(opt, "state_dict_pre"):
+        pre_hook(opt)
+    state_dict = gather()
+    for post_hook in optimizer_hooks(opt, "state_dict_post"):
+        result = post_hook(opt, state_dict)
+        state_dict = state_dict if result is None else result
+    return state_dict
+
+
+def loaded_with_hooks(opt: torch.optim.Optimizer, state_dict: dict,
+                      load: Callable[[dict], None]) -> None:
+    """``load`` of a shallow copy of ``state_dict`` that the optimizer's
+    ``register_load_state_dict_pre_hook`` hooks may edit or replace, then its post hooks, as
+    ``torch.optim.Optimizer.load_state_dict`` runs them."""
+    state_dict = state_dict.copy()
+    for pre_hook in optimizer_hooks(opt, "load_state_dict_pre"):
+        result = pre_hook(opt, state_dict)
+        state_dict = state_dict if result is None else result
+    load(state_dict)
+    for post_hook in optimizer_hooks(opt, "load_state_dict_post"):
+        post_hook(opt)
 
 
 class StateView(Mapping):

@@ -445,3 +445,69 @@ def test_an_optimizer_dropped_without_close_lands_its_last_step(stream_fraction,
         assert set(threading.enumerate()) <= threads
     finally:
         gc.enable()
+
+
+# --- torch's optimizer protocol: state-dict hooks, copies ---------------------------------------
+
+
+def _hooked(opt, calls):
+    """The four state-dict hooks on ``opt``, recording into ``calls``; the post hook of
+    ``state_dict`` tags the dict, the pre hook of ``load_state_dict`` changes the loaded lr."""
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+
+    def saved(o, sd):
+        calls.append("save post")
+        return {**sd, "tag": len(calls)}
+
+    def loading(o, sd):
+        calls.append("load pre")
+        sd["param_groups"] = [{**g, "lr": 3e-3} for g in sd["param_groups"]]
+        return sd
+
+    opt.register_state_dict_post_hook(saved)
+    opt.register_load_state_dict_pre_hook(loading)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+
+
+@splits(("backward_update", "next_forward"))
+def test_state_dict_hooks_run_as_in_torch(made, split):
+    """``register_state_dict_pre_hook`` and the three others ran on torch's optimizers and never
+    on this one (it overrides ``state_dict`` and ``load_state_dict``): a post hook's dict, a
+    load pre hook's edits were lost. Same calls, same saved dict, same training after."""
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    got, want = [], []
+    _hooked(opt, got)
+    _hooked(ref_opt, want)
+    train(m, opt)
+    train(ref, ref_opt)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["tag"] == ref_sd["tag"] == 2
+    opt.load_state_dict(sd)
+    ref_opt.load_state_dict(ref_sd)
+    assert got == want == ["save pre", "save post", "load pre", "load post"]
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 3e-3
+    train(m, opt, range(3, 5))
+    train(ref, ref_opt, range(3, 5))
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_copying_or_pickling_is_refused_with_the_fix(made, how):
+    """A copy came back half built (every use an ``AttributeError``, its state empty), pickling
+    failed on a weak reference: now both raise, naming ``state_dict()``; the original trains
+    on."""
+    import pickle
+
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt)
+    copier = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    with pytest.raises(OffloadUsageError, match=r"cannot be copied or pickled .*opt\.state_dict\(\)"):
+        copier(opt)
+    train(m, opt, range(3, 4))
+    train(ref, ref_opt, range(4))
+    assert_same_params(m, ref)
