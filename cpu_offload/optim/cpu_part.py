@@ -43,8 +43,14 @@ def _done(value: Any) -> Future:
 
 
 def _on_host(hypers: Sequence[dict]) -> list[dict]:
-    """Tensor hyperparameters moved to the CPU, where the CPU class reads them."""
-    return [{k: (v.to("cpu") if torch.is_tensor(v) else v) for k, v in g.items()} for g in hypers]
+    """Tensor hyperparameters (also inside tuples: ``betas``) moved to the CPU, where the CPU
+    class reads them."""
+    def host(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.to("cpu")
+        return type(v)(map(host, v)) if isinstance(v, (tuple, list)) else v
+
+    return [{k: host(v) for k, v in g.items()} for g in hypers]
 
 
 class CpuPart:

@@ -32,7 +32,7 @@ import torch
 from ..core.errors import OffloadUsageError
 
 __all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "differs_from_rounded", "host_list",
-           "merge_edited", "same_hypers", "snapshot_hypers", "tensor_version"]
+           "merge_edited", "same_hypers", "snapshot", "snapshot_hypers", "tensor_version"]
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -274,17 +274,31 @@ def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list
     return out
 
 
+def snapshot(value: Any) -> Any:
+    """``value`` with every tensor in it (also inside tuples and lists) replaced by a copy."""
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(snapshot(v) for v in value)
+    return value
+
+
 def snapshot_hypers(param_groups: Sequence[dict]) -> list[dict]:
-    """Every group's entries but ``params``, tensors cloned (detached): what an update uses,
-    untouched by later changes to the user's groups."""
-    return [{k: (v.detach().clone() if torch.is_tensor(v) else v)
-             for k, v in g.items() if k != "params"} for g in param_groups]
+    """Every group's entries but ``params``, tensors cloned (detached, also inside tuples such
+    as ``betas``): what an update uses, untouched by later changes to the user's groups, and
+    what chunk optimizers are built with (they never hold the caller's tensors)."""
+    return [{k: snapshot(v) for k, v in g.items() if k != "params"} for g in param_groups]
 
 
 def _same(x: Any, y: Any) -> bool:
+    """Equal values; tensors (also inside tuples and lists: ``betas`` of 0-dim tensors, which
+    the user may ``fill_`` in place) by value, never by identity."""
     if torch.is_tensor(x) or torch.is_tensor(y):
         return (torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape
                 and x.dtype == y.dtype and x.device == y.device and bool(torch.equal(x, y)))
+    if isinstance(x, (tuple, list)) or isinstance(y, (tuple, list)):
+        return (type(x) is type(y) and len(x) == len(y)
+                and all(_same(a, b) for a, b in zip(x, y)))
     if x is y:
         return True
     try:

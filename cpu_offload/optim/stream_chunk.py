@@ -80,21 +80,6 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-def snapshot(value: Any) -> Any:
-    """``value`` with every tensor in it (also inside tuples and lists) replaced by a copy."""
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(snapshot(v) for v in value)
-    return value
-
-
-def own_hypers(hypers: Sequence[dict]) -> list[dict]:
-    """Copies of ``hypers`` (per group) to build chunk optimizers with: they never hold the
-    tensors a caller passed."""
-    return [{k: snapshot(v) for k, v in g.items() if k != "params"} for g in hypers]
-
-
 def tensors_in(hypers: Sequence[dict]) -> list[torch.Tensor]:
     """The tensors among ``hypers``' values (also inside tuples and lists)."""
     out: list[torch.Tensor] = []

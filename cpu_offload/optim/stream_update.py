@@ -76,12 +76,12 @@ from .cpu_update import (
     ELEMENTWISE, KeyedState, StateEntry, chunk_state_dicts, part_param_groups,
 )
 from .stream_backward import BackwardUpdates
-from .stream_chunk import ChunkRunner, Link, own_hypers, snapshot
+from .stream_chunk import ChunkRunner, Link
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
 from .stream_records import ChunkMark, QueuedUpdate, UpdatePhase
 from .stream_store import HostCopy, ParamIO
 from .amp import LossScale
-from .guards import check_layout, merge_edited
+from .guards import check_layout, merge_edited, snapshot, snapshot_hypers
 
 __all__ = [
     "DEFAULT_STREAM_BUDGET_BYTES", "MIN_STREAM_BUDGET_BYTES", "SLOTS", "STREAM_AHEAD_CHUNKS",
@@ -191,7 +191,7 @@ class StreamedPart:
         self.chunk_elems, ranges = plan_ranges(self.params, self._runner.lowp, budget_bytes,
                                                state_elems, elementwise)
         self._store.reserve_small(sum(len(r) for r in ranges))  # small state (AdamW's step)
-        own = own_hypers(hypers)  # the chunks' optimizers never hold the caller's tensors
+        own = snapshot_hypers(hypers)  # the chunks' optimizers never hold the caller's tensors
         build = lambda groups: _own_defaults(make_optimizer(groups))  # noqa: E731
         for r in ranges:
             chunk = build_chunk(r, self.params, self._store.masters, own, self.group_of, build)

@@ -69,7 +69,8 @@ PRELUDE = (
     prelude.TrackingDevice, prelude.Watch, prelude.Recorder, prelude.same, prelude.describe,
     prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
     prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight, prelude.set_stream_ahead,
-    prelude.div_grad_data, prelude.mul_grad_data, prelude.read_states, prelude.clip_values,
+    prelude.div_grad_data, prelude.mul_grad_data, prelude.read_states, prelude.clip_values, prelude.tensor_betas,
+    prelude.early_updates_ran,
     prelude.Masters, prelude.Stack,
     prelude.ensure_process_group, prelude.record_state, prelude.step_after_close,
     prelude.misuse,
@@ -162,7 +163,7 @@ def _param_groups(spec: ProgramSpec, out: _Lines) -> str:
     own, and a rebuilt optimizer new ones)."""
     opt = spec.optimizer
     n = len(opt.groups) + 1
-    if n == 1 and not opt.lr_tensor:
+    if n == 1 and not opt.lr_tensor and not opt.betas_tensor:
         return "params"
     out(2, "def param_groups():", "    return [")
     for g in range(n):
@@ -171,6 +172,8 @@ def _param_groups(spec: ProgramSpec, out: _Lines) -> str:
         if opt.lr_tensor or "lr" in overrides:
             items.append(f'"lr": {_lr(overrides.pop("lr", 0.01), opt)}')
         items += [f'"{k}": {v!r}' for k, v in overrides.items()]
+        if opt.betas_tensor:
+            items.append('"betas": tensor_betas()')
         out(4, "{" + ", ".join(items) + "},")
     out(3, "]")
     return "param_groups()"
@@ -533,6 +536,9 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     lines = []
     if opt.state_read:  # a read of the state between backward and step() changes nothing
         lines.append("read_states(opt, params)")
+    if opt.betas_tensor:  # each step a beta of its own, changed in place
+        lines.append('early_updates_ran(opt)\nfor g in opt.param_groups:\n'
+                     '    g["betas"][0].fill_(0.9 - 0.1 * (step % 3))')
     for edit in opt.edits:
         if edit[0] == "lr":
             lr = f'opt.param_groups[{edit[1]}]["lr"]'

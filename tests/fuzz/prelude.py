@@ -233,6 +233,19 @@ def read_states(opt, params):
                     v.sum()
 
 
+def early_updates_ran(opt):
+    """Wait until the CPU worker has run the updates backward queued (a hybrid optimizer's;
+    nothing for a torch one), so that an edit made next comes after them, and must be seen."""
+    worker = getattr(opt, "_worker", None)
+    if worker is not None:
+        worker.submit(lambda: None).result()
+
+
+def tensor_betas():
+    """Adam's ``betas`` as 0-dim tensors (a tuple of its own per group and optimizer)."""
+    return (torch.tensor(0.9), torch.tensor(0.999))
+
+
 def mul_grad_data(p, c):
     if p.grad is not None:
         p.grad.data.mul_(c)

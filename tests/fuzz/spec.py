@@ -136,6 +136,9 @@ class OptSpec:
     state_read: bool = False
     # after every step(), each parameter given new memory of the same values (p.data = clone)
     data_assign: bool = False
+    # Adam/AdamW: every group's betas a tuple of 0-dim tensors of its own, betas[0] filled in
+    # place between backward and step() (a snapshot must copy tensors inside tuples too)
+    betas_tensor: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f["state_read"] += 1
         if opt.data_assign:
             f["data_assign"] += 1
+        if opt.betas_tensor:
+            f["betas=tensor"] += 1
     return f
 
 
@@ -484,6 +489,8 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
         opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
         max_grad_norm=mgn, inline_launches=opt.inline_launches and opt.stream_during_backward,
         lr_tensor=opt.lr_tensor and opt.cls not in NO_TENSOR_LR, scaler=scaler,
+        betas_tensor=(opt.betas_tensor and OPTIMIZERS[opt.cls][0] in ("Adam", "AdamW")
+                      and opt.cls not in NO_TENSOR_LR),
         inf_step=inf_step, saves=saves, close_step=close,
         # the reference of bf16/fp16 parameters keeps fp32 masters that it does not reload from
         # edited parameters: parameter edits only where the reference is torch's class itself
@@ -699,4 +706,5 @@ def _more_optimizer(rng: random.Random, opt: OptSpec, steps: int) -> OptSpec:
         # drawn last: the programs of earlier seeds stay as they were
         state_read=rng.random() < 0.15,
         data_assign=rng.random() < 0.15,
+        betas_tensor=rng.random() < 0.25,
     )

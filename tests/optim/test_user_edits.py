@@ -217,6 +217,33 @@ def test_tensor_lr_filled_between_backward_and_step(made, split, device):
     assert_same_state(opt, ref_opt)
 
 
+@devices
+@splits()
+def test_tensor_betas_filled_between_backward_and_step(made, split, device):
+    """``betas`` as a tuple of 0-dim tensors, ``betas[0].fill_`` after the CPU part's early
+    updates ran: the snapshot they were checked against held the same tuple (only top-level
+    tensors were copied), so the change went unseen and the early updates, made with the old
+    beta, were kept (a race before: here the worker is drained first, so it always lost)."""
+    betas = lambda: (torch.tensor(0.9), torch.tensor(0.999))  # noqa: E731
+    m, ref = net(), net()
+    opt = hybrid(m, split, device, betas=betas(), weight_decay=0.1)
+    made.append(opt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, lr=opt.param_groups[0]["lr"],
+                                betas=betas(), weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            if o is opt:
+                opt._worker.submit(lambda: None).result()  # the early updates are done
+            for g in o.param_groups:
+                g["betas"][0].fill_(0.9 - 0.1 * (i + 1))
+            o.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
 # --- defect 8: parameters edited after step() --------------------------------------------------
 
 CLIP = 0.1  # below the initial weights' range: clamping changes parameters every step
