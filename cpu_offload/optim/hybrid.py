@@ -488,6 +488,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"the parameters of param group {gi} changed after the optimizer placed them "
                 "(param_groups were edited in place): add parameters with opt.add_param_group("
                 "{'params': [...]}) instead, or build a new HybridDeviceOptimizer")
+        for gi, g in enumerate(self.param_groups):  # torch's class would fail on it in step()
+            missing = sorted(k for k in self.defaults if k not in g)
+            if missing:
+                raise OffloadUsageError(
+                    f"param group {gi} lacks {missing} (deleted from opt.param_groups?): the parts "
+                    "would keep the old values, and torch's optimizers raise KeyError; set them again")
 
     # -- backward hooks -------------------------------------------------------------------------
 

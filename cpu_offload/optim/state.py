@@ -31,7 +31,7 @@ import torch
 
 from ..compat import optimizer_hooks
 from ..core.errors import OffloadUsageError
-from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX
+from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry
 
 FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
 FORMATS = (FORMAT, "cpu_offload.optim.HybridDeviceOptimizer/1")  # /1: masters under "hybrid"
@@ -243,6 +243,16 @@ def loaded_with_hooks(opt: torch.optim.Optimizer, state_dict: dict,
         post_hook(opt)
 
 
+class _NoStateYet(StateEntry):
+    """``opt.state[p]`` before ``p``'s first step: empty, as torch's, and read-only."""
+
+    def _refuse(self, *_: Any, **__: Any) -> None:
+        raise OffloadUsageError(f"this parameter has no optimizer state before its first step(), "
+                                f"and a key set here would not reach the parts; {STATE_WRITE_FIX}")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+
 class StateView(Mapping):
     """``opt.state``: each stepped parameter -> its state, live (the parts' own tensors), as a
     torch optimizer's ``state`` maps them. Read-only as a mapping: the parts keep the state (in
@@ -252,12 +262,22 @@ class StateView(Mapping):
     def __init__(self, owner: "weakref.ref[Any]") -> None:
         self._owner = owner  # the optimizer, weakly: no cycle through its own attribute
 
-    def __getitem__(self, p: torch.Tensor) -> dict:
+    def _of(self, p: Any) -> Optional[dict]:
         opt = self._owner()
-        st = opt.state_of(p) if opt is not None and isinstance(p, torch.Tensor) else None
-        if not st:
+        return opt.state_of(p) if opt is not None and isinstance(p, torch.Tensor) else None
+
+    def __getitem__(self, p: torch.Tensor) -> dict:
+        """``p``'s state; a tensor without any (not stepped yet) gets an empty entry, as from
+        torch's ``defaultdict`` (read-only here: it would not reach the parts)."""
+        if not isinstance(p, torch.Tensor) or self._owner() is None:
             raise KeyError(p)
-        return st
+        return self._of(p) or _NoStateYet()
+
+    def __contains__(self, p: Any) -> bool:
+        return bool(self._of(p))
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        return self._of(p) or default
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         opt = self._owner()

@@ -511,3 +511,48 @@ def test_copying_or_pickling_is_refused_with_the_fix(made, how):
     train(m, opt, range(3, 4))
     train(ref, ref_opt, range(4))
     assert_same_params(m, ref)
+
+
+@splits(("backward_update", "next_forward"))
+def test_a_deleted_group_key_is_refused_at_step(made, split):
+    """``del opt.param_groups[0]["weight_decay"]``: torch's class raises ``KeyError`` at its
+    next ``step()``; the parts kept stepping with the old value (they copy only the keys the
+    group has). Now ``step()`` raises naming the key, and once it is set again training goes
+    on exactly."""
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt, range(2))
+    train(ref, ref_opt, range(3))
+    del opt.param_groups[0]["weight_decay"]
+    loss_of(m, 2).backward()
+    with pytest.raises(OffloadUsageError, match=r"param group 0 lacks \['weight_decay'\] .*set them again"):
+        opt.step()
+    opt.param_groups[0]["weight_decay"] = KW["weight_decay"]
+    opt.step()
+    opt.zero_grad()
+    settle(opt)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
+@splits(("backward_update",))
+def test_state_of_a_parameter_not_stepped_yet_reads_as_torchs(made, split):
+    """``opt.state[p]`` before ``p``'s first step: torch's ``defaultdict`` gives ``{}`` (code
+    that reads a step count does this); here it raised ``KeyError``. Now an empty entry, still
+    not ``in`` the state, and read-only (a key set would not reach the parts)."""
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert opt.state[p] == ref_opt.state[q] == {}
+        assert p not in opt.state and opt.state.get(p) is None
+        with pytest.raises(OffloadUsageError, match="no optimizer state before its first step"):
+            opt.state[p]["step"] = torch.tensor(1.0)
+    assert len(opt.state) == 0 and not opt.state
+    with pytest.raises(KeyError):
+        opt.state["l1.weight"]  # not a tensor
+    train(m, opt, range(1))
+    train(ref, ref_opt, range(1))
+    assert all(p in opt.state for p in m.parameters())
+    assert_same_state(opt, ref_opt)
