@@ -494,6 +494,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 raise OffloadUsageError(
                     f"param group {gi} lacks {missing} (deleted from opt.param_groups?): the parts "
                     "would keep the old values, and torch's optimizers raise KeyError; set them again")
+            if IMPLEMENTATION_KEYS & g.keys():  # never in these groups (state_dict adds them)
+                raise OffloadUsageError(
+                    f"param group {gi} sets {sorted(IMPLEMENTATION_KEYS & g.keys())}: the parts' classes "
+                    "keep the implementation they were built with; delete the key, or build a new "
+                    "HybridDeviceOptimizer with it (e.g. fused=False)")
 
     # -- backward hooks -------------------------------------------------------------------------
 

@@ -556,3 +556,24 @@ def test_state_of_a_parameter_not_stepped_yet_reads_as_torchs(made, split):
     train(ref, ref_opt, range(1))
     assert all(p in opt.state for p in m.parameters())
     assert_same_state(opt, ref_opt)
+
+
+@pytest.mark.parametrize("key,value", [("fused", False), ("foreach", True), ("differentiable", False)])
+def test_an_implementation_key_set_in_a_group_is_refused(made, key, value):
+    """``opt.param_groups[0]["fused"] = False``: torch's class switches implementation; here the
+    parts kept theirs and ``state_dict()`` reported the new value. Now ``step()`` raises naming
+    the key; once it is deleted, training goes on exactly."""
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt, range(1))
+    train(ref, ref_opt, range(2))
+    opt.param_groups[0][key] = value
+    loss_of(m, 1).backward()
+    with pytest.raises(OffloadUsageError, match=rf"param group 0 sets \['{key}'\]: .*build a new"):
+        opt.step()
+    del opt.param_groups[0][key]
+    opt.step()
+    opt.zero_grad()
+    settle(opt)
+    assert_same_params(m, ref)
