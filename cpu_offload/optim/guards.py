@@ -25,14 +25,17 @@ fingerprints with one transfer to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from ..compat import is_dtensor
 from ..core.errors import OffloadUsageError
+from .cpu_update import IMPLEMENTATION_KEYS
 
-__all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "differs_from_rounded", "host_list",
-           "merge_edited", "same_hypers", "snapshot", "snapshot_hypers", "tensor_version"]
+__all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "check_group_keys", "differs_from_rounded",
+           "grads_laid_out_as_params", "host_list", "merge_edited", "same_hypers", "snapshot",
+           "snapshot_hypers", "tensor_version"]
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -314,6 +317,38 @@ def same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
         and all(_same(ga[k], gb[k]) for k in ga if k != "params") for ga, gb in zip(a, b))
 
 
+def check_group_keys(param_groups: Sequence[dict], defaults: dict) -> None:
+    """Every group still has the optimizer's keys, and no implementation key: the parts copy
+    only the keys a group has (a deleted one would keep its old value, where torch's classes
+    raise ``KeyError``), and their classes keep the implementation (``fused``, ``foreach``...)
+    they were built with (the groups never hold those keys; ``state_dict`` adds them)."""
+    for gi, g in enumerate(param_groups):
+        missing = sorted(k for k in defaults if k not in g)
+        if missing:
+            raise OffloadUsageError(
+                f"param group {gi} lacks {missing} (deleted from opt.param_groups?): the parts "
+                "would keep the old values, and torch's optimizers raise KeyError; set them again")
+        if IMPLEMENTATION_KEYS & g.keys():
+            raise OffloadUsageError(
+                f"param group {gi} sets {sorted(IMPLEMENTATION_KEYS & g.keys())}: the parts' classes "
+                "keep the implementation they were built with; delete the key, or build a new "
+                "HybridDeviceOptimizer with it (e.g. fused=False)")
+
+
+def grads_laid_out_as_params(params: Iterable[torch.Tensor]) -> None:
+    """Give each dense gradient whose strides differ from its parameter's (a user's ``p.grad =
+    t.t()``, an ``expand``) a copy laid out as the parameter, as autograd lays out the ones it
+    makes. Fused and foreach kernels pair parameter and gradient elements in memory order, so
+    on such a gradient torch's fused classes step on scrambled values, and which parameters
+    the CPU part (which copies gradients by value) takes would decide the result. A replaced
+    gradient is a new tensor: work started from the old one is redone."""
+    for p in params:
+        g = p.grad
+        if (g is not None and g.layout == torch.strided and g.stride() != p.stride()
+                and not (g.is_contiguous() and p.is_contiguous()) and not is_dtensor(p)):
+            p.grad = torch.empty_like(p).copy_(g)
+
+
 def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:
     """Take an edited parameter's values into its master (in place, on the master's device):
     where the master still rounds to the parameter it is kept (its extra precision with it),
@@ -345,9 +380,9 @@ def check_layout(param: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> 
     if param.shape != shape or param.dtype != dtype:
         raise OffloadUsageError(
             f"parameter {tuple(shape)} ({dtype}) was given data of shape {tuple(param.shape)} "
-            f"({param.dtype}) after the optimizer placed it (p.data = ...): its optimizer state "
-            "was made for the old shape; build a new HybridDeviceOptimizer (or copy values of "
-            "the same shape in: p.data.copy_(t))")
+            f"({param.dtype}) after the optimizer placed it (p.data = ..., or model.to(dtype)): "
+            "its optimizer state was made for the old shape and dtype; build a new "
+            "HybridDeviceOptimizer after changing the model (or copy values in: p.data.copy_(t))")
     if not param.is_contiguous():
         raise OffloadUsageError(
             f"parameter {tuple(shape)} was given non-contiguous data (p.data = ...): offloaded "

@@ -27,7 +27,7 @@ from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry, master_dtype
 from .clipping import clip_by_global_norm
 from .device_part import DevicePart
-from .guards import snapshot_hypers
+from .guards import check_group_keys, grads_laid_out_as_params, snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import (
@@ -488,17 +488,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"the parameters of param group {gi} changed after the optimizer placed them "
                 "(param_groups were edited in place): add parameters with opt.add_param_group("
                 "{'params': [...]}) instead, or build a new HybridDeviceOptimizer")
-        for gi, g in enumerate(self.param_groups):  # torch's class would fail on it in step()
-            missing = sorted(k for k in self.defaults if k not in g)
-            if missing:
-                raise OffloadUsageError(
-                    f"param group {gi} lacks {missing} (deleted from opt.param_groups?): the parts "
-                    "would keep the old values, and torch's optimizers raise KeyError; set them again")
-            if IMPLEMENTATION_KEYS & g.keys():  # never in these groups (state_dict adds them)
-                raise OffloadUsageError(
-                    f"param group {gi} sets {sorted(IMPLEMENTATION_KEYS & g.keys())}: the parts' classes "
-                    "keep the implementation they were built with; delete the key, or build a new "
-                    "HybridDeviceOptimizer with it (e.g. fused=False)")
+        check_group_keys(self.param_groups, self.defaults)
 
     # -- backward hooks -------------------------------------------------------------------------
 
@@ -531,6 +521,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         self._check_open("step")
         self._check_groups()
+        grads_laid_out_as_params(p for g in self.param_groups for p in g["params"])
         self._cpu.check_layouts()
         scale = LossScale.take(self)
         loss = None

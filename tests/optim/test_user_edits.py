@@ -244,6 +244,36 @@ def test_tensor_betas_filled_between_backward_and_step(made, split, device):
     assert_same_state(opt, ref_opt)
 
 
+def _relaid(g, how):
+    """``g``'s values in another memory layout: transposed storage, or a slice of a bigger one."""
+    if how == "transposed" and g.dim() == 2:
+        return g.t().contiguous().t()
+    return torch.cat([g.reshape(-1, 1), torch.zeros_like(g).reshape(-1, 1)], 1)[:, 0].view(g.shape)
+
+
+@pytest.mark.parametrize("how", ["transposed", "strided"])
+@splits(("none", "backward_update", "next_forward"), during_backward=False)
+def test_gradients_laid_out_unlike_their_parameter(made, split, how):
+    """``p.grad`` given the same values in another layout between backward and ``step()``:
+    fused kernels pair elements in memory order, so the device part (torch's class) stepped on
+    scrambled values while the CPU part copied by value, and the result depended on the
+    placement. Now every part steps on the values: the wrapped class over contiguous
+    gradients."""
+    (m, opt), (ref, ref_opt) = pair(made, split, "late", weight_decay=0.1)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for i in range(3):
+            loss_of(model, i).backward()
+            if o is opt:
+                for p in model.parameters():
+                    p.grad = _relaid(p.grad, how)
+                    assert not p.grad.is_contiguous()
+            o.step()
+            o.zero_grad()
+        settle(o)
+    assert_same_params(m, ref)
+    assert_same_state(opt, ref_opt)
+
+
 # --- defect 8: parameters edited after step() --------------------------------------------------
 
 CLIP = 0.1  # below the initial weights' range: clamping changes parameters every step
