@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..compat import compiler_disable
 from .sharded import fsdp_roots
 
 
@@ -37,7 +38,11 @@ def register(model: nn.Module, key: Callable[[torch.Tensor], torch.Tensor],
     bucket of ``key(p)``, or ``None``) waits for those buckets, one owning streamed ones
     (``streamed_at``: ``(part position, index in the part)``, or ``None``) for their chunks. An
     FSDP2 root waits for everything (``wait_all``) before its pre-forward: FSDP2 orders its
-    all-gathers after the compute stream there only."""
+    all-gathers after the compute stream there only. The waits run eagerly also inside a
+    ``torch.compile``'d model: the compiled graph breaks at each instead of tracing into them
+    (they read Python state that a graph cannot replay, and how far a trace got depended on
+    what was in flight, so graphs, and their rounding, differed by overlap mode)."""
+    wait_cpu, wait_streamed, wait_all = map(compiler_disable, (wait_cpu, wait_streamed, wait_all))
     out = ForwardWaits()
     under_fsdp: set[int] = set()  # ids of the parameters a root's hook covers
     for root in fsdp_roots(model):
