@@ -27,7 +27,7 @@ from ..core.errors import OffloadUsageError
 from .amp import LossScale
 from .cpu_step import BucketStep, CpuStep, GradCopy, Phase, UpdateJob
 from .cpu_update import CpuBucket
-from .guards import Fingerprint, changed, check_layout, merge_edited, same_hypers
+from .guards import Fingerprint, changed, check_layout, map_tensors, merge_edited, same_hypers
 from .overlap import OverlapMode
 from .partition import next_update
 from .transfer import TransferEngine
@@ -45,12 +45,7 @@ def _done(value: Any) -> Future:
 def _on_host(hypers: Sequence[dict]) -> list[dict]:
     """Tensor hyperparameters (also inside tuples: ``betas``) moved to the CPU, where the CPU
     class reads them."""
-    def host(v: Any) -> Any:
-        if torch.is_tensor(v):
-            return v.to("cpu")
-        return type(v)(map(host, v)) if isinstance(v, (tuple, list)) else v
-
-    return [{k: host(v) for k, v in g.items()} for g in hypers]
+    return [{k: map_tensors(v, lambda t: t.to("cpu")) for k, v in g.items()} for g in hypers]
 
 
 class CpuPart:

@@ -667,12 +667,12 @@ class StateEntry(dict):
     over CPU chunks): a copy of the mapping over the live tensors, so that setting or removing
     a key would change nothing; those raise instead."""
 
-    def _refuse(self, *_: Any, **__: Any) -> None:
-        raise OffloadUsageError(f"this parameter's state is kept in pieces (streamed, or split "
-                                f"over CPU chunks): a key cannot be set or removed here; "
-                                f"{STATE_WRITE_FIX}")
+    why = "this parameter's state is kept in pieces (streamed, or split over CPU chunks)"
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    def _refuse(self, *_: Any, **__: Any) -> None:
+        raise OffloadUsageError(f"{self.why}: a key cannot be set or removed here; {STATE_WRITE_FIX}")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
 
     def __reduce__(self) -> tuple:  # pickled, deep-copied: a plain dict of the same items
         return dict, (dict(self),)

@@ -23,9 +23,11 @@ class ForwardWaits:
     covered: set[int] = field(default_factory=set)
 
     def remove(self) -> None:
-        """Unregister the hooks."""
+        """Unregister the hooks: the parameters are no longer covered (``step()`` in
+        ``next_forward`` then refuses, naming ``register_forward_waits``)."""
         for h in self.handles:
             h.remove()
+        self.handles, self.covered = [], set()
 
 
 def register(model: nn.Module, key: Callable[[torch.Tensor], torch.Tensor],

@@ -25,7 +25,7 @@ fingerprints with one transfer to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ from ..core.errors import OffloadUsageError
 from .cpu_update import IMPLEMENTATION_KEYS
 
 __all__ = ["Fingerprint", "bit_sum", "bit_sums", "changed", "check_group_keys", "differs_from_rounded",
-           "grads_laid_out_as_params", "host_list", "merge_edited", "same_hypers", "snapshot",
+           "GradsLaidOutAsParams", "host_list", "map_tensors", "merge_edited", "same_hypers", "snapshot",
            "snapshot_hypers", "tensor_version"]
 
 
@@ -277,13 +277,19 @@ def changed(pairs: Sequence[tuple[Fingerprint, Optional[torch.Tensor]]]) -> list
     return out
 
 
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn(t)`` for every tensor ``t`` in it, also inside tuples and lists (a
+    hyperparameter such as ``betas``)."""
+    if torch.is_tensor(value):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
+
+
 def snapshot(value: Any) -> Any:
     """``value`` with every tensor in it (also inside tuples and lists) replaced by a copy."""
-    if torch.is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(snapshot(v) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.detach().clone())
 
 
 def snapshot_hypers(param_groups: Sequence[dict]) -> list[dict]:
@@ -317,12 +323,14 @@ def same_hypers(a: Sequence[dict], b: Sequence[dict]) -> bool:
         and all(_same(ga[k], gb[k]) for k in ga if k != "params") for ga, gb in zip(a, b))
 
 
-def check_group_keys(param_groups: Sequence[dict], defaults: dict) -> None:
+def check_group_keys(param_groups: Sequence[dict], defaults: dict,
+                     only: Optional[Iterable[int]] = None) -> None:
     """Every group still has the optimizer's keys, and no implementation key: the parts copy
     only the keys a group has (a deleted one would keep its old value, where torch's classes
     raise ``KeyError``), and their classes keep the implementation (``fused``, ``foreach``...)
     they were built with (the groups never hold those keys; ``state_dict`` adds them)."""
-    for gi, g in enumerate(param_groups):
+    for gi in range(len(param_groups)) if only is None else only:
+        g = param_groups[gi]
         missing = sorted(k for k in defaults if k not in g)
         if missing:
             raise OffloadUsageError(
@@ -335,18 +343,43 @@ def check_group_keys(param_groups: Sequence[dict], defaults: dict) -> None:
                 "HybridDeviceOptimizer with it (e.g. fused=False)")
 
 
-def grads_laid_out_as_params(params: Iterable[torch.Tensor]) -> None:
-    """Give each dense gradient whose strides differ from its parameter's (a user's ``p.grad =
-    t.t()``, an ``expand``) a copy laid out as the parameter, as autograd lays out the ones it
-    makes. Fused and foreach kernels pair parameter and gradient elements in memory order, so
-    on such a gradient torch's fused classes step on scrambled values, and which parameters
-    the CPU part (which copies gradients by value) takes would decide the result. A replaced
-    gradient is a new tensor: work started from the old one is redone."""
-    for p in params:
-        g = p.grad
-        if (g is not None and g.layout == torch.strided and g.stride() != p.stride()
-                and not (g.is_contiguous() and p.is_contiguous()) and not is_dtensor(p)):
-            p.grad = torch.empty_like(p).copy_(g)
+def _dense_strides(t: torch.Tensor) -> bool:
+    """``t``'s elements fill its memory without gaps or overlaps, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+class GradsLaidOutAsParams:
+    """Each dense gradient whose layout differs from its (dense) parameter's (a user's ``p.grad
+    = t.t()``, a slice of a bigger buffer, an ``expand``) replaced by a copy laid out as the
+    parameter, as autograd lays out the gradients it makes, until ``restore()`` puts the user's
+    tensors back (they may be views of a buffer the user zeroes and accumulates into). Fused
+    kernels pair parameter and gradient elements in memory order, so on such a gradient torch's
+    fused classes step on scrambled values, while the CPU part copies gradients by value: which
+    parameters it takes would decide the result. The copy is a new tensor: work started in
+    backward from the user's is redone; the parts keep what they still read."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.swapped = []
+        for p in params:
+            g = p.grad
+            if (g is not None and g.layout == torch.strided and p.numel() and not is_dtensor(p)
+                    and not _same_layout(g, p) and _dense_strides(p)):
+                self.swapped.append((p, g))
+                p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+
+    def restore(self) -> None:
+        for p, g in self.swapped:
+            p.grad = g
+        self.swapped = []
 
 
 def merge_edited(master: torch.Tensor, param: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry, master_dtype
 from .clipping import clip_by_global_norm
 from .device_part import DevicePart
-from .guards import check_group_keys, grads_laid_out_as_params, snapshot_hypers
+from .guards import GradsLaidOutAsParams, check_group_keys, snapshot_hypers
 from .options import OptimizerOffloadOptions, split_options
 from .overlap import overlap_mode
 from .partition import (
@@ -182,7 +182,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
         self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
-        self._covered: set[int] = set()
+        self._waits: list[forward_waits.ForwardWaits] = []  # register_forward_waits' hooks
         self._partitioned: list[tuple[int, ...]] = []  # per group: ids of the parameters placed
         self._no_sync = 0
         self._ddp = False
@@ -261,6 +261,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _attach(self, group_ids: Iterable[int]) -> None:
         """Partition the parameters of ``group_ids``: of those with at least one dimension and
         one element, ``offload_fraction`` of the bytes by gradient arrival."""
+        group_ids = list(group_ids)
+        check_group_keys(self.param_groups, self.defaults, group_ids)
         entries = [(gi, p) for gi in group_ids for p in self.param_groups[gi]["params"]]
         check_listed_once(entries)
         keys = [self._shards.add(p) for _, p in entries]  # a DTensor's local shard, else p
@@ -424,7 +426,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             model, self._shards.key, lambda p: self._cpu.where[id(p)][0] if self._cpu.owns(p) else None,
             streamed_at, weak_call(self, "_wait_cpu"), weak_call(self, "_wait_streamed"),
             weak_call(self, "wait_params"))
-        self._covered |= waits.covered
+        self._waits.append(waits)
         self._module_hooks += waits.handles
         return waits
 
@@ -521,14 +523,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         self._check_open("step")
         self._check_groups()
-        grads_laid_out_as_params(p for g in self.param_groups for p in g["params"])
         self._cpu.check_layouts()
         scale = LossScale.take(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        uncovered = len(self._cpu.where) + len(self._streamed) - len(self._covered)
+        covered = set().union(*(w.covered for w in self._waits)) if self._mode.forward_waits else ()
+        uncovered = len(self._cpu.where) + len(self._streamed) - len(covered)
         if self._mode.forward_waits and uncovered > 0:
             raise OffloadUsageError(
                 "overlap='next_forward' needs opt.register_forward_waits(model) for the modules "
@@ -542,6 +544,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         st = self._cpu.take_step()
         st.step_called = time.perf_counter()
         clipping = self.max_grad_norm is not None
+        laid = GradsLaidOutAsParams(p for g in self.param_groups for p in g["params"])
         try:
             self._shards.sync_grads()
             if not clipping:  # its first chunks queued first: the checks below wait for
@@ -570,6 +573,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise
         finally:
             self._shards.drop_grads()
+            laid.restore()
         if self._mode.forward_waits:
             self._cpu.leave_inflight(st)
         else:

@@ -22,6 +22,7 @@ wrapped optimizer's own state dict and starts master weights from the current pa
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -246,11 +247,8 @@ def loaded_with_hooks(opt: torch.optim.Optimizer, state_dict: dict,
 class _NoStateYet(StateEntry):
     """``opt.state[p]`` before ``p``'s first step: empty, as torch's, and read-only."""
 
-    def _refuse(self, *_: Any, **__: Any) -> None:
-        raise OffloadUsageError(f"this parameter has no optimizer state before its first step(), "
-                                f"and a key set here would not reach the parts; {STATE_WRITE_FIX}")
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    why = ("this parameter has no optimizer state before its first step() (a key set here would "
+           "not reach the parts)")
 
 
 class StateView(Mapping):
@@ -292,4 +290,8 @@ class StateView(Mapping):
                                 f"parts keep; entries cannot be set or removed: {STATE_WRITE_FIX}")
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        """A snapshot (torch's ``deepcopy(opt.state)`` is one), not another live view."""
+        return copy.deepcopy(dict(self.items()), memo)
 

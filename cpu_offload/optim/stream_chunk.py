@@ -24,6 +24,7 @@ import torch
 
 from ..core.device import Event, OffloadDevice
 from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
+from .guards import map_tensors
 from .stream_plan import Chunk, Piece, SlotLayout, slot_layout
 from .stream_store import HostCopy
 from .transfer import flat_bytes
@@ -83,18 +84,10 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def tensors_in(hypers: Sequence[dict]) -> list[torch.Tensor]:
     """The tensors among ``hypers``' values (also inside tuples and lists)."""
     out: list[torch.Tensor] = []
-
-    def visit(v: Any) -> None:
-        if torch.is_tensor(v):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                visit(x)
-
     for g in hypers:
         for k, v in g.items():
             if k != "params":
-                visit(v)
+                map_tensors(v, out.append)
     return out
 
 

@@ -577,3 +577,62 @@ def test_an_implementation_key_set_in_a_group_is_refused(made, key, value):
     opt.zero_grad()
     settle(opt)
     assert_same_params(m, ref)
+
+
+def test_an_implementation_key_is_refused_where_the_group_is_added(made):
+    """``add_param_group({..., "foreach": False})`` was added, and every ``step()`` after it
+    refused: now the call refuses and takes the group back; so does the constructor."""
+    m = net()
+    build = lambda groups: HybridDeviceOptimizer(groups, 0.5, device=SimulatedDevice(), **KW)  # noqa: E731
+    opt = build([{"params": list(m.l1.parameters())}])
+    made.append(opt)
+    with pytest.raises(OffloadUsageError, match=r"param group 1 sets \['foreach'\]"):
+        opt.add_param_group({"params": list(m.l2.parameters()), "foreach": False})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(OffloadUsageError, match=r"param group 0 sets \['fused'\]"):
+        build([{"params": list(m.l3.parameters()), "fused": False}])
+
+
+@splits(("next_forward",))
+def test_removed_forward_waits_are_noticed(made, split):
+    """``register_forward_waits(model).remove()``: the parameters stayed counted as covered, and
+    the next forward raced the update. Now ``step()`` refuses until they are registered again."""
+    m, ref = net(), net()
+    opt, ref_opt = hybrid(m, split, **KW), adamw(ref)
+    made.append(opt)
+    train(m, opt, range(1))
+    opt.register_forward_waits(m).remove()  # a second registration, removed: the first holds
+    train(m, opt, range(1, 2))
+    opt._waits[0].remove()
+    loss_of(m, 2).backward()
+    with pytest.raises(OffloadUsageError, match=r"needs opt.register_forward_waits\(model\)"):
+        opt.step()
+    opt.register_forward_waits(m)
+    opt.step()
+    opt.zero_grad()
+    train(ref, ref_opt, range(3))
+    settle(opt)
+    assert_same_params(m, ref)
+
+
+def test_state_entries_refuse_in_place_union_and_deep_copies_are_snapshots(made):
+    """``opt.state[p] |= {...}`` went through ``dict.__ior__``, past the refused methods, and was
+    lost; ``copy.deepcopy(opt.state)`` gave another live view where torch gives a snapshot."""
+    m = net()
+    opt = hybrid(m, Split("backward_update", 1.0), **KW)
+    made.append(opt)
+    p = m.l3.weight
+    with pytest.raises(OffloadUsageError, match="no optimizer state before"):
+        entry = opt.state[p]
+        entry |= {"step": torch.tensor(1.0)}
+    train(m, opt, range(1))
+    with pytest.raises(OffloadUsageError, match="kept in pieces"):
+        entry = opt.state[p]
+        entry |= {"step": torch.tensor(5.0)}
+    snap = copy.deepcopy(opt.state)
+    assert isinstance(snap, dict) and len(snap) == len(opt.state)
+    before = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    train(m, opt, range(1, 2))
+    key = next(k for k in snap if k.shape == p.shape)
+    assert all(torch.equal(snap[key][k], v) for k, v in before.items())
+    assert not torch.equal(opt.state[p]["exp_avg"], before["exp_avg"])

@@ -258,16 +258,26 @@ def test_gradients_laid_out_unlike_their_parameter(made, split, how):
     fused kernels pair elements in memory order, so the device part (torch's class) stepped on
     scrambled values while the CPU part copied by value, and the result depended on the
     placement. Now every part steps on the values: the wrapped class over contiguous
-    gradients."""
+    gradients; the user's gradient tensors are put back after ``step()``, and a closure's are
+    re-laid after it ran."""
     (m, opt), (ref, ref_opt) = pair(made, split, "late", weight_decay=0.1)
     for model, o in ((m, opt), (ref, ref_opt)):
         for i in range(3):
-            loss_of(model, i).backward()
-            if o is opt:
-                for p in model.parameters():
-                    p.grad = _relaid(p.grad, how)
-                    assert not p.grad.is_contiguous()
-            o.step()
+            def relay():
+                loss_of(model, i).backward()
+                if o is opt:
+                    for p in model.parameters():
+                        p.grad = _relaid(p.grad, how)
+                        assert not p.grad.is_contiguous()
+
+            if i == 2:  # from a closure: re-laid after it ran
+                o.step(relay)
+            else:
+                relay()
+                users = [p.grad for p in model.parameters()]
+                o.step()
+                if o is opt:  # the user's tensors are back (they may be views of a buffer)
+                    assert all(p.grad is g for p, g in zip(model.parameters(), users))
             o.zero_grad()
         settle(o)
     assert_same_params(m, ref)
