@@ -371,7 +371,9 @@ class GradsLaidOutAsParams:
         self.swapped = []
         for p in params:
             g = p.grad
-            if (g is not None and g.layout == torch.strided and p.numel() and not is_dtensor(p)
+            if g is None or g.layout != torch.strided or g.stride() == p.stride():  # the rule
+                continue
+            if (p.numel() and not is_dtensor(p)
                     and not _same_layout(g, p) and _dense_strides(p)):
                 self.swapped.append((p, g))
                 p.grad = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
