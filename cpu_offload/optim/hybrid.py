@@ -95,12 +95,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         >>> from cpu_offload.optim import HybridDeviceOptimizer
         >>> dev = None if torch.cuda.is_available() else cpu_offload.SimulatedDevice()
         >>> where = "cuda" if dev is None else "cpu"
-        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(where)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(where, torch.bfloat16)
         >>> opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-2,
         ...                             device=dev)
-        >>> model(torch.randn(4, 8, device=where)).square().mean().backward()
+        >>> model(torch.randn(4, 8, device=where, dtype=torch.bfloat16)).float().square().mean().backward()
         >>> opt.step(); opt.zero_grad()
-        >>> sorted(opt.state[model[1].weight])      # a drop-in optimizer: state per parameter
+        >>> sorted(opt.state[model[1].weight])      # state per parameter, with its fp32 master
         ['exp_avg', 'exp_avg_sq', 'master_weight', 'step']
         >>> opt.close()
     """
@@ -384,7 +384,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         first step. ``opt.state[p]`` reads it."""
         key = self._shards.key(p)
         st = self._state_of(key)
-        master = self._placement(key).master if st else None
+        master = self._placement(key).saved_master if st else None
         if master is not None:
             st = StateEntry({**st, state_format.MASTER: master})
         return self._shards.state_view(p, st)

@@ -4,7 +4,7 @@ The hybrid format is torch's own optimizer format, each master weight inside its
 state, plus one key::
 
     {"state": {index: {..., "master_weight": tensor}},  # indexed like torch.optim.Optimizer;
-                                                        # a master where the parameter has one
+                                                        # a master of another dtype (fp32)
      "param_groups": [{..., "params": [indices]}],
      "hybrid": {"format": FORMAT, "offloaded": [bool per index], "stream_fraction": float}}
 
@@ -50,7 +50,18 @@ class Placement:
 
     @property
     def master(self) -> Optional[torch.Tensor]:
+        """The separate copy the sub-optimizer updates (host copy, fp32 master), if any."""
         return None if self.key is self.param else self.key
+
+    @property
+    def saved_master(self) -> Optional[torch.Tensor]:
+        """The master ``state_dict()`` saves (``"master_weight"``): one of another dtype than
+        the parameter (fp32 for bf16/fp16), whose extra precision the parameter lacks. A copy
+        in the parameter's own dtype equals it and is not saved, so that which parameters a
+        rank offloads (its own shards, under FSDP2) or a checkpoint's placement does not change
+        the keys: DCP's planners need the same keys on every rank and in every checkpoint."""
+        m = self.master
+        return m if m is not None and m.dtype != self.param.dtype else None
 
 
 def hyperparameters(group: dict) -> dict:
@@ -70,8 +81,8 @@ def gather(param_groups: Sequence[dict], placements: Sequence[Placement],
         s = pl.optimizer.state.get(pl.key) if pl.optimizer is not None else None
         if s:
             state[i] = dict(s)
-        if pl.master is not None:
-            state.setdefault(i, {})[MASTER] = pl.master
+        if pl.saved_master is not None:
+            state.setdefault(i, {})[MASTER] = pl.saved_master
     groups, start = [], 0
     for g in param_groups:
         groups.append({**(implementation or {}), **hyperparameters(g),

@@ -636,3 +636,26 @@ def test_state_entries_refuse_in_place_union_and_deep_copies_are_snapshots(made)
     key = next(k for k in snap if k.shape == p.shape)
     assert all(torch.equal(snap[key][k], v) for k, v in before.items())
     assert not torch.equal(opt.state[p]["exp_avg"], before["exp_avg"])
+
+
+@pytest.mark.parametrize("dtype,in_fp32", [(torch.float32, False), (torch.bfloat16, True)])
+def test_saved_keys_do_not_depend_on_the_placement(made, dtype, in_fp32):
+    """DCP plans a checkpoint by key, on every rank and against the checkpoint it loads: a
+    ``"master_weight"`` saved for some placements only made ``dcp.save`` fail under FSDP2 with
+    uneven shards (each rank places its own shards), and ``dcp.load`` of a checkpoint saved at
+    another fraction (or by plain AdamW) fail on a missing key; a partial load then wrote the new
+    optimizer's stale masters into the loaded parameters. A master in the parameter's own dtype
+    equals it and is no longer saved; bf16 parameters with ``param_update_in_fp32=True`` have an
+    fp32 master wherever they are."""
+    keys = {}
+    for fraction, stream in [(0.0, 0.0), (0.5, 0.0), (0.5, 1.0), (1.0, 0.5), (1.0, 1.0)]:
+        m = net(dtype)
+        opt = HybridDeviceOptimizer(m.parameters(), fraction, stream_fraction=stream, device=SimulatedDevice(),
+                                    param_update_in_fp32=in_fp32, **KW)
+        made.append(opt)
+        train(m, opt, range(1))
+        keys[(fraction, stream)] = {i: sorted(e) for i, e in opt.state_dict()["state"].items()}
+        assert [sorted(opt.state[p]) for p in m.parameters()] == list(keys[(fraction, stream)].values())
+    first = next(iter(keys.values()))
+    assert all(k == first for k in keys.values()), keys
+    assert all(("master_weight" in e) == in_fp32 for e in first.values())
