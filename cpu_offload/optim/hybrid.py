@@ -87,7 +87,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         OffloadConfigError: an argument out of range or of the wrong type (the message names the
             fix); parameters on several devices, non-leaf, or non-contiguous in the offloaded share.
         OffloadUsageError: ``step()`` after ``close()``; sparse gradients on offloaded
-            parameters; ``next_forward`` without ``register_forward_waits``.
+            parameters; ``next_forward`` without ``register_forward_waits``; a group key deleted,
+            or an implementation key (``fused``...) set; ``copy.deepcopy`` or pickling.
 
     Example::
 
