@@ -6,6 +6,7 @@ update.
 The parts see plain tensors: for a DTensor parameter (FSDP2) its local shard (``sharded``)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -609,7 +610,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Of the last step whose CPU updates all finished (``{}`` before one has): CPU update
         seconds (``cpu_update_s``, and how much of it ran before ``step()``), the buckets redone
         because early work was stale (``redone_buckets``), bytes moved each way, and the
-        streamed part's figures (``stream_*``)."""
+        streamed part's figures (``stream_*``; ``stream_early_missed``: per reason, the chunks
+        whose update did not start in backward or was not kept, ``stream_records.EarlyMiss``)."""
         return {**self._cpu.stats, **self._stream_stats()} if self._cpu.stats else {}
 
     def _take_edits(self) -> None:
@@ -629,6 +631,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "stream_bytes_to_host": sum(p.bytes_out for p in self._parts),
             "stream_early_chunks": sum(p.backward.started for p in self._parts if p.backward),
             "stream_early_kept": sum(p.backward.kept for p in self._parts if p.backward),
+            "stream_early_missed": dict(sum((p.backward.missed for p in self._parts if p.backward),
+                                            collections.Counter())),
         }
 
     def _drain_all(self) -> None:

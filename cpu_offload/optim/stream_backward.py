@@ -43,6 +43,7 @@ gradients stayed as backward left them.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Optional, Sequence
 
 import torch
@@ -54,9 +55,18 @@ from .cpu_update import ELEMENTWISE, tensor_version
 from .stream_chunk import ChunkRunner, PieceViews, copy_all
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, slot_aligned
 from .guards import Fingerprint, changed, same_hypers
-from .stream_records import BackwardRound, EarlyPhase, EarlyUpdate, Landed
+from .stream_records import BackwardRound, EarlyMiss, EarlyPhase, EarlyUpdate, Landed
 from .stream_store import HostCopy
 from .transfer import flat_bytes
+
+
+def _landed_miss(stale: bool, changed_flags: Sequence[bool]) -> Optional[EarlyMiss]:
+    """Why work that read one ``Landed`` may not be kept (``Landed.checks``' order: gradient,
+    parameter), or None."""
+    if stale:
+        return EarlyMiss.SECOND_GRADIENT
+    grad_changed, param_changed = changed_flags
+    return EarlyMiss.GRADIENT if grad_changed else EarlyMiss.PARAMETER if param_changed else None
 
 
 class BackwardUpdates:
@@ -75,6 +85,7 @@ class BackwardUpdates:
         self.side = side
         self.enabled = True  # off after a step whose gradients changed after backward
         self.started = self.kept = 0  # early updates of the last step, and how many it kept
+        self.missed: collections.Counter = collections.Counter()  # ``EarlyMiss`` name -> chunks
         self.needed = [len(c.param_indices()) for c in self.chunks]  # gradients per chunk
         # the spare copy: pinned memory allocated with the part (later would stall a step)
         self.spares = HostCopy(self.device, runner.params, state_elems, runner.store.fp32_masters)
@@ -101,6 +112,7 @@ class BackwardUpdates:
                     self._queue(ci, hypers)
                 else:
                     r.move(ci, EarlyPhase.SKIPPED)
+                    r.why[ci] = EarlyMiss.NOT_ELIGIBLE if self.enabled else EarlyMiss.OFF
 
     def _queue(self, ci: int, hypers: Sequence[dict]) -> None:
         """Hand chunk ``ci``'s update to the launcher, with what it reads as backward left it."""
@@ -126,12 +138,13 @@ class BackwardUpdates:
         r, run, link, dev = self.round, self.runner, self.link, self.device
         chunk = self.chunks[ci]
         pieces = chunk.pieces
-        # what the update reads, fingerprinted where it is queued (compute stream, before the
-        # event it waits for), not in the hooks: a change after this shows at ``validate``
+        # what the update reads, fingerprinted where it is queued (the hook's stream, before
+        # the event it waits for), not in the hooks: a change after this shows at ``validate``
         Fingerprint.take_bits([fp for _, landed in seen for fp in landed.fingerprints()])
         first = not r.slots
         buffer, new = self._allocate(pieces)
         ready = self._ready()
+        r.fingerprinted.append(ready)  # the sums are done once it has passed
         if first:
             r.free = [ready] * SLOTS
             if link.last_out is not None:  # the last step's copies out wrote what is read here
@@ -166,6 +179,7 @@ class BackwardUpdates:
         r.held += created + [buffer] + run.read_on_device(hypers)
         if copies is None:  # the class changed its state's layout: step() updates the chunk
             r.move(ci, EarlyPhase.DROPPED)
+            r.why[ci] = EarlyMiss.LAYOUT
             return
         updated = dev.record_event(self.side)
         dev.wait_event(link.d2h, updated)
@@ -247,21 +261,36 @@ class BackwardUpdates:
         hyperparameters are the same, and no loss scale came (``scaled``: they ran without it).
         Decides whether the next backward starts any."""
         r, params = self.round, self.runner.params
+        # The launches took their sums on the stream the hooks ran on, which need not be this
+        # one, nor one this stream already waited for: FSDP2 runs the hooks on its
+        # reduce-scatter stream, and the end of its backward waits only for what was queued
+        # there before the hooks returned, not for a launch queued after (two GPUs over NCCL:
+        # the sums were read unfinished, every update redone, and the next backward started none)
+        compute = self.device.current_stream()
+        for event in r.fingerprinted:
+            self.device.wait_event(compute, event)
         order = sorted(r.landed)
         checks = [r.landed[i].checks(params[i]) for i in order]
         flags = iter(changed([c for group in checks for c in group]))
-        ok = {i: not r.landed[i].stale and not any([next(flags) for _ in group])
-              for i, group in zip(order, checks)}
+        miss = {i: _landed_miss(r.landed[i].stale, [next(flags) for _ in group])
+                for i, group in zip(order, checks)}
         kept = []
         for ci, rec in sorted(r.done.items()):
             assert all(fp.bits is not None for _, landed in rec.seen for fp in landed.fingerprints()), \
                 "an early update kept no fingerprint of what it read"
-            keep = not scaled and same_hypers(rec.hypers, hypers) and all(ok[i] for i, _ in rec.seen)
-            r.move(ci, EarlyPhase.KEPT if keep else EarlyPhase.REDONE)
-            if keep:
+            why = EarlyMiss.LOSS_SCALE if scaled else None if same_hypers(rec.hypers, hypers) \
+                else EarlyMiss.HYPERPARAMETERS
+            why = why or next((miss[i] for i, _ in rec.seen if miss[i] is not None), None)
+            r.move(ci, EarlyPhase.REDONE if why else EarlyPhase.KEPT)
+            if why:
+                r.why[ci] = why
+            else:
                 kept.append(rec)
+        r.why.update((ci, EarlyMiss.NO_GRADIENT) for ci, phase in enumerate(r.phases)
+                     if phase is EarlyPhase.WAITING)
         self.started, self.kept = len(r.done), len(kept)
-        self.enabled = all(ok.values()) and not scaled
+        self.missed = collections.Counter(w.name.lower() for w in r.why.values())
+        self.enabled = not any(miss.values()) and not scaled
         return kept
 
     def commit(self, kept: Sequence[EarlyUpdate], stream: Any) -> list[Event]:

@@ -12,7 +12,8 @@ state of a chunk is one value, not a combination of containers.
   predicate ``still_valid`` says whether work that read it may be kept.
 - ``EarlyUpdate``: one chunk's update started in backward (``stream_backward``).
 - ``BackwardRound``: the early updates of one backward, from its first gradient to the
-  ``step()`` that keeps or drops them; ``EarlyPhase`` per chunk.
+  ``step()`` that keeps or drops them; ``EarlyPhase`` per chunk, and ``EarlyMiss`` for those
+  not kept.
 - ``ChunkMark`` and ``QueuedUpdate``: the update ``step()`` left running (``next_forward``),
   which forwards wait for chunk by chunk; ``UpdatePhase``.
 """
@@ -54,6 +55,22 @@ _EARLY_NEXT = {
     EarlyPhase.SKIPPED: set(), EarlyPhase.DROPPED: set(), EarlyPhase.KEPT: set(),
     EarlyPhase.REDONE: set(),
 }
+
+
+class EarlyMiss(enum.Enum):
+    """Why a chunk's update was not started in backward, or not kept by ``step()`` (then
+    ``step()`` updates it itself: only the overlap is lost). ``last_step_stats`` counts them
+    (``stream_early_missed``), so a user can see what costs the overlap."""
+
+    NO_GRADIENT = "a gradient of the chunk did not arrive in backward"
+    OFF = "off: the step before changed gradients after backward, or scaled the loss"
+    NOT_ELIGIBLE = "not eligible (optimizer class, state not yet made, or a second gradient)"
+    LAYOUT = "the optimizer changed its state's layout"
+    LOSS_SCALE = "a loss scale came at step()"
+    HYPERPARAMETERS = "hyperparameters changed before step()"
+    SECOND_GRADIENT = "a second gradient came before step()"
+    GRADIENT = "a gradient changed before step()"
+    PARAMETER = "a parameter changed before step()"
 
 
 class UpdatePhase(enum.Enum):
@@ -137,6 +154,8 @@ class BackwardRound:
     launched: int = 0
     held: list = field(default_factory=list)  # device buffers queued work uses
     grads: list = field(default_factory=list)  # the gradients it reads
+    why: dict = field(default_factory=dict)  # chunk -> why it was not kept (``EarlyMiss``)
+    fingerprinted: list = field(default_factory=list)  # per launch: its bit sums are done
 
     @classmethod
     def start(cls, needed: Sequence[int]) -> "BackwardRound":

@@ -561,13 +561,25 @@ def case_fsdp2_optim(env: Env) -> dict:
     opt_log_start: dict = {}  # id(optimizer) -> where its device's log of this backward starts
 
     def train(model: nn.Module, opt: Any, steps: range, ctx=None, sync=None,
-              before_step: Callable[[], None] = lambda: None) -> None:
+              before_step: Callable[[], None] = lambda: None,
+              after_step: Callable[[int], None] = lambda i: None) -> None:
         for i in steps:
             x = make_input(cfg, env.device, seed=100 * i + env.rank, requires_grad=False)
             loss_of(model(x, ctx, sync)).backward()
             before_step()
             opt.step()
+            after_step(i)
             opt.zero_grad()
+
+    def all_kept_early(opt: Any) -> Callable[[int], None]:
+        """After each step but the first (which makes the state): the streamed part's updates
+        started in backward, and ``step()`` kept every one (why not, per chunk, if not)."""
+        def check(i: int) -> None:
+            if i > 0:
+                s = {k: v for k, v in opt.last_step_stats.items() if k.startswith("stream_early")}
+                assert 0 < s["stream_early_kept"] == s["stream_early_chunks"], \
+                    f"rank {env.rank} step {i}: {s}"
+        return check
 
     def copied_in_backward(opt: Any) -> Callable[[], None]:
         """Before ``step()``: the CPU part's gradient copies were queued from FSDP2's hooks
@@ -626,11 +638,9 @@ def case_fsdp2_optim(env: Env) -> dict:
             opt = hybrid(model)
             ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,
                                                 **env.offload_kwargs())
-            train(model, opt, range(3), ctx, sync, before_step=copied_in_backward(opt))
+            train(model, opt, range(3), ctx, sync, before_step=copied_in_backward(opt),
+                  after_step=all_kept_early(opt) if early else lambda i: None)
             opt.wait_params()
-            if early:  # the streamed part's updates started in backward, and were kept
-                stats = opt.last_step_stats
-                assert 0 < stats["stream_early_kept"] == stats["stream_early_chunks"], stats
             return model, opt
 
         model, opt = trained()

@@ -11,6 +11,7 @@ thread could run them) and run in the hooks. GPU (``-m gpu``): kept early update
 fused AdamW on CUDA, bit for bit, queued by the launcher thread."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -101,6 +102,16 @@ EDITS = {
 }
 
 
+# what last_step_stats["stream_early_missed"] names for the chunks each edit makes step() redo
+MISSED = {"clip": "gradient", "scale_one": "gradient", "scale_one_data": "gradient",
+          "drop_one": "gradient", "lr": "hyperparameters", "param_data": "parameter",
+          "param_in_place": "parameter"}
+
+
+def missed(opt):
+    return opt.last_step_stats["stream_early_missed"]
+
+
 @pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("edit", sorted(EDITS))
@@ -131,6 +142,7 @@ def test_changes_before_step_redo_the_early_updates(dtype, edit, mode, launches)
             started, kept = early_stats(opt) if mode != "next_forward" else (None, None)
             if started is not None:
                 assert started == chunks(opt) and kept < started
+                assert set(missed(opt)) == {MISSED[edit]}, missed(opt)
     opt.wait_params()
     assert_same(m, opt, ref, ref_opt)
     opt.close()
@@ -210,17 +222,20 @@ def test_reading_the_state_before_step_reads_the_last_steps_and_changes_nothing(
 
 
 def test_after_a_changed_step_the_next_backward_waits_then_resumes():
+    """... and ``last_step_stats["stream_early_missed"]`` says why, per chunk."""
     m = model(torch.bfloat16)
     opt = hybrid(m, 1.0, 1.0, "backward_update")
     n = chunks(opt)
-    train(m, opt, 2, edit=None)
-    assert early_stats(opt) == (n, n)
+    train(m, opt, 1, edit=None)  # the first step makes the state: nothing can start before
+    assert early_stats(opt) == (0, 0) and missed(opt) == {"not_eligible": n}
+    train(m, opt, 1, start=1, edit=None)
+    assert early_stats(opt) == (n, n) and missed(opt) == {}
     train(m, opt, 1, start=2)  # clipped: every early update redone
-    assert early_stats(opt) == (n, 0)
+    assert early_stats(opt) == (n, 0) and missed(opt) == {"gradient": n}
     train(m, opt, 1, start=3, edit=None)  # nothing started early (gradients changed last time)
-    assert early_stats(opt) == (0, 0)
+    assert early_stats(opt) == (0, 0) and missed(opt) == {"off": n}
     train(m, opt, 1, start=4, edit=None)  # resumed
-    assert early_stats(opt) == (n, n)
+    assert early_stats(opt) == (n, n) and missed(opt) == {}
     opt.close()
 
 
@@ -243,7 +258,7 @@ def test_a_second_backward_before_step_is_exact(dtype, mode, launches):
             o.step()
             o.zero_grad()
             if mm is m and mode == "backward_update" and i == 2:
-                assert early_stats(opt) == (n, 0)
+                assert early_stats(opt) == (n, 0) and missed(opt) == {"second_gradient": n}
     opt.wait_params()
     assert_same(m, opt, ref, ref_opt)
     opt.close()
@@ -485,6 +500,57 @@ def test_launches_lagging_behind_backward_stay_exact_on_cuda(monkeypatch, dtype)
             o.step()
             o.zero_grad()
     assert early_stats(opt) == (chunks(opt), chunks(opt))
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_gradients_handed_over_on_a_busy_side_stream_are_kept_on_cuda(monkeypatch):
+    """FSDP2's hand-over: the gradients are written, and the post-accumulate-grad hooks run,
+    on a side stream (its reduce-scatter stream), and the end of backward waits only for the
+    work queued there before the hooks returned. The launches queue their bit sums there
+    later, behind more reduce-scatters (here a 100 ms sleep); step() must wait for those sums
+    before comparing them. Before, it read them unfinished: every update was redone
+    (``stream_early_missed``) and the next backward started none (two GPUs, NCCL)."""
+    launch, handed = BackwardUpdates._launch, threading.Event()
+
+    def late(self, *args):  # the launcher thread runs after the hand-over has returned
+        assert handed.wait(timeout=60)
+        launch(self, *args)
+
+    monkeypatch.setattr(BackwardUpdates, "_launch", late)
+    ref = _wide(torch.bfloat16)
+    ref_opt = MasterWeightOptimizer(ref.parameters(), **KW)
+    m = _wide(torch.bfloat16)
+    opt = hybrid(m, 1.0, 1.0, "backward_update", device=_cuda(), budget=2**24)
+    assert 1 < chunks(opt) <= 8  # queued in far less than the sleep
+    side = torch.cuda.Stream()
+    for i in range(4):
+        gen = torch.Generator().manual_seed(100 + i)
+        x = torch.randn(4096, 512, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+        ref(x).float().square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        params = list(m.parameters())
+        grads = torch.autograd.grad(m(x).float().square().mean(), params)  # no hooks run
+        side.wait_stream(torch.cuda.current_stream())
+        handed.clear()
+        with torch.cuda.stream(side):
+            for p, g in reversed(list(zip(params, grads))):
+                p.grad = g.clone()  # the reduce-scatter's output, on its stream
+                for hook in p._post_accumulate_grad_hooks.values():
+                    hook(p)
+            handed_over = side.record_event()
+            torch.cuda._sleep(200_000_000)  # later reduce-scatters: the launches queue after them
+        handed.set()
+        torch.cuda.current_stream().wait_event(handed_over)  # FSDP2's end of backward
+        del grads
+        opt.step()
+        opt.zero_grad()
+        if i > 0:
+            assert early_stats(opt) == (chunks(opt), chunks(opt)), missed(opt)
     opt.wait_params()
     assert_same(m, opt, ref, ref_opt)
     opt.close()
