@@ -144,7 +144,8 @@ class BackwardUpdates:
         first = not r.slots
         buffer, new = self._allocate(pieces)
         ready = self._ready()
-        r.fingerprinted.append(ready)  # the sums are done once it has passed
+        stream = self.device.current_stream()
+        r.fingerprinted[id(stream)] = (stream, ready)  # the sums are done once it has passed
         if first:
             r.free = [ready] * SLOTS
             if link.last_out is not None:  # the last step's copies out wrote what is read here
@@ -267,8 +268,9 @@ class BackwardUpdates:
         # there before the hooks returned, not for a launch queued after (two GPUs over NCCL:
         # the sums were read unfinished, every update redone, and the next backward started none)
         compute = self.device.current_stream()
-        for event in r.fingerprinted:
-            self.device.wait_event(compute, event)
+        for stream, event in r.fingerprinted.values():  # the last launch on each stream
+            if stream != compute:
+                self.device.wait_event(compute, event)
         order = sorted(r.landed)
         checks = [r.landed[i].checks(params[i]) for i in order]
         flags = iter(changed([c for group in checks for c in group]))

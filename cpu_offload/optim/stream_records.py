@@ -155,7 +155,8 @@ class BackwardRound:
     held: list = field(default_factory=list)  # device buffers queued work uses
     grads: list = field(default_factory=list)  # the gradients it reads
     why: dict = field(default_factory=dict)  # chunk -> why it was not kept (``EarlyMiss``)
-    fingerprinted: list = field(default_factory=list)  # per launch: its bit sums are done
+    fingerprinted: dict = field(default_factory=dict)  # id(stream) -> (stream, event after
+    # the bit sums of the last launch queued on it)
 
     @classmethod
     def start(cls, needed: Sequence[int]) -> "BackwardRound":
