@@ -333,6 +333,15 @@ class OffloadDevice(abc.ABC):
         self.wait_stream(stream, current)
         return out
 
+    def queued_write(self, stream: Stream, t: torch.Tensor) -> None:
+        """Work just queued on ``stream`` outside ``run_on`` (the stream current then) writes
+        device tensor ``t``.
+
+        A real device needs nothing; the simulation holds ``t`` as being written until the
+        compute stream has waited for an event on ``stream`` recorded after it (directly or
+        through another stream), so compute that reads it first raises in ``will_read``.
+        """
+
     def will_write(self, t: torch.Tensor) -> None:
         """Compute is about to write device tensor ``t`` in place (e.g. zero a gradient).
 

@@ -61,7 +61,8 @@ class InlineLauncher:
 
 
 class DeferredLauncher:
-    """Queues work; ``join`` runs it, in order, on the joining thread.
+    """Queues work; ``join`` runs it, in order, on the joining thread (each with the stream it
+    was submitted with current, through ``current(stream)``, a context manager, if given).
 
     Example::
 
@@ -75,9 +76,10 @@ class DeferredLauncher:
         [1]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, current: Optional[Callable[[Any], Any]] = None) -> None:
         self._queue: deque = deque()
         self._lock = threading.RLock()  # submit (a hook) and join (the caller) may be two threads
+        self._current = current
 
     @property
     def pending(self) -> int:
@@ -86,13 +88,18 @@ class DeferredLauncher:
 
     def submit(self, work: Work, stream: Any = None) -> None:
         with self._lock:
-            self._queue.append(work)
+            self._queue.append((work, stream))
 
     def join(self) -> None:
         with self._lock:
             try:
                 while self._queue:
-                    self._queue.popleft()()
+                    work, stream = self._queue.popleft()
+                    if stream is None or self._current is None:
+                        work()
+                        continue
+                    with self._current(stream):
+                        work()
             finally:
                 self._queue.clear()  # after an error: the work queued behind it is dropped
 

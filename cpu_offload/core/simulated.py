@@ -12,7 +12,10 @@ and reuses the block only after the copy, and so does the simulation. ``capture`
 graph-capture rules. Device memory is handed out on the compute stream, and on a real device the
 caching allocator may hand out memory that compute work queued earlier still uses: a side
 stream that writes a fresh buffer must first wait for a compute event recorded after its
-allocation (else ``SimulatedHazard``). Every call is appended to ``log`` for schedule
+allocation (else ``SimulatedHazard``). ``use_stream`` makes another stream current on a
+thread, as FSDP2 runs its gradient hooks on its reduce-scatter stream (memory allocated then is
+that stream's); what work queued there writes (``queued_write``) compute may read only once
+ordered after it through event waits. Every call is appended to ``log`` for schedule
 assertions; copies are logged as ``("copy", stream, nbytes, "d2h" | "h2d")``. Calls may come from several threads (the
 optimizer's CPU worker); one lock serialises them.
 """
@@ -58,9 +61,18 @@ class SimStream:
     # the latest allocation (``SimulatedDevice._allocs``) this stream's work is ordered after:
     # through a wait for a compute event recorded after it, directly or through another stream
     allocs_seen: int = 0
+    # per other stream (by id): the last of its operations this stream's work is ordered after,
+    # through event waits, directly or through another stream (``queued_write``'s check)
+    after: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"SimStream({self.name})"
+
+    def order_after(self, event: "SimEvent") -> None:
+        """This stream's later work runs after ``event`` (and what it was ordered after)."""
+        for key, seq in list(event.after.items()) + [(id(event.stream), event.seq)]:
+            if seq > self.after.get(key, 0):
+                self.after[key] = seq
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,7 @@ class SimEvent:
     seq: int
     capture: Optional[object] = field(default=None, compare=False)  # recorded during it
     allocs_seen: int = field(default=0, compare=False)  # its stream's ``allocs_seen`` then
+    after: dict = field(default_factory=dict, compare=False)  # its stream's ``after`` then
 
 
 class SimulatedDevice(OffloadDevice):
@@ -150,13 +163,29 @@ class SimulatedDevice(OffloadDevice):
         self._host_bufs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
         self._capture: Optional[object] = None  # the graph capture in progress (``capture``)
+        self._current = threading.local()  # per thread: the stream ``use_stream`` made current
+        self._queued_writes: list = []  # ((start, end), stream, seq) of ``queued_write``
 
     # -- streams and events -------------------------------------------------------------------
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
 
     def current_stream(self) -> SimStream:
-        return self.compute
+        return getattr(self._current, "stream", None) or self.compute
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: SimStream) -> Iterator[None]:
+        """Make ``stream`` this thread's current stream for the block, as
+        ``torch.cuda.stream(s)`` does: FSDP2 runs the sharded parameters' gradient hooks so,
+        on its reduce-scatter stream. Memory allocated meanwhile comes from that stream's pool
+        (its work is ordered after the allocation). Launches submitted from such a hook run
+        with it current (``host_launcher``)."""
+        previous = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = previous
 
     def new_stream(self) -> SimStream:
         s = SimStream(f"side{len(self.streams)}", eager=not self.defer)
@@ -166,7 +195,7 @@ class SimulatedDevice(OffloadDevice):
     def record_event(self, stream: SimStream) -> SimEvent:
         with self._lock:
             seen = self._allocs if stream is self.compute else stream.allocs_seen
-            return SimEvent(stream, stream.queued, stream.capture, seen)
+            return SimEvent(stream, stream.queued, stream.capture, seen, dict(stream.after))
 
     def capturing(self, stream: SimStream) -> bool:
         return stream.capture is not None
@@ -178,6 +207,7 @@ class SimulatedDevice(OffloadDevice):
                 return
             self._capture_rules(stream, event)
             stream.allocs_seen = max(stream.allocs_seen, event.allocs_seen)
+            stream.order_after(event)
             if stream.eager:
                 self._run_until(event.stream, event.seq)
             else:
@@ -192,6 +222,7 @@ class SimulatedDevice(OffloadDevice):
                     "runs only when the graph is replayed (cudaErrorStreamCaptureUnsupported)"
                 )
             self._run_until(event.stream, event.seq)
+            self.compute.order_after(event)  # compute queued from now on runs after it
 
     def event_done(self, event: SimEvent) -> bool:
         return event.stream.done >= event.seq
@@ -208,6 +239,7 @@ class SimulatedDevice(OffloadDevice):
                 )
             for s in self.streams:
                 self._run_until(s, s.queued)
+                self.compute.order_after(SimEvent(s, s.queued))
 
     # -- memory -------------------------------------------------------------------------------
     def alloc_host(self, nbytes: int) -> torch.Tensor:
@@ -233,10 +265,13 @@ class SimulatedDevice(OffloadDevice):
         with self._lock:
             self._allocs += 1
             buf._alloc_no = self._allocs  # side streams write it once ordered after this
+            current = self.current_stream()
+            if current is not self.compute:  # from its own pool: ordered after by its order
+                current.allocs_seen = self._allocs
         return buf
 
     def host_launcher(self, where: torch.device) -> Launcher:
-        return DeferredLauncher() if self.defer_launches else InlineLauncher()
+        return DeferredLauncher(self.use_stream) if self.defer_launches else InlineLauncher()
 
     def _check_fresh(self, stream: SimStream, t: torch.Tensor, what: str) -> None:
         """``stream`` (not compute) is about to write device tensor ``t``: if ``t`` is (a view
@@ -248,7 +283,8 @@ class SimulatedDevice(OffloadDevice):
         if no > stream.allocs_seen:
             raise SimulatedHazard(
                 f"{what} on {stream.name} writes a device buffer allocated on the compute stream "
-                "before that stream waited for a compute event recorded after the allocation: "
+                "(or on the stream current then) before that stream waited for an event recorded "
+                "there after the allocation: "
                 "the caching allocator may have handed out memory that compute work queued "
                 "earlier still uses (record an event on the compute stream after allocating, "
                 "and make the stream wait for it)")
@@ -368,6 +404,14 @@ class SimulatedDevice(OffloadDevice):
         start = t.data_ptr()
         end = start + t.numel() * t.element_size()
         with self._lock:
+            after = self.compute.after
+            self._queued_writes = [w for w in self._queued_writes if after.get(id(w[1]), 0) < w[2]]
+            for (lo, hi), s, _ in self._queued_writes:
+                if lo < end and start < hi:
+                    raise SimulatedHazard(
+                        f"compute reads a buffer that work queued on {s.name} writes, and the "
+                        f"compute stream has not waited for an event on {s.name} recorded after "
+                        "it (directly or through another stream): wait for that event first")
             for s in self.streams:
                 for _, _, _, writes in s.pending:
                     if writes is not None and writes[0] < end and start < writes[1]:
@@ -397,6 +441,18 @@ class SimulatedDevice(OffloadDevice):
                     span = (start, start + t.numel() * t.element_size())
                 self._enqueue(stream, lambda: None, ptrs, span)
             return out
+
+    def queued_write(self, stream: SimStream, t: torch.Tensor) -> None:
+        """Also when ``stream`` runs its work before compute waits for it (``run_on`` runs a
+        stream's queue when more work comes to it): ``will_read`` checks the order, not only
+        what is still queued."""
+        start = t.data_ptr()
+        span = (start, start + t.numel() * t.element_size())
+        with self._lock:
+            self.log.append(("queued_write", stream.name))
+            self._enqueue(stream, lambda: None, [], span)
+            if stream is not self.compute:
+                self._queued_writes.append((span, stream, stream.queued))
 
     def will_write(self, t: torch.Tensor) -> None:
         ptr = t.data_ptr()

@@ -6,7 +6,9 @@ error (the work queued behind that error is dropped, and the launcher works agai
 ``cancel`` drops what has not started; the thread of a ``ThreadLauncher`` runs each work with
 its stream current and stops on ``close`` or when the launcher is collected. Which launcher
 each device gives. Fresh device buffers: a side stream that writes one must first wait for a
-compute event recorded after its allocation."""
+compute event recorded after its allocation. Another stream current (``use_stream``): deferred
+work runs with it, memory allocated then is its own, and what work queued there writes
+compute reads only once ordered after it."""
 from __future__ import annotations
 
 import gc
@@ -157,3 +159,62 @@ def test_a_side_stream_writing_a_fresh_buffer_waits_for_compute_after_its_alloca
     sim.copy(sim.current_stream(), buf, host)  # the compute stream itself: in order anyway
     sim.copy(side, host, buf)  # reading it into host memory: not a write of it
     sim.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# the simulation: another stream current (FSDP2's hooks), and reads of what it wrote
+
+
+def test_deferred_work_runs_with_the_stream_it_was_submitted_with_current():
+    sim = SimulatedDevice()
+    side = sim.new_stream()
+    launcher, seen = sim.host_launcher(torch.device("cpu")), []
+    with sim.use_stream(side):
+        assert sim.current_stream() is side
+        launcher.submit(lambda: seen.append(sim.current_stream()), sim.current_stream())
+    launcher.submit(lambda: seen.append(sim.current_stream()))  # no stream: the joiner's
+    assert sim.current_stream() is sim.compute
+    launcher.join()
+    assert seen == [side, sim.compute] and sim.current_stream() is sim.compute
+
+
+def test_memory_allocated_with_a_side_stream_current_is_that_streams_to_write():
+    sim = SimulatedDevice()
+    side, other = sim.new_stream(), sim.new_stream()
+    with sim.use_stream(side):
+        buf = sim.alloc_device(8, torch.device("cpu"))
+        ready = sim.record_event(side)
+    sim.run_on(side, lambda: None, writes=[buf])  # its own pool: in its order
+    with pytest.raises(SimulatedHazard, match="or on the stream current then"):
+        sim.run_on(other, lambda: None, writes=[buf])
+    sim.wait_event(other, ready)
+    sim.run_on(other, lambda: None, writes=[buf])
+    sim.synchronize()
+
+
+@pytest.mark.parametrize("how", ["direct", "through_another", "host", "synchronize"])
+def test_compute_reads_a_queued_write_only_once_ordered_after_it(how):
+    """``queued_write``: even after the writing stream has run (a later ``run_on`` on it runs
+    its queue), compute may read the tensor only once it waited for an event recorded after
+    the write: directly, through another stream, on the host, or by synchronizing."""
+    sim = SimulatedDevice()
+    side, other = sim.new_stream(), sim.new_stream()
+    early = sim.record_event(side)
+    sums = torch.zeros(4, dtype=torch.float64)
+    sim.queued_write(side, sums)
+    sim.run_on(side, lambda: None)  # the stream ran its queue: the write is done, not ordered
+    sim.wait_event(sim.compute, early)  # an event from before the write orders nothing
+    with pytest.raises(SimulatedHazard, match="has not waited for an event on"):
+        sim.will_read(sums[1:2])
+    sim.will_read(torch.zeros(4))  # another buffer
+    after = sim.record_event(side)
+    if how == "direct":
+        sim.wait_event(sim.compute, after)
+    elif how == "through_another":
+        sim.wait_event(other, after)
+        sim.wait_event(sim.compute, sim.record_event(other))
+    elif how == "host":
+        sim.wait_host(after)
+    else:
+        sim.synchronize()
+    sim.will_read(sums)
