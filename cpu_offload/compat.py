@@ -341,6 +341,13 @@ def graph_task_id() -> int:
     return get() if get is not None else -1
 
 
+def cuda_sleep(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles
+    (``torch.cuda._sleep``, in every supported release): tests stand it in for device work
+    that is still running, such as FSDP2's later reduce-scatters."""
+    torch.cuda._sleep(cycles)
+
+
 def cuda_allocated_bytes(device: Any = None) -> int:
     """``torch.cuda.memory_allocated(device)`` without its garbage: that function builds a
     recursive closure (a reference cycle) on every call, which would mask cycles made elsewhere."""

@@ -230,17 +230,20 @@ class Fingerprint:
         return cls(t, tensor_version(t), None)
 
     @staticmethod
-    def take_bits(prints: Sequence["Fingerprint"]) -> None:
+    def take_bits(prints: Sequence["Fingerprint"]) -> Optional[torch.Tensor]:
         """Take the bit sums of those of ``prints`` still pending (their tensors all on one
         device), in one batch, on the current stream: the content they fingerprint is the one
         work queued after this on that stream reads, or that work queued on another stream
         after an event recorded after this reads, once nothing changes it in between (and any
-        change after this shows at ``changed``)."""
+        change after this shows at ``changed``, on a stream ordered after this one). Returns
+        the tensor the sums are rows of (None if none was pending)."""
         todo = list({id(fp): fp for fp in prints if fp.bits is None}.values())
-        if todo:
-            sums = bit_sums([fp.tensor for fp in todo])
-            for k, fp in enumerate(todo):
-                fp.bits = sums[k]
+        if not todo:
+            return None
+        sums = bit_sums([fp.tensor for fp in todo])
+        for k, fp in enumerate(todo):
+            fp.bits = sums[k]
+        return sums
 
     @classmethod
     def of_all(cls, tensors: Sequence[torch.Tensor]) -> list["Fingerprint"]:

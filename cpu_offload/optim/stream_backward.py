@@ -140,11 +140,13 @@ class BackwardUpdates:
         pieces = chunk.pieces
         # what the update reads, fingerprinted where it is queued (the hook's stream, before
         # the event it waits for), not in the hooks: a change after this shows at ``validate``
-        Fingerprint.take_bits([fp for _, landed in seen for fp in landed.fingerprints()])
+        sums = Fingerprint.take_bits([fp for _, landed in seen for fp in landed.fingerprints()])
+        stream = dev.current_stream()
+        if sums is not None:
+            dev.queued_write(stream, sums)
         first = not r.slots
         buffer, new = self._allocate(pieces)
         ready = self._ready()
-        stream = self.device.current_stream()
         r.fingerprinted[id(stream)] = (stream, ready)  # the sums are done once it has passed
         if first:
             r.free = [ready] * SLOTS
@@ -273,6 +275,9 @@ class BackwardUpdates:
                 self.device.wait_event(compute, event)
         order = sorted(r.landed)
         checks = [r.landed[i].checks(params[i]) for i in order]
+        for fp, _ in (c for group in checks for c in group):
+            if fp.bits is not None:
+                self.device.will_read(fp.bits)
         flags = iter(changed([c for group in checks for c in group]))
         miss = {i: _landed_miss(r.landed[i].stale, [next(flags) for _ in group])
                 for i, group in zip(order, checks)}

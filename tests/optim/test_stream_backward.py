@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from cpu_offload import OffloadConfigError, SimulatedDevice
+from cpu_offload import OffloadConfigError, SimulatedDevice, compat
 from cpu_offload.core.launcher import ThreadLauncher
 from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim.reference import MasterWeightOptimizer
@@ -505,6 +505,55 @@ def test_launches_lagging_behind_backward_stay_exact_on_cuda(monkeypatch, dtype)
     opt.close()
 
 
+def hand_over(dev, m, loss, stream, use_stream, then=lambda: None):
+    """Backward as FSDP2 ends it: the gradients computed, then set and their post-accumulate-
+    grad hooks run with ``stream`` current (``use_stream``: its reduce-scatter stream), ``then``
+    queued there (later reduce-scatters), and the compute stream waiting only for what was
+    queued there before it."""
+    params = list(m.parameters())
+    grads = torch.autograd.grad(loss, params)  # no hook runs
+    dev.wait_event(stream, dev.record_event(dev.current_stream()))
+    with use_stream(stream):
+        for p, g in reversed(list(zip(params, grads))):
+            p.grad = g.clone()  # the reduce-scatter's output, on its stream
+            for hook in p._post_accumulate_grad_hooks.values():
+                hook(p)
+        handed_over = dev.record_event(stream)
+        then()
+    dev.wait_event(dev.current_stream(), handed_over)
+
+
+def train_handed_over(ref, ref_opt, m, opt, loss, hand_over_args, before=lambda: None):
+    """Four steps: ``ref`` as usual, ``m`` ending each backward with ``hand_over``; from the
+    second on every early update is kept; the result is ``ref``'s."""
+    for i in range(4):
+        loss(ref, i).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        before()
+        hand_over(opt._device, m, loss(m, i), *hand_over_args)
+        opt.step()
+        opt.zero_grad()
+        if i > 0:
+            assert early_stats(opt) == (chunks(opt), chunks(opt)), missed(opt)
+    opt.wait_params()
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("launches", LAUNCHES)
+def test_gradients_handed_over_on_a_side_stream_are_compared_after_their_sums(launches):
+    """FSDP2's hand-over (``hand_over``): a launch takes its bit sums on the stream its hook ran
+    on, after the compute stream's wait (deferred: in step()); step() compares them only after
+    waiting for that stream (before, it read them unfinished: a ``SimulatedHazard`` here; on
+    two GPUs every update redone). Every update is kept, and the result is the wrapped class's."""
+    ref, ref_opt = reference(torch.bfloat16)
+    m = model(torch.bfloat16)
+    dev = SimulatedDevice()
+    opt = hybrid(m, 1.0, 1.0, "backward_update", device=dev, launches=launches)
+    train_handed_over(ref, ref_opt, m, opt, loss_of, (dev.new_stream(), dev.use_stream))
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("deterministic")
 def test_gradients_handed_over_on_a_busy_side_stream_are_kept_on_cuda(monkeypatch):
@@ -520,40 +569,24 @@ def test_gradients_handed_over_on_a_busy_side_stream_are_kept_on_cuda(monkeypatc
         assert handed.wait(timeout=60)
         launch(self, *args)
 
+    def later_reduce_scatters():  # a 100 ms sleep; the launches queue behind it
+        compat.cuda_sleep(200_000_000)
+        handed.set()
+
     monkeypatch.setattr(BackwardUpdates, "_launch", late)
     ref = _wide(torch.bfloat16)
     ref_opt = MasterWeightOptimizer(ref.parameters(), **KW)
     m = _wide(torch.bfloat16)
     opt = hybrid(m, 1.0, 1.0, "backward_update", device=_cuda(), budget=2**24)
     assert 1 < chunks(opt) <= 8  # queued in far less than the sleep
-    side = torch.cuda.Stream()
-    for i in range(4):
+
+    def loss(mm, i):
         gen = torch.Generator().manual_seed(100 + i)
         x = torch.randn(4096, 512, generator=gen).to(device="cuda", dtype=torch.bfloat16)
-        ref(x).float().square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        params = list(m.parameters())
-        grads = torch.autograd.grad(m(x).float().square().mean(), params)  # no hooks run
-        side.wait_stream(torch.cuda.current_stream())
-        handed.clear()
-        with torch.cuda.stream(side):
-            for p, g in reversed(list(zip(params, grads))):
-                p.grad = g.clone()  # the reduce-scatter's output, on its stream
-                for hook in p._post_accumulate_grad_hooks.values():
-                    hook(p)
-            handed_over = side.record_event()
-            torch.cuda._sleep(200_000_000)  # later reduce-scatters: the launches queue after them
-        handed.set()
-        torch.cuda.current_stream().wait_event(handed_over)  # FSDP2's end of backward
-        del grads
-        opt.step()
-        opt.zero_grad()
-        if i > 0:
-            assert early_stats(opt) == (chunks(opt), chunks(opt)), missed(opt)
-    opt.wait_params()
-    assert_same(m, opt, ref, ref_opt)
-    opt.close()
+        return mm(x).float().square().mean()
+
+    train_handed_over(ref, ref_opt, m, opt, loss,
+                      (torch.cuda.Stream(), torch.cuda.stream, later_reduce_scatters), handed.clear)
 
 
 @pytest.mark.parametrize("launches", LAUNCHES)
