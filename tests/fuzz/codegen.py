@@ -70,7 +70,7 @@ PRELUDE = (
     prelude.first_line, prelude.differences, prelude.outcome, prelude.loss_of, prelude.scale_grad,
     prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight, prelude.set_stream_ahead,
     prelude.div_grad_data, prelude.mul_grad_data, prelude.read_states, prelude.clip_values, prelude.tensor_betas,
-    prelude.early_updates_ran,
+    prelude.early_updates_ran, prelude.hooks_on_stream,
     prelude.Masters, prelude.Stack,
     prelude.ensure_process_group, prelude.record_state, prelude.step_after_close,
     prelude.misuse,
@@ -217,6 +217,8 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
     hyper.update((k, repr(v)) for k, v in cls_kw.items())
     if not opt.shared_device:
         out(2, f"opt_dev = TrackingDevice({_device_kwargs(spec)})")
+    if opt.hook_stream:
+        out(2, "hook_stream = opt_dev.new_stream()  # FSDP2's reduce-scatter stream")
     if opt.misuse:
         device = "dev" if opt.shared_device else "opt_dev"
         out(2, f'rec.put("misuse", misuse({opt.misuse!r}, offload, {device}))')
@@ -412,14 +414,17 @@ def _micro_batch(spec: ProgramSpec, out: _Lines) -> None:
             "    grads = torch.autograd.grad(loss, [x, *trained], allow_unused=True)",
             '    rec.put(f"step{step}.mb{mb}.autograd_grad", grads)',
             "    return")
+    hooks = ", hooks_on_stream(opt_dev, hook_stream)" if spec.optimizer and spec.optimizer.hook_stream else ""
     if "retain_double" in hows:
         out(3, 'if how == "retain_double":')
-        if nosync:
-            out(4, "with accumulate(False):", f"    {target}.backward(retain_graph=True)")
+        if nosync or hooks:
+            out(4, f"with {'accumulate(False)' if nosync else 'contextlib.nullcontext()'}{hooks}:",
+                f"    {target}.backward(retain_graph=True)")
         else:
             out(4, f"{target}.backward(retain_graph=True)")
-    if nosync:
-        out(3, "with accumulate(last):", f"    {target}.backward()")
+    if nosync or hooks:
+        out(3, f"with {'accumulate(last)' if nosync else 'contextlib.nullcontext()'}{hooks}:",
+            f"    {target}.backward()")
     else:
         out(3, f"{target}.backward()")
     out(3, 'rec.put(f"step{step}.mb{mb}.x_grad", x.grad)')

@@ -241,6 +241,17 @@ def early_updates_ran(opt):
         worker.submit(lambda: None).result()
 
 
+@contextlib.contextmanager
+def hooks_on_stream(dev, stream):
+    """The backward inside runs its gradient hooks with ``stream`` current, and the compute
+    stream then waits only for what was queued there by the end of backward: how FSDP2 hands
+    its reduce-scattered gradients over (work the hooks leave for later lands behind that)."""
+    dev.wait_event(stream, dev.record_event(dev.current_stream()))
+    with dev.use_stream(stream):
+        yield
+    dev.wait_event(dev.current_stream(), dev.record_event(stream))
+
+
 def tensor_betas():
     """Adam's ``betas`` as 0-dim tensors (a tuple of its own per group and optimizer)."""
     return (torch.tensor(0.9), torch.tensor(0.999))

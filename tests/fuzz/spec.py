@@ -139,6 +139,11 @@ class OptSpec:
     # Adam/AdamW: every group's betas a tuple of 0-dim tensors of its own, betas[0] filled in
     # place between backward and step() (a snapshot must copy tensors inside tuples too)
     betas_tensor: bool = False
+    # backward's gradient hooks run with another stream of the optimizer's own device current,
+    # and the compute stream waits only for what was queued there by the end of backward, as
+    # FSDP2 runs them on its reduce-scatter stream (the optimizer's device only: the activation
+    # offloading's takes the current stream for compute)
+    hook_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f["state_read"] += 1
         if opt.data_assign:
             f["data_assign"] += 1
+        if opt.hook_stream:
+            f["hook_stream"] += 1
         if opt.betas_tensor:
             f["betas=tensor"] += 1
     return f
@@ -492,6 +499,7 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
         betas_tensor=(opt.betas_tensor and OPTIMIZERS[opt.cls][0] in ("Adam", "AdamW")
                       and opt.cls not in NO_TENSOR_LR),
         inf_step=inf_step, saves=saves, close_step=close,
+        hook_stream=opt.hook_stream and not opt.shared_device,
         # the reference of bf16/fp16 parameters keeps fp32 masters that it does not reload from
         # edited parameters: parameter edits only where the reference is torch's class itself
         param_edits=() if low and opt.fp32_masters else opt.param_edits,
@@ -707,4 +715,5 @@ def _more_optimizer(rng: random.Random, opt: OptSpec, steps: int) -> OptSpec:
         state_read=rng.random() < 0.15,
         data_assign=rng.random() < 0.15,
         betas_tensor=rng.random() < 0.25,
+        hook_stream=rng.random() < 0.5,
     )
