@@ -9,8 +9,9 @@ rest of backward:
 - the hook only notes the gradient; the chunk's update is queued by a ``launcher``
   (``OffloadDevice.host_launcher``: on CUDA a thread of its own, so that its host time, about
   1 ms per chunk, does not hold up backward's kernels). It takes the gradients as the hook saw
-  them and orders its device work after the compute stream's with an event recorded when it
-  runs, after its allocations. A chunk with an fp32/fp64 parameter (its own master, read from
+  them and orders its device work after the hook's stream's (the compute stream; FSDP2's
+  reduce-scatter stream) with an event recorded when it runs, after its allocations and the
+  bit sums of what it reads; ``step()`` waits for that event before comparing the sums. A chunk with an fp32/fp64 parameter (its own master, read from
   the parameter) is updated in the hook itself, after the queued ones: user code may change
   such a parameter once backward returns. ``step()`` waits for the launcher first.
 - the chunk's masters and state are copied in (``h2d``) into one of the staging slots of its
@@ -193,9 +194,9 @@ class BackwardUpdates:
         r.move(ci, EarlyPhase.UPDATED)
 
     def _allocate(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The device memory of a chunk's update, from the compute stream's pool: at the first
-        update of a backward the staging slots, and the chunk's new-values buffer
-        (``_new_values``)."""
+        """The device memory of a chunk's update, from the pool of the stream current in its
+        hook (the compute stream; FSDP2's reduce-scatter stream): at the first update of a
+        backward the staging slots, and the chunk's new-values buffer (``_new_values``)."""
         r, run = self.round, self.runner
         if not r.slots:
             size = max(run.layout(c.pieces).total for c in self.chunks)
@@ -204,15 +205,16 @@ class BackwardUpdates:
         return self._new_values(pieces)
 
     def _ready(self) -> Event:
-        """An event on the compute stream, recorded after ``_allocate``: the gradients are final
-        and the parameters read (the hook came before), and the compute work queued before
-        that may have used the memory just allocated is done once it has passed. The copies in
-        and the update wait for it (tests record it before the allocations: a hazard)."""
+        """An event on the hook's stream (``_allocate``), recorded after the allocations and the
+        bit sums: the gradients are final and the parameters read (the hook came before), and
+        the work queued before that may have used the memory just allocated is done once it
+        has passed. The copies in and the update wait for it, and ``validate`` before reading
+        the sums (tests record it before the allocations: a hazard)."""
         return self.device.record_event(self.device.current_stream())
 
     def _new_values(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A device buffer for the new values of a chunk's parameters, which wait there until
-        ``step()`` keeps them (allocated on the compute stream), and its view per piece."""
+        ``step()`` keeps them (allocated as ``_allocate`` says), and its view per piece."""
         params = self.runner.params
         sizes = [pc.numel * params[pc.index].element_size() for pc in pieces]
         starts = [0]
