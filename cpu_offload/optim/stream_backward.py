@@ -11,9 +11,10 @@ rest of backward:
   1 ms per chunk, does not hold up backward's kernels). It takes the gradients as the hook saw
   them and orders its device work after the hook's stream's (the compute stream; FSDP2's
   reduce-scatter stream) with an event recorded when it runs, after its allocations and the
-  bit sums of what it reads; ``step()`` waits for that event before comparing the sums. A chunk with an fp32/fp64 parameter (its own master, read from
-  the parameter) is updated in the hook itself, after the queued ones: user code may change
-  such a parameter once backward returns. ``step()`` waits for the launcher first.
+  bit sums of what it reads; ``step()`` waits for that event before comparing the sums. A
+  chunk with an fp32/fp64 parameter (its own master, read from the parameter) is updated in
+  the hook itself, after the queued ones: user code may change such a parameter once backward
+  returns. ``step()`` waits for the launcher first.
 - the chunk's masters and state are copied in (``h2d``) into one of the staging slots of its
   own, the device optimizer class steps over them on a side stream (``update_stream`` under
   ``next_forward``), and the new masters and state are copied out (``d2h``) into each piece's
@@ -287,9 +288,12 @@ class BackwardUpdates:
         for ci, rec in sorted(r.done.items()):
             assert all(fp.bits is not None for _, landed in rec.seen for fp in landed.fingerprints()), \
                 "an early update kept no fingerprint of what it read"
-            why = EarlyMiss.LOSS_SCALE if scaled else None if same_hypers(rec.hypers, hypers) \
-                else EarlyMiss.HYPERPARAMETERS
-            why = why or next((miss[i] for i, _ in rec.seen if miss[i] is not None), None)
+            if scaled:
+                why = EarlyMiss.LOSS_SCALE
+            elif not same_hypers(rec.hypers, hypers):
+                why = EarlyMiss.HYPERPARAMETERS
+            else:
+                why = next((miss[i] for i, _ in rec.seen if miss[i] is not None), None)
             r.move(ci, EarlyPhase.REDONE if why else EarlyPhase.KEPT)
             if why:
                 r.why[ci] = why

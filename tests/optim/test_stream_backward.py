@@ -239,6 +239,23 @@ def test_after_a_changed_step_the_next_backward_waits_then_resumes():
     opt.close()
 
 
+def test_a_loss_scale_at_step_redoes_the_early_updates_and_says_so():
+    """``GradScaler`` hands its scale to ``step()``: the early updates ran without it."""
+    m = model(torch.float32)
+    opt = hybrid(m, 1.0, 1.0, "backward_update")
+    n = chunks(opt)
+    train(m, opt, 2, edit=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(loss_of(m, 2)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    assert early_stats(opt) == (n, 0) and missed(opt) == {"loss_scale": n}
+    train(m, opt, 1, start=3, edit=None)  # the backward after a scaled step starts none
+    assert early_stats(opt) == (0, 0) and missed(opt) == {"off": n}
+    opt.close()
+
+
 @pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
