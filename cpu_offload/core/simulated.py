@@ -179,7 +179,19 @@ class SimulatedDevice(OffloadDevice):
         ``torch.cuda.stream(s)`` does: FSDP2 runs the sharded parameters' gradient hooks so,
         on its reduce-scatter stream. Memory allocated meanwhile comes from that stream's pool
         (its work is ordered after the allocation). Launches submitted from such a hook run
-        with it current (``host_launcher``)."""
+        with it current (``host_launcher``).
+
+        Example::
+
+            >>> from cpu_offload import SimulatedDevice
+            >>> dev = SimulatedDevice()
+            >>> side = dev.new_stream()
+            >>> with dev.use_stream(side):
+            ...     dev.current_stream() is side
+            True
+            >>> dev.current_stream() is dev.compute
+            True
+        """
         previous = getattr(self._current, "stream", None)
         self._current.stream = stream
         try:
@@ -445,7 +457,22 @@ class SimulatedDevice(OffloadDevice):
     def queued_write(self, stream: SimStream, t: torch.Tensor) -> None:
         """Also when ``stream`` runs its work before compute waits for it (``run_on`` runs a
         stream's queue when more work comes to it): ``will_read`` checks the order, not only
-        what is still queued."""
+        what is still queued.
+
+        Example::
+
+            >>> import torch
+            >>> from cpu_offload import SimulatedDevice
+            >>> dev = SimulatedDevice()
+            >>> side, sums = dev.new_stream(), torch.zeros(4)
+            >>> dev.queued_write(side, sums)      # e.g. bit sums taken on a hook's stream
+            >>> dev.will_read(sums)   # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            cpu_offload.core.simulated.SimulatedHazard: compute reads a buffer that work ... first
+            >>> dev.wait_event(dev.compute, dev.record_event(side))
+            >>> dev.will_read(sums)               # ordered after the write now
+        """
         start = t.data_ptr()
         span = (start, start + t.numel() * t.element_size())
         with self._lock:
