@@ -18,6 +18,13 @@ next forward's start:
   operations, and the longest gap between them. A link stream busy for much less than its span
   while the host is still in ``step()`` means the host, not the link, paces the copies.
 
+- with ``--bins MS``, the same window as a timeline: per stream and kind of work, the percent of
+  each ``MS`` bin it was busy (which resource idles while which other works);
+- the CPU part's updates over the untraced steps (``CpuBucket.update`` timed on the worker):
+  parameters per step, busy ms and G params/s, split into updates that kept undo copies to the
+  end (started before ``step()`` validated their bucket) and the rest: the in-step CPU rate
+  against ``host_rates.py``'s.
+
 The profiler adds host time to every operation (the traced step is slower than the untraced
 one, printed first), so read the shape, not the totals. The window is the host's: with
 ``next_forward`` the host may run ahead of the device in one step and wait in the next. The full trace goes to
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,6 +144,88 @@ def summarize(events: Sequence[dict], step_index: int = 1) -> tuple[list[Phase],
     return phases, work
 
 
+def timeline(events: Sequence[dict], step_index: int = 1,
+             bin_ms: float = 5.0) -> tuple[list[str], list[list[float]]]:
+    """Per ``bin_ms`` bin of the window ``summarize`` uses: the percent of the bin each stream
+    and kind of work (``"H2D@7"``) was busy. Returns the column names and one row per bin (its
+    start in ms, then the percents).
+
+    Example::
+
+        >>> ev = [{"ph": "X", "cat": "user_annotation", "name": "forward", "ts": t, "dur": 5, "tid": 1}
+        ...       for t in (0, 10_000)]
+        >>> ev.append({"ph": "X", "cat": "kernel", "name": "k", "ts": 2_500, "dur": 5_000, "tid": 7})
+        >>> timeline(ev, step_index=0, bin_ms=5.0)
+        (['kernel@7'], [[0.0, 50.0], [5.0, 50.0]])
+    """
+    starts = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                    and e.get("name") == "forward")
+    if len(starts) < step_index + 2:
+        raise ValueError(f"timeline needs {step_index + 2} forward annotations, found {len(starts)}")
+    w0, w1 = starts[step_index], starts[step_index + 1]
+    width = bin_ms * 1e3
+    nbins = max(1, math.ceil((w1 - w0) / width))
+    busy: dict[str, list[float]] = {}
+    for e in events:
+        kind = _kind(e) if e.get("ph") == "X" else None
+        if kind is None:
+            continue
+        row = busy.setdefault(f"{kind}@{e['tid']}", [0.0] * nbins)
+        a, b = max(e["ts"], w0), min(e["ts"] + e["dur"], w1)
+        while a < b:  # split the span over the bins it covers
+            i = min(int((a - w0) // width), nbins - 1)
+            edge = min(b, w0 + (i + 1) * width)
+            row[i] += edge - a
+            a = edge
+    names = sorted(busy)
+    return names, [[round(i * bin_ms, 3)] + [round(100 * busy[n][i] / width, 1) for n in names]
+                   for i in range(nbins)]
+
+
+class CpuUpdateClock:
+    """Times every ``CpuBucket.update`` (the CPU part's bucket updates, on its worker) while
+    installed: per call its start, end, parameters with a gradient, and whether it kept undo
+    copies to the end (an update started before ``step()`` validated its bucket copies what it
+    changes first, ``cpu_update``'s module docstring)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float, int, bool]] = []
+        self._original: Any = None
+
+    def __enter__(self) -> "CpuUpdateClock":
+        from cpu_offload.optim.cpu_update import CpuBucket
+        self._original = original = CpuBucket.update
+        calls = self.calls
+
+        def update(bucket: Any, grads: Sequence[Any], *args: Any, **kwargs: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                original(bucket, grads, *args, **kwargs)
+            finally:
+                n = sum(m.numel() for m, g in zip(bucket.masters, grads) if g is not None)
+                calls.append((t0, time.perf_counter(), n, bucket.restorable))
+
+        CpuBucket.update = update
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from cpu_offload.optim.cpu_update import CpuBucket
+        CpuBucket.update = self._original
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Per step: parameters updated, busy ms and G params/s, all calls and split by undo
+        copies (``kept_*``: kept to the end; ``plain_*``: the rest)."""
+        out: dict[str, float] = {}
+        for tag, calls in (("all", self.calls), ("kept", [c for c in self.calls if c[3]]),
+                           ("plain", [c for c in self.calls if not c[3]])):
+            params = sum(c[2] for c in calls)
+            busy = sum(c[1] - c[0] for c in calls)
+            out[f"{tag}_params_per_step"] = params / max(steps, 1)
+            out[f"{tag}_busy_ms_per_step"] = 1e3 * busy / max(steps, 1)
+            out[f"{tag}_g_params_per_s"] = params / busy / 1e9 if busy > 0 else 0.0
+        return out
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -147,8 +237,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--stream-budget-mib", type=float, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="traced steps (at least 3)")
+    p.add_argument("--bins", type=float, default=0.0, metavar="MS",
+                   help="also print the window as a timeline of MS-long bins (0: not)")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
+    if args.bins < 0:
+        p.error("--bins: a bin length in ms, or 0 for no timeline")
     if args.steps < 3:
         p.error("--steps: at least 3 (the middle steps are summarized)")
     if args.stream_fraction != "auto":
@@ -195,10 +289,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         device.synchronize()
         host.update((name, 0.0) for name in PHASES)
         t0 = time.perf_counter()
-        for i in range(args.steps):
-            train_step(i)
-        device.synchronize()
-        untraced_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        with CpuUpdateClock() as clock:
+            for i in range(args.steps):
+                train_step(i)
+            device.synchronize()
+            untraced_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+            opt.wait_params()  # the last step's CPU update, timed with the others
+        cpu = clock.summary(args.steps)
         host_ms = {name: 1e3 * s / args.steps for name, s in host.items()}
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
         with profile(activities=activities) as prof:
@@ -220,13 +317,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
           f"{args.overlap}{', streamed during backward' if args.stream_during_backward else ''}"
           f" | untraced step {untraced_ms:.1f} ms; traced window (host) {window:.1f} ms")
     print("untraced host ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in host_ms.items()))
+    if cpu["all_params_per_step"]:
+        print("CPU part per untraced step: " + "; ".join(
+            f"{label} {cpu[tag + '_params_per_step'] / 1e6:.1f}M params in "
+            f"{cpu[tag + '_busy_ms_per_step']:.1f} ms ({cpu[tag + '_g_params_per_s']:.2f} G params/s)"
+            for tag, label in (("all", "all"), ("kept", "with undo copies"), ("plain", "without"))))
     print(format_table(("host phase", "start ms", "end ms"),
                        [[p.name, f"{p.start_ms:.1f}", f"{p.end_ms:.1f}"] for p in phases]))
     if work:
         print(format_table(("stream", "work", "busy ms", "first ms", "last ms", "ops", "longest gap ms"),
                            [[w.stream, w.kind, f"{w.busy_ms:.1f}", f"{w.first_ms:.1f}",
                              f"{w.last_ms:.1f}", w.ops, f"{w.longest_gap_ms:.1f}"] for w in work]))
-    result = {"untraced_step_ms": untraced_ms, "untraced_host_ms": host_ms, "stream_fraction": opt.stream_fraction,
+    if args.bins:
+        names, rows = timeline(events, step_index=(args.steps - 1) // 2, bin_ms=args.bins)
+        print(f"busy % per {args.bins:g} ms bin (stream work: kind@stream):")
+        print(format_table(["bin ms"] + names, [[f"{r[0]:.0f}"] + [f"{v:.0f}" for v in r[1:]] for r in rows]))
+    result = {"untraced_step_ms": untraced_ms, "untraced_host_ms": host_ms, "cpu_updates": cpu,
+              "stream_fraction": opt.stream_fraction,
               "args": {k: v for k, v in vars(args).items()},
               "phases": [asdict(p) for p in phases], "streams": [asdict(w) for w in work]}
     write_json(out / "optim_trace_summary.json", result)

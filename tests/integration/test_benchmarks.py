@@ -412,6 +412,53 @@ def test_optim_trace_summarizes_one_step_per_stream():
         (7, "H2D", 0.4, 0.1, 0.8, 2, 0.3), (7, "kernel", 0.1, 0.9, 1.0, 1, 0.0)]
 
 
+def test_optim_trace_timeline_splits_work_over_its_bins():
+    """The middle window is 1000..2000 us in 500 us bins: an H2D copy on stream 7 from 1250 to
+    1750 us is half of each bin; a kernel on stream 9 from 900 to 1100 us counts only from the
+    window's start (100 of the first bin's 500 us); host ops are no stream's work."""
+    bench = _benchmark_module("optim_trace")
+    ev = [_span("user_annotation", "forward", t, 10) for t in (0, 1000, 2000)]
+    ev += [_span("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1250, 500, tid=7),
+           _span("kernel", "k", 900, 200, tid=9), _span("cpu_op", "aten::copy_", 1000, 900)]
+    names, rows = bench.timeline(ev, step_index=1, bin_ms=0.5)
+    assert names == ["H2D@7", "kernel@9"]
+    assert rows == [[0.0, 50.0, 20.0], [0.5, 50.0, 0.0]]
+    with pytest.raises(ValueError, match="needs 3 forward annotations, found 2"):
+        bench.timeline(ev[:2], step_index=1)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--bins", "-1"])
+
+
+def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method():
+    """Every offloaded parameter of the simulated CPU part is counted once per step; the undo
+    copies are split out; leaving the clock puts ``CpuBucket.update`` back."""
+    import cpu_offload
+    from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.cpu_update import CpuBucket
+
+    bench = _benchmark_module("optim_trace")
+    original = CpuBucket.update
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap="backward_update", stream_fraction=0,
+                                lr=1e-3, device=cpu_offload.SimulatedDevice())
+    try:
+        with bench.CpuUpdateClock() as clock:
+            assert CpuBucket.update is not original
+            for _ in range(3):
+                model(torch.randn(8, 32)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        summary = clock.summary(3)
+    finally:
+        opt.close()
+    assert CpuBucket.update is original
+    total = sum(p.numel() for p in model.parameters())
+    assert summary["all_params_per_step"] == total
+    assert summary["kept_params_per_step"] + summary["plain_params_per_step"] == total
+    assert summary["all_busy_ms_per_step"] > 0 and summary["all_g_params_per_s"] > 0
+
+
 def test_optim_trace_needs_a_window():
     bench = _benchmark_module("optim_trace")
     ev = [_span("user_annotation", "forward", t, 10) for t in (0, 100)]
@@ -434,6 +481,7 @@ def test_optim_trace_smoke_sim(tmp_path, capsys):
     assert result["streams"] == []  # the simulated device has no CUDA streams
     assert set(result["untraced_host_ms"]) == {"forward", "backward", "step", "zero_grad"}
     assert all(v > 0 for v in result["untraced_host_ms"].values())
+    assert result["cpu_updates"]["all_params_per_step"] > 0  # the CPU part's updates were timed
     assert json.loads((tmp_path / "optim_trace_summary.json").read_text())["phases"] == result["phases"]
     assert json.loads(gzip.open(tmp_path / "optim_trace.json.gz").read())["traceEvents"]
     assert "untraced host ms per phase" in capsys.readouterr().out
@@ -461,7 +509,7 @@ def test_fsdp2_host_overhead_checks_k():
         bench.parse_args(["--layers", "4", "--k", "4"])
 
 
-@pytest.mark.parametrize("name", ["plain_table", "launch_queue_probe"])
+@pytest.mark.parametrize("name", ["plain_table", "launch_queue_probe", "optim_trace"])
 def test_probe_docstring_examples_run(name):
     """The examples in these modules' docstrings run (``benchmarks/`` is outside the doctest
     collection of ``setup.cfg``)."""
