@@ -21,9 +21,9 @@ next forward's start:
 - with ``--bins MS``, the same window as a timeline: per stream and kind of work, the percent of
   each ``MS`` bin it was busy (which resource idles while which other works);
 - the CPU part's updates over the untraced steps (``CpuBucket.update`` timed on the worker):
-  parameters per step, busy ms and G params/s, split into updates that kept undo copies to the
-  end (started before ``step()`` validated their bucket) and the rest: the in-step CPU rate
-  against ``host_rates.py``'s.
+  parameters per step, busy ms and G params/s, split into updates started with undo copies
+  (before ``step()`` validated their bucket; the copies stop once it has) and the rest: the
+  in-step CPU rate against ``host_rates.py``'s.
 
 The profiler adds host time to every operation (the traced step is slower than the untraced
 one, printed first), so read the shape, not the totals. The window is the host's: with
@@ -184,9 +184,9 @@ def timeline(events: Sequence[dict], step_index: int = 1,
 
 class CpuUpdateClock:
     """Times every ``CpuBucket.update`` (the CPU part's bucket updates, on its worker) while
-    installed: per call its start, end, parameters with a gradient, and whether it kept undo
-    copies to the end (an update started before ``step()`` validated its bucket copies what it
-    changes first, ``cpu_update``'s module docstring)."""
+    installed: per call its start, end, parameters with a gradient, and whether it started with
+    undo copies (an update started before ``step()`` validated its bucket copies what it
+    changes first, until ``step()`` has validated it: ``cpu_update``'s module docstring)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[float, float, int, bool]] = []
@@ -203,7 +203,7 @@ class CpuUpdateClock:
                 original(bucket, grads, *args, **kwargs)
             finally:
                 n = sum(m.numel() for m, g in zip(bucket.masters, grads) if g is not None)
-                calls.append((t0, time.perf_counter(), n, bucket.restorable))
+                calls.append((t0, time.perf_counter(), n, bool(kwargs.get("keep_previous"))))
 
         CpuBucket.update = update
         return self
@@ -214,7 +214,7 @@ class CpuUpdateClock:
 
     def summary(self, steps: int) -> dict[str, float]:
         """Per step: parameters updated, busy ms and G params/s, all calls and split by undo
-        copies (``kept_*``: kept to the end; ``plain_*``: the rest)."""
+        copies (``kept_*``: started with them; ``plain_*``: the rest)."""
         out: dict[str, float] = {}
         for tag, calls in (("all", self.calls), ("kept", [c for c in self.calls if c[3]]),
                            ("plain", [c for c in self.calls if not c[3]])):
@@ -321,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         print("CPU part per untraced step: " + "; ".join(
             f"{label} {cpu[tag + '_params_per_step'] / 1e6:.1f}M params in "
             f"{cpu[tag + '_busy_ms_per_step']:.1f} ms ({cpu[tag + '_g_params_per_s']:.2f} G params/s)"
-            for tag, label in (("all", "all"), ("kept", "with undo copies"), ("plain", "without"))))
+            for tag, label in (("all", "all"), ("kept", "started with undo copies"), ("plain", "without"))))
     print(format_table(("host phase", "start ms", "end ms"),
                        [[p.name, f"{p.start_ms:.1f}", f"{p.end_ms:.1f}"] for p in phases]))
     if work:

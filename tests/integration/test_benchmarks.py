@@ -429,9 +429,11 @@ def test_optim_trace_timeline_splits_work_over_its_bins():
         bench.parse_args(["--bins", "-1"])
 
 
-def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method():
-    """Every offloaded parameter of the simulated CPU part is counted once per step; the undo
-    copies are split out; leaving the clock puts ``CpuBucket.update`` back."""
+@pytest.mark.parametrize("overlap", ["none", "backward_update"])
+def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method(overlap):
+    """Every offloaded parameter of the simulated CPU part is counted once per step; updates
+    inside ``step()`` (``"none"``) start without undo copies (those started in backward may or
+    may not, as the worker's timing falls); leaving the clock puts ``CpuBucket.update`` back."""
     import cpu_offload
     from cpu_offload.optim import HybridDeviceOptimizer
     from cpu_offload.optim.cpu_update import CpuBucket
@@ -440,7 +442,7 @@ def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method
     original = CpuBucket.update
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
-    opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap="backward_update", stream_fraction=0,
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap=overlap, stream_fraction=0,
                                 lr=1e-3, device=cpu_offload.SimulatedDevice())
     try:
         with bench.CpuUpdateClock() as clock:
@@ -456,6 +458,8 @@ def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method
     total = sum(p.numel() for p in model.parameters())
     assert summary["all_params_per_step"] == total
     assert summary["kept_params_per_step"] + summary["plain_params_per_step"] == total
+    if overlap == "none":
+        assert summary["kept_params_per_step"] == 0
     assert summary["all_busy_ms_per_step"] > 0 and summary["all_g_params_per_s"] > 0
 
 
