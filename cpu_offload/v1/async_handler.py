@@ -161,6 +161,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
                 dev.wait_event(self.h2d_stream, event)
         for record, (buf, slot) in zip(records, buffers):
             record.start_reload(self.h2d_stream, buf, slot)
+        self._reloaded += records
         event = dev.record_event(self.h2d_stream)
         for record in records:
             record.reload_event = event

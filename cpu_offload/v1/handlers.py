@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -93,6 +93,9 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self._seen = self._selected = 0  # saved tensors in offloaded groups, and tagged ones
         self._warned_empty = False
         self._groups: Dict[int, Dict[int, StorageRecord]] = {}
+        # Records reloaded this step (the handler forgets their groups at the reload): an
+        # abandoned step lets go of their device copies (``_abort_step``).
+        self._reloaded: List[StorageRecord] = []
         # The newest committed layer output's graph, weakly (see ``_step_abandoned``).
         self._last_output: Optional[weakref.ref] = None
         self.groupid_reset()
@@ -119,6 +122,7 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
             for record in records.values():
                 record.drop_force_clear(clear=False)  # never hold user tensors past the step
         self._groups.clear()
+        self._reloaded = []
         self._last_output = None
         self.groupid_reset()
         self.step += 1
@@ -131,6 +135,8 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
 
     def _abort_step(self) -> None:
         self._fence()
+        for record in self._reloaded:  # their graph may outlive the step: no device copy held
+            record.drop_reload()
         self._finish_step()
 
     def on_context_enter(self) -> None:

@@ -146,6 +146,18 @@ class StorageRecord:
         self.reloaded, self.slot, self.reload_pending = buf, slot, True
         self.reload_fence = self.device.current_stream()
 
+    def drop_reload(self) -> None:
+        """Let go of the reload buffer (the step it was made for was abandoned): a graph that
+        outlives the step, e.g. one torch 2.6 keeps alive after a backward raised in a
+        checkpointed ``autograd.Function``, then holds only the host copy and reloads on demand.
+        As in ``__del__``, a copy never waited for is first ordered before the buffer's stream
+        reuses its memory."""
+        if self.reloaded is None:
+            return
+        if self.reload_fence is not None and self.reload_pending and self.reload_event is not None:
+            self.device.wait_event(self.reload_fence, self.reload_event)
+        self.reloaded, self.slot, self.reload_pending = None, None, False
+
     def __del__(self) -> None:
         # The graph that owns this record is gone (a backward that raised, a graph dropped after
         # a partial backward). A reload buffer of our own dies with it: if its copy was never

@@ -398,6 +398,44 @@ def test_exception_inside_context_leaves_nothing_behind():
     assert_bit_identical(train_step(layers, x, ctx, sync)[1], ref)
 
 
+def test_a_graph_outliving_a_failed_backward_holds_no_reload_buffer():
+    """A backward raised after a group's reload was queued, and its graph outlives the step
+    (kept here with ``retain_graph``; torch 2.6 keeps one so itself after a checkpointed
+    ``autograd.Function``, the fuzzer's seed 1070147): the next step's first entry lets go of
+    the reload buffers, and the old graph still backwards exactly, reloading on demand."""
+    layers, x = make_layers(4), make_input()
+    _, ref = train_step(layers, x)
+    ctx, sync, dev = v1_context(2, 4, double_buffering=False)  # reload buffers of its own
+
+    class Boom(RuntimeError):
+        pass
+
+    def boom(grad):
+        raise Boom()
+
+    zero_grads(layers, x)
+    h = x
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        if i == 0:  # raises before the backward of layer 0's group commit, the step half done
+            hook = h.register_hook(boom)
+    old = loss_of(h)
+    with pytest.raises(Boom):
+        old.backward(retain_graph=True)
+    assert dev.live_device_buffers() > 0  # the reload buffers, held by the graph's records
+    hook.remove()
+    new = run_layers(layers, x, ctx, sync)  # a new step: the failed one is abandoned
+    assert dev.live_device_buffers() == 0
+    zero_grads(layers, x)
+    loss_of(new).backward()
+    assert_bit_identical(grads_of(layers, x), ref)
+    zero_grads(layers, x)
+    old.backward()  # the old graph, after all
+    assert_bit_identical(grads_of(layers, x), ref)
+
+
 def test_no_grad_forward():
     layers, x = make_layers(4), make_input()
     ref_out, ref = train_step(layers, x)
