@@ -10,6 +10,7 @@ result is correct even where the window map and the actual backward order disagr
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -161,7 +162,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
                 dev.wait_event(self.h2d_stream, event)
         for record, (buf, slot) in zip(records, buffers):
             record.start_reload(self.h2d_stream, buf, slot)
-        self._reloaded += records
+        self._reloaded += [weakref.ref(r) for r in records]
         event = dev.record_event(self.h2d_stream)
         for record in records:
             record.reload_event = event

@@ -93,9 +93,10 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self._seen = self._selected = 0  # saved tensors in offloaded groups, and tagged ones
         self._warned_empty = False
         self._groups: Dict[int, Dict[int, StorageRecord]] = {}
-        # Records reloaded this step (the handler forgets their groups at the reload): an
-        # abandoned step lets go of their device copies (``_abort_step``).
-        self._reloaded: List[StorageRecord] = []
+        # Records reloaded this step, weakly (the handler forgets their groups at the reload,
+        # and a dropped graph frees them at once): an abandoned step lets go of their device
+        # copies (``_abort_step``).
+        self._reloaded: List[weakref.ref] = []
         # The newest committed layer output's graph, weakly (see ``_step_abandoned``).
         self._last_output: Optional[weakref.ref] = None
         self.groupid_reset()
@@ -135,8 +136,10 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
 
     def _abort_step(self) -> None:
         self._fence()
-        for record in self._reloaded:  # their graph may outlive the step: no device copy held
-            record.drop_reload()
+        for ref in self._reloaded:  # their graph may outlive the step: no device copy held
+            record = ref()
+            if record is not None:
+                record.drop_reload()
         self._finish_step()
 
     def on_context_enter(self) -> None:

@@ -85,6 +85,7 @@ class StorageRecord:
         "users",
         "version_refs",
         "force_clear",
+        "__weakref__",  # the handler lists the records it reloaded, weakly
     )
 
     def __init__(self, device: OffloadDevice, t: torch.Tensor) -> None:

@@ -436,6 +436,30 @@ def test_a_graph_outliving_a_failed_backward_holds_no_reload_buffer():
     assert_bit_identical(grads_of(layers, x), ref)
 
 
+def test_a_graph_dropped_after_a_failed_backward_frees_its_reload_buffers_at_once():
+    """The handler's list of what it reloaded in the step is weak: dropping the graph of a
+    backward that raised frees its reload buffers then, not at the next step."""
+    layers, x = make_layers(4), make_input()
+    ctx, sync, dev = v1_context(2, 4, double_buffering=False)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    h = x
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        if i == 0:
+            h.register_hook(boom)
+    loss = loss_of(h)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    assert dev.live_device_buffers() > 0
+    del loss, h
+    assert dev.live_device_buffers() == 0
+
+
 def test_no_grad_forward():
     layers, x = make_layers(4), make_input()
     ref_out, ref = train_step(layers, x)
