@@ -155,19 +155,22 @@ class StorageRecord:
         reuses its memory."""
         if self.reloaded is None:
             return
-        if self.reload_fence is not None and self.reload_pending and self.reload_event is not None:
-            self.device.wait_event(self.reload_fence, self.reload_event)
+        self._fence_pending_reload()
         self.reloaded, self.slot, self.reload_pending = None, None, False
 
-    def __del__(self) -> None:
-        # The graph that owns this record is gone (a backward that raised, a graph dropped after
-        # a partial backward). A reload buffer of our own dies with it: if its copy was never
-        # waited for, make the stream it was allocated on wait for the copy first, so the caching
-        # allocator cannot hand that memory to a new tensor that the late copy then overwrites
-        # (nor a double-buffer set free or refill it while the copy still writes).
+    def _fence_pending_reload(self) -> None:
+        """If the reload copy was never waited for, make the stream its buffer was allocated on
+        wait for it, so that the caching allocator cannot hand that memory to a new tensor the
+        late copy then overwrites (nor a double-buffer set free or refill it while the copy
+        still writes)."""
         fence = getattr(self, "reload_fence", None)  # None also if __init__ did not finish
         if fence is not None and self.reload_pending and self.reload_event is not None:
             self.device.wait_event(fence, self.reload_event)
+
+    def __del__(self) -> None:
+        # The graph that owns this record is gone (a backward that raised, a graph dropped after
+        # a partial backward): a reload buffer of our own dies with it.
+        self._fence_pending_reload()
 
     def _reload_valid(self) -> bool:
         if self.reloaded is None:
