@@ -398,6 +398,20 @@ def test_exception_inside_context_leaves_nothing_behind():
     assert_bit_identical(train_step(layers, x, ctx, sync)[1], ref)
 
 
+def run_with_hook_after_sync(layers, x, ctx, sync, hook):
+    """``run_layers`` with ``hook`` on the first layer's output after its sync function, so that
+    a hook that raises stops backward before that group commit: the step is left half done.
+    Returns the output and the hook's handle."""
+    h, handle = x, None
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+        if i == 0:
+            handle = h.register_hook(hook)
+    return h, handle
+
+
 def test_a_graph_outliving_a_failed_backward_holds_no_reload_buffer():
     """A backward raised after a group's reload was queued, and its graph outlives the step
     (kept here with ``retain_graph``; torch 2.6 keeps one so itself after a checkpointed
@@ -414,13 +428,7 @@ def test_a_graph_outliving_a_failed_backward_holds_no_reload_buffer():
         raise Boom()
 
     zero_grads(layers, x)
-    h = x
-    for i, layer in enumerate(layers):
-        with ctx:
-            h = layer(h)
-        h = sync(h)
-        if i == 0:  # raises before the backward of layer 0's group commit, the step half done
-            hook = h.register_hook(boom)
+    h, hook = run_with_hook_after_sync(layers, x, ctx, sync, boom)
     old = loss_of(h)
     with pytest.raises(Boom):
         old.backward(retain_graph=True)
@@ -445,13 +453,7 @@ def test_a_graph_dropped_after_a_failed_backward_frees_its_reload_buffers_at_onc
     def boom(grad):
         raise RuntimeError("boom")
 
-    h = x
-    for i, layer in enumerate(layers):
-        with ctx:
-            h = layer(h)
-        h = sync(h)
-        if i == 0:
-            h.register_hook(boom)
+    h, _ = run_with_hook_after_sync(layers, x, ctx, sync, boom)
     loss = loss_of(h)
     with pytest.raises(RuntimeError, match="boom"):
         loss.backward()
