@@ -87,6 +87,17 @@ def _kind(event: dict) -> Optional[str]:
     return None
 
 
+def _window(events: Sequence[dict], step_index: int, who: str) -> tuple[float, float]:
+    """The traced window of step ``step_index``: from its ``forward`` annotation to the next
+    one (trace timestamps, us). ``who`` names the caller in the error."""
+    starts = sorted(e["ts"] for e in events if e.get("ph") == "X"
+                    and e.get("cat") == "user_annotation" and e.get("name") == "forward")
+    if len(starts) < step_index + 2:
+        raise ValueError(f"{who} needs {step_index + 2} forward annotations (trace "
+                         f"{step_index + 2} steps or more), found {len(starts)}")
+    return starts[step_index], starts[step_index + 1]
+
+
 def summarize(events: Sequence[dict], step_index: int = 1) -> tuple[list[Phase], list[StreamWork]]:
     """The host phases and the per-stream work of one traced step, from chrome-trace events
     (``torch.profiler``'s ``export_chrome_trace``): the window runs from the ``forward``
@@ -117,11 +128,7 @@ def summarize(events: Sequence[dict], step_index: int = 1) -> tuple[list[Phase],
     """
     spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
              and e.get("name") in PHASES]
-    starts = sorted(e["ts"] for e in spans if e["name"] == "forward")
-    if len(starts) < step_index + 2:
-        raise ValueError(f"summarize needs {step_index + 2} forward annotations (trace "
-                         f"{step_index + 2} steps or more), found {len(starts)}")
-    w0, w1 = starts[step_index], starts[step_index + 1]
+    w0, w1 = _window(spans, step_index, "summarize")
     ms = lambda t: round((t - w0) / 1e3, 3)  # noqa: E731
     phases = [Phase(e["name"], ms(e["ts"]), ms(e["ts"] + e["dur"]))
               for e in sorted(spans, key=lambda e: e["ts"]) if w0 <= e["ts"] <= w1]
@@ -158,11 +165,7 @@ def timeline(events: Sequence[dict], step_index: int = 1,
         >>> timeline(ev, step_index=0, bin_ms=5.0)
         (['kernel@7'], [[0.0, 50.0], [5.0, 50.0]])
     """
-    starts = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-                    and e.get("name") == "forward")
-    if len(starts) < step_index + 2:
-        raise ValueError(f"timeline needs {step_index + 2} forward annotations, found {len(starts)}")
-    w0, w1 = starts[step_index], starts[step_index + 1]
+    w0, w1 = _window(events, step_index, "timeline")
     width = bin_ms * 1e3
     nbins = max(1, math.ceil((w1 - w0) / width))
     busy: dict[str, list[float]] = {}
