@@ -154,8 +154,15 @@ def summarize(events: Sequence[dict], step_index: int = 1) -> tuple[list[Phase],
 def timeline(events: Sequence[dict], step_index: int = 1,
              bin_ms: float = 5.0) -> tuple[list[str], list[list[float]]]:
     """Per ``bin_ms`` bin of the window ``summarize`` uses: the percent of the bin each stream
-    and kind of work (``"H2D@7"``) was busy. Returns the column names and one row per bin (its
-    start in ms, then the percents).
+    and kind of work (``"H2D@7"``) was busy.
+
+    Args:
+        events: the trace's ``traceEvents``.
+        step_index: which step (``summarize``'s window).
+        bin_ms: the bins' length.
+
+    Returns:
+        The column names, and one row per bin: its start in ms, then the percents.
 
     Example::
 
@@ -189,7 +196,16 @@ class CpuUpdateClock:
     """Times every ``CpuBucket.update`` (the CPU part's bucket updates, on its worker) while
     installed: per call its start, end, parameters with a gradient, and whether it started with
     undo copies (an update started before ``step()`` validated its bucket copies what it
-    changes first, until ``step()`` has validated it: ``cpu_update``'s module docstring)."""
+    changes first, until ``step()`` has validated it: ``cpu_update``'s module docstring).
+
+    Example (calls as the wrapper records them: start s, end s, parameters, with copies)::
+
+        >>> clock = CpuUpdateClock()
+        >>> clock.calls += [(0.0, 0.5, 10**9, True), (0.5, 0.75, 5 * 10**8, False)]
+        >>> s = clock.summary(steps=1)
+        >>> s["all_busy_ms_per_step"], s["kept_g_params_per_s"], s["plain_g_params_per_s"]
+        (750.0, 2.0, 2.0)
+    """
 
     def __init__(self) -> None:
         self.calls: list[tuple[float, float, int, bool]] = []
@@ -217,7 +233,10 @@ class CpuUpdateClock:
 
     def summary(self, steps: int) -> dict[str, float]:
         """Per step: parameters updated, busy ms and G params/s, all calls and split by undo
-        copies (``kept_*``: started with them; ``plain_*``: the rest)."""
+        copies (``kept_*``: started with them; ``plain_*``: the rest).
+
+        Args:
+            steps: the steps the recorded calls belong to (the per-step divisor)."""
         out: dict[str, float] = {}
         for tag, calls in (("all", self.calls), ("kept", [c for c in self.calls if c[3]]),
                            ("plain", [c for c in self.calls if not c[3]])):
