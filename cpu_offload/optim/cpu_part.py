@@ -382,7 +382,9 @@ class CpuPart:
     def _run_update(self, st: CpuStep, b: int, job: UpdateJob, speculative: bool) -> Optional[Event]:
         """Update bucket ``b``; a ``speculative`` one (started before ``step()`` found the bucket
         valid) keeps a copy of what it changes (restorable) and stays on the host until then.
-        Returns the event of its parameters' copy in."""
+        Its copies stop at the first chunk after ``step()`` found the bucket valid: that update
+        stands, and the copies cost about as much as the update itself. Returns the event of
+        its parameters' copy in."""
         t0 = time.perf_counter()
         bs = st.buckets[b]
         self.engine.wait_landed(bs.landed)
@@ -392,7 +394,8 @@ class CpuPart:
         out = [self.engine.params.typed(p) for p in bucket.params]
         try:
             bucket.update(grads, out, self._scratch, _on_host(job.hypers), job.coef,
-                          keep_previous=speculative, scale=job.scale)
+                          keep_previous=(lambda: bs.verdict is not True) if speculative else False,
+                          scale=job.scale)
         except BaseException:
             if bucket.restorable:  # an early update that failed leaves no trace
                 bucket.restore()

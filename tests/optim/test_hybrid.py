@@ -877,6 +877,21 @@ def test_loss_matches_the_gpu_baseline_and_checkpoint_scheduler_clipping():
         assert torch.equal(a, b)
 
 
+def _set_after_validate(monkeypatch):
+    """An event set each time ``step()`` has checked the early work (``CpuPart.validate``)."""
+    import threading
+
+    done, real_validate = threading.Event(), CpuPart.validate
+
+    def validate(self, *args, **kw):
+        out = real_validate(self, *args, **kw)
+        done.set()
+        return out
+
+    monkeypatch.setattr(CpuPart, "validate", validate)
+    return done
+
+
 def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
     """An update queued during backward but started after ``step()`` validated its bucket (the
     CPU behind: the usual case at large fractions) is final: it keeps no copy to undo itself
@@ -884,8 +899,8 @@ def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
     speculative."""
     import threading
 
-    gate, started, kept = threading.Event(), threading.Event(), []
-    real_update, real_validate = CpuBucket.update, CpuPart.validate
+    gate, started, kept = _set_after_validate(monkeypatch), threading.Event(), []
+    real_update = CpuBucket.update
 
     def update(self, *args, keep_previous=False, **kw):
         started.set()
@@ -893,13 +908,7 @@ def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
         kept.append(keep_previous)
         return real_update(self, *args, keep_previous=keep_previous, **kw)
 
-    def validate(self, *args, **kw):
-        out = real_validate(self, *args, **kw)
-        gate.set()
-        return out
-
     monkeypatch.setattr(CpuBucket, "update", update)
-    monkeypatch.setattr(CpuPart, "validate", validate)
     ref, _ = reference(1)
     m = model()
     opt = hybrid(m, 1.0, "backward_update", bucket_bytes=2**14)
@@ -909,6 +918,46 @@ def test_updates_starting_after_step_found_them_valid_keep_no_copy(monkeypatch):
     opt.zero_grad()
     assert len(kept) == len(opt._cpu.buckets) > 2
     assert kept[0] and not any(kept[1:]), kept
+    assert_same_params(m, ref)
+    opt.close()
+
+
+def test_a_speculative_update_stops_its_copies_once_step_found_its_bucket_valid(monkeypatch):
+    """An update started before ``step()`` copies what each chunk changes, so that it can be
+    undone. Once ``step()`` has found its bucket valid the update stands: its remaining chunks
+    copy nothing (the copies cost about as much as the update), and the result is exact."""
+    import threading
+
+    started, validated, answers, gated = threading.Event(), _set_after_validate(monkeypatch), [], []
+    real_update = CpuBucket.update
+
+    def update(self, *args, keep_previous=False, **kw):
+        if not callable(keep_previous) or gated:  # only the first update is held
+            return real_update(self, *args, keep_previous=keep_previous, **kw)
+        gated.append(self)
+
+        def ask():
+            answer = keep_previous()
+            answers.append(answer)
+            if len(answers) == 1:  # its first chunk copies, then waits for step()'s check
+                started.set()
+                assert validated.wait(30)
+            return answer
+
+        return real_update(self, *args, keep_previous=ask, **kw)
+
+    monkeypatch.setattr(CpuBucket, "update", update)
+    ref, _ = reference(1)
+    m = model()
+    opt = hybrid(m, 1.0, "backward_update", bucket_bytes=2**18, cpu_chunk_bytes=4096)
+    loss_of(m, 0).backward()
+    assert started.wait(30)
+    opt.step()
+    opt.zero_grad()
+    bucket = gated[0]
+    assert len(bucket.chunks) > 2
+    assert answers == [True, False]  # asked again at the second chunk, then no more
+    assert not bucket.restorable
     assert_same_params(m, ref)
     opt.close()
 
