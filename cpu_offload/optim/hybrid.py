@@ -310,7 +310,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _add_streamed(self, params: list[torch.Tensor], group_ids: list[int], hypers: list[dict],
                       hooked: list[torch.Tensor]) -> None:
-        if self.stream_during_backward and self._launcher is None:
+        if (self.stream_during_backward or self._mode.forward_waits) and self._launcher is None:
             self._launcher = self._device.host_launcher(params[0].device)
         part = StreamedPart(self._device, params, group_ids, hypers, self._make(self._gpu_cls),
                             self.stream_budget_bytes, *self._state_probe, overlapped=self._mode.forward_waits,
@@ -521,7 +521,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Update every parameter (see the class docstring for what runs where and when).
 
         In ``next_forward`` mode this returns once the device part is queued and the CPU part
-        is running; the next forward's modules wait for their own parameters.
+        is running (a launcher thread queues the streamed part's later chunks); the next
+        forward's modules wait for their own parameters.
         """
         self._check_open("step")
         self._check_groups()
@@ -560,10 +561,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     self._cpu.norms(st, 2.0), self.max_grad_norm, 2.0)
             self._cpu.queue_rest(st, hypers, coef, scale)
             self._dev_part.step(hypers, scale)
-            if clipping:
-                self._step_streamed(hypers, scale)
-            else:  # the rest of its chunks, after the device part's update (``StreamedPart.step``)
-                self._queue_streamed_rest()
+            if clipping:  # from the clipped gradients: after the device part
+                self._step_streamed(hypers, scale, ahead=True)
+            self._queue_streamed_rest(defer=True)  # the rest, by a launcher (``queue_rest``)
             for bs in st.buckets:  # gradients may be zeroed or freed after step()
                 self._engine.fence_compute(bs.landed)
             self._cpu.release_grads(st)
@@ -592,14 +592,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for part in self._parts:
             part.step(hypers, scale, ahead=part.ahead_chunks if ahead and part.overlapped else None)
 
-    def _queue_streamed_rest(self) -> None:
-        """Every streamed part queues the chunks ``step(ahead=...)`` left. A part that fails
-        does not stop the others (none may stay half queued); the first error is raised once
-        all have run."""
+    def _queue_streamed_rest(self, defer: bool = False) -> None:
+        """Every streamed part queues the chunks ``step(ahead=...)`` left (``defer``: hands them
+        to its launcher). A part that fails does not stop the others (none may stay half
+        queued); the first error is raised once all have run."""
         error = None
         for part in self._parts:
             try:
-                part.queue_rest()
+                part.queue_rest(defer)
             except BaseException as exc:  # noqa: BLE001 - raised below, after the other parts
                 error = error or exc
         if error is not None:

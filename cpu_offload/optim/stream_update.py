@@ -29,7 +29,12 @@ Overlapped (``overlap="next_forward"``): step 2 runs on a stream of the part's o
 gradients are final, clipped; backward has read the parameters), and the chunks go in forward
 order (the reverse of gradient arrival), so the first modules' chunks are done first. Inside
 ``HybridDeviceOptimizer.step`` only the first ``STREAM_AHEAD_CHUNKS`` chunks are queued before
-its CPU and device parts, the rest after them (``step(ahead=...)``, ``queue_rest``).
+its CPU and device parts, the rest after them (``step(ahead=...)``, ``queue_rest``), by a
+launcher (on CUDA a thread of its own, ``OffloadDevice.host_launcher``): queuing a chunk costs
+about as much host time as the link takes to move it, so ``step()`` returns while the rest is
+queued, and the next forward's first modules (those not streamed) run under the streaming.
+Every other entry point into the part waits for that queuing first (``_settle_rest``); the
+gradients each chunk reads are taken when ``step()`` runs (``zero_grad`` may follow at once).
 ``step()`` returns with the update queued; each module's forward pre-hook makes the compute
 stream wait only for the chunks that write its parameters (``wait_params``), and the one that
 waits for the last chunk also waits for its copy out and frees the slots (``finish``). Until
@@ -122,6 +127,9 @@ class _Live:
     chunk: Chunk
     pieces: list[Piece]
     layout: SlotLayout
+    # per piece, its parameter's ``.grad`` when ``step()`` ran: the rest may be queued after
+    # ``step()`` returned (``queue_rest(defer=True)``), when ``zero_grad`` may have cleared it
+    grads: list[torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -172,6 +180,12 @@ class StreamedPart:
         self.update_stream = device.new_stream() if overlapped else None
         self._queued: Optional[QueuedUpdate] = None  # the overlapped update step() left running
         self._queuing: Optional[_Queuing] = None  # step(ahead=...) until queue_rest()
+        # overlapped, no updates in backward: queue_rest(defer=True) hands the rest to this
+        # launcher; _rest_pending until an entry point has waited for it (_settle_rest)
+        self._rest_launcher: Optional[Launcher] = None
+        if overlapped and not early:
+            self._rest_launcher = launcher or device.host_launcher(params[0].device)
+        self._rest_pending = False
         self.ahead_chunks = STREAM_AHEAD_CHUNKS  # what the optimizer's step() passes as ``ahead``
         self.backward: Optional[BackwardUpdates] = None
         self.chunks: list[Chunk] = []
@@ -215,11 +229,13 @@ class StreamedPart:
     @property
     def bytes_in(self) -> int:
         """Bytes copied host to device so far."""
+        self._settle_rest()
         return self._link.bytes_in
 
     @property
     def bytes_out(self) -> int:
         """Bytes copied device to host so far."""
+        self._settle_rest()
         return self._link.bytes_out
 
     def masters(self) -> list[Optional[torch.Tensor]]:
@@ -231,6 +247,7 @@ class StreamedPart:
     def in_flight(self) -> list[torch.Tensor]:
         """The device buffers the update ``step()`` left running holds (``next_forward``:
         staging, device state, early updates' buffers), until ``finish``."""
+        self._settle_rest()
         return list(self._queued.held) if self._queued is not None else []
 
     # ------------------------------------------------------------------------------------------
@@ -243,6 +260,7 @@ class StreamedPart:
 
     def write_params(self) -> None:
         """Parameters from the masters (after ``load_state_dict``)."""
+        self._settle_rest()
         self._io.write(self.h2d)
 
     # ------------------------------------------------------------------------------------------
@@ -254,6 +272,7 @@ class StreamedPart:
         gradients those chunks read are released then. The forward that waits for the last
         chunk also waits for its copy out, and frees the staging (``finish``), so that it is not
         held through the rest of the forward and backward."""
+        self._settle_rest()
         q = self._queued
         marks = {i: q.marks.pop(i) for i in indices if q is not None and i in q.marks}
         if not marks:
@@ -276,6 +295,7 @@ class StreamedPart:
         """(Overlapped.) The compute stream waits, device side, for the whole last update:
         parameters written, gradients read (``wait_params``, the next backward, in-place
         ``zero_grad``). The host is not blocked."""
+        self._settle_rest()
         q = self._queued
         if q is None:
             return
@@ -291,6 +311,7 @@ class StreamedPart:
         """(Overlapped.) ``order_params``, and the compute stream waits for the last copy out,
         so that the staging and device state the update used can be freed (dropped here). The
         host is not blocked."""
+        self._settle_rest()
         assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
         q = self._queued
         if q is None:
@@ -321,6 +342,7 @@ class StreamedPart:
         device parts do (before, the update kept writing into the old memory and the parameter
         stayed as assigned). New memory of another shape or dtype, or not contiguous, is
         refused (``guards.check_layout``)."""
+        self._settle_rest()
         for i in range(len(self.params)) if indices is None else indices:
             p = self.params[i]
             ptr, shape, dtype = self._memory[i]
@@ -383,6 +405,7 @@ class StreamedPart:
         blocks the host in the next launch (``benchmarks/launch_queue_probe.py``), so queuing
         every chunk first would hold back the device part's update until the link is nearly
         done."""
+        self._settle_rest()
         assert self._queuing is None, "queue_rest() was not called after step(ahead=...)"
         self.follow_params()
         for p in self.params:
@@ -399,8 +422,9 @@ class StreamedPart:
         live = []
         for ci, c in enumerate(self.chunks):
             pieces = [pc for pc in c.pieces if self.params[pc.index].grad is not None]
-            if pieces and ci not in taken:
-                live.append(_Live(c, pieces, self._runner.layout(pieces)))
+            if pieces and ci not in taken:  # the gradients as they are now (see _Live)
+                live.append(_Live(c, pieces, self._runner.layout(pieces),
+                                  [self.params[pc.index].grad for pc in pieces]))
         self.finish()  # overlapped: the last update is ordered before this one
         if not live and not kept:
             if self.backward is not None:  # updates started in backward, none kept: dropped
@@ -434,10 +458,27 @@ class StreamedPart:
             raise
         self._queue(q, ahead)
 
-    def queue_rest(self) -> None:
-        """Queue the chunks ``step(ahead=...)`` left (nothing if none)."""
-        if self._queuing is not None:
-            self._queue(self._queuing, None)
+    def queue_rest(self, defer: bool = False) -> None:
+        """Queue the chunks ``step(ahead=...)`` left (nothing if none). ``defer``: hand them to
+        the part's launcher (overlapped parts without updates in backward; see the module
+        docstring) and return; every other entry point waits for it first, and an error it
+        raised is raised there."""
+        self._settle_rest()  # after a deferred rest (an error in step() after it): done there
+        q = self._queuing
+        if q is None:
+            return
+        if not defer or self._rest_launcher is None:
+            self._queue(q, None)
+            return
+        self._rest_pending = True
+        self._rest_launcher.submit(lambda: self._queue(q, None), q.compute)
+
+    def _settle_rest(self) -> None:
+        """Wait until the launcher has queued what ``queue_rest(defer=True)`` handed it (its
+        error, if it had one, is raised here)."""
+        if self._rest_pending:
+            self._rest_pending = False
+            self._rest_launcher.join()
 
     def _queue(self, q: "_Queuing", limit: Optional[int]) -> None:
         """Queue ``q``'s chunks from the first not queued, at most ``limit`` of them; once all
@@ -463,17 +504,17 @@ class StreamedPart:
         self._link.copy_in(copies)
         self._wait_chunk(dev.record_event(self.h2d))
         hypers, scale = q.hypers, q.scale
+        grads = lc.grads
         if self.overlapped:
-            grads = [self.params[pc.index].grad for pc in pieces]
             dev.run_on(q.ustream, lambda: run.update(chunk, pieces, views, slot[:layout.total], hypers,
-                                                     scale=scale),
+                                                     scale=scale, read=grads),
                        reads=grads + [slot],
                        writes=[pc.written(self.params[pc.index]) for pc in pieces])
             done = dev.record_event(q.ustream)
             for pc, grad in zip(pieces, grads):
                 q.marks[pc.index] = ChunkMark(q.first_position + i, done, grad)
         else:
-            run.update(chunk, pieces, views, slot[:layout.total], hypers, scale=scale)
+            run.update(chunk, pieces, views, slot[:layout.total], hypers, scale=scale, read=grads)
             done = dev.record_event(q.compute)
         dev.wait_event(self.d2h, done)
         copies = []  # the chunk's copies out: queued together

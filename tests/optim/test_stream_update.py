@@ -537,6 +537,40 @@ def test_auto_split_on_cuda_each_part_equals_its_class(mode):
     opt.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("deterministic")
+def test_the_rest_queued_by_the_launcher_thread_equals_the_class_on_cuda():
+    """next_forward on CUDA: the chunks after the first are queued by the launcher's thread
+    while the caller zeroes the gradients and runs the next forward; every parameter equals
+    fused AdamW on the GPU over fp32 masters, bit for bit."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda().to(torch.bfloat16)
+    opt = HybridDeviceOptimizer(m.parameters(), 1.0, stream_fraction=1.0,
+                                stream_budget_bytes=2 * 2**20, device=_cuda(),
+                                overlap="next_forward", lr=1e-3)
+    opt.register_forward_waits(m)
+    part = opt._parts[0]
+    part.ahead_chunks = 1
+    assert len(part.chunks) > 8
+    ref = MasterWeightOptimizer([p.detach().clone().requires_grad_() for p in m.parameters()], lr=1e-3)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    deferred = 0
+    for i in range(3):
+        m(x * (i + 1)).float().square().mean().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        deferred += part._rest_pending
+        opt.zero_grad()
+        for q, g in zip(ref.params, grads):
+            q.grad = g
+        ref.step()
+    opt.wait_params()
+    assert deferred == 3
+    for p, q in zip(m.parameters(), ref.params):
+        assert torch.equal(p, q)
+    opt.close()
+
+
 def _cuda():
     from cpu_offload import CudaDevice
     return CudaDevice()
@@ -564,11 +598,11 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     calls = []
     update = ChunkRunner._step
 
-    def failing(self, chunk, pieces, views, grads=None, scale=None):
+    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
         calls.append(1)
         if len(calls) == 2 and grads is None:  # in step(), not in backward
             raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale)
+        update(self, chunk, pieces, views, grads, scale, read)
 
     monkeypatch.setattr(ChunkRunner, "_step", failing)
     loss_of(m, 1).backward()
@@ -900,6 +934,73 @@ def test_chunks_queued_after_the_device_part_stay_exact(dtype, ahead):
     opt.close()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_step_returns_before_the_rest_is_queued_and_the_rest_reads_the_gradients_step_saw(dtype):
+    """next_forward: ``step()`` queues the first chunks and the device part, and hands the rest
+    to a launcher (on the simulated device it runs when something waits for it, the latest it
+    could): ``step()`` returns with chunks not queued yet, so the next forward's first modules
+    can run under the streaming. Those chunks read the gradients ``step()`` saw, though
+    ``zero_grad()`` has dropped them since, and every step is exact."""
+    ref, ref_opt = reference(dtype)
+    ref_losses = train(ref, ref_opt, 3)
+    m = model(dtype)
+    opt = hybrid(m, 1.0, 1.0, "next_forward")
+    part = opt._parts[0]
+    part.ahead_chunks = 1
+    losses = []
+    for i in range(3):
+        loss = loss_of(m, i)  # its forward waits for the last step's chunks: all are queued then
+        loss.backward()
+        clip(m)
+        opt.step()
+        q = part._queuing
+        assert q is not None and q.queued == 1 < len(q.live)  # the rest is not queued yet
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.wait_params()
+    assert part._queuing is None
+    assert losses == ref_losses
+    assert_same(m, opt, ref, ref_opt)
+    opt.close()
+
+
+def test_an_error_in_the_deferred_rest_raises_at_the_next_wait_and_the_next_step_works(monkeypatch):
+    """A chunk of the rest fails after ``step()`` returned: the error is raised where the
+    optimizer is next waited for (here the next forward's wait for its parameters), nothing is
+    left queued or half bound, and training goes on."""
+    dev = SimulatedDevice()
+    m = model()
+    opt = hybrid(m, 1.0, 1.0, "next_forward", device=dev)
+    part = opt._parts[0]
+    part.ahead_chunks = 1
+    train(m, opt, 1)
+    calls = []
+    update = ChunkRunner._step
+
+    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
+        calls.append(1)
+        if len(calls) == 2:  # the first chunk of the rest
+            raise RuntimeError("update failed")
+        update(self, chunk, pieces, views, grads, scale, read)
+
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    loss_of(m, 1).backward()
+    opt.step()  # returns: the failing chunk is not queued yet
+    assert len(calls) == 1
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="update failed"):
+        loss_of(m, 2)
+    assert part._queuing is None and len(calls) == 2  # nothing queued after the failure
+    monkeypatch.undo()
+    opt.wait_params()
+    assert dev.pending_ops() == 0
+    assert all(pc.key.numel() == 0 for c in part.chunks for pc in c.pieces
+               if pc.key.untyped_storage().data_ptr() != part.params[pc.index].untyped_storage().data_ptr())
+    train(m, opt, 1, start=3)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    opt.close()
+
+
 def test_an_error_between_the_first_chunks_and_the_rest_queues_the_rest(monkeypatch):
     """The device part fails after the streamed part queued its first chunks: the streamed
     update is queued whole (as when it was queued first), nothing is left half queued, and
@@ -953,11 +1054,11 @@ def test_a_part_failing_in_its_second_half_leaves_no_other_part_half_queued(monk
     calls = []
     update = ChunkRunner._step
 
-    def failing(self, chunk, pieces, views, grads=None, scale=None):
+    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
         calls.append(1)
         if len(calls) == 1:  # the first part's first chunk, queued by queue_rest
             raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale)
+        update(self, chunk, pieces, views, grads, scale, read)
 
     def device_fails(*args, **kwargs):
         raise RuntimeError("device part failed")
