@@ -272,8 +272,10 @@ def feature_counts(spec: ProgramSpec) -> Counter:
             f["stream"] += 1
             if opt.overlap == "next_forward":  # the streamed update overlaps the next forward
                 f["stream_overlapped"] += 1
-                if opt.stream_ahead is not None and opt.max_grad_norm is None:
+                if opt.stream_ahead is not None:
                     f["stream_queued_in_two_parts"] += 1
+                    if not opt.stream_during_backward:  # the rest queued after step() returns
+                        f["stream_rest_deferred"] += 1
             if opt.stream_during_backward:
                 f["stream_during_backward"] += 1
                 f["inline_launches" if opt.inline_launches else "deferred_launches"] += 1

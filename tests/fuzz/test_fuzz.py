@@ -109,7 +109,8 @@ def test_generation_covers_every_dimension():
         "param_edit=clamp_nograd", "save=state_dict", "save=dcp", "close_reuse", "ddp",
         "chunk_bytes_small", "pageable_grads", "pageable_params", "numpy_args",
         "stream_fraction=auto", "stream_fraction=1", "stream_fraction=part",
-        "stream_during_backward", "stream_queued_in_two_parts", "state_in_param_dtype",
+        "stream_during_backward", "stream_queued_in_two_parts", "stream_rest_deferred",
+        "state_in_param_dtype",
         "state_read", "data_assign", "hook_stream",
     } | {f"layer={k}" for k in ("mlp", "attention", "conv1d", "conv2d", "rnn", "custom_function",
                                 "inplace", "inplace_after_recipe", "views", "odd_params")} | {
