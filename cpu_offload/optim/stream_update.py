@@ -475,10 +475,16 @@ class StreamedPart:
 
     def _settle_rest(self) -> None:
         """Wait until the launcher has queued what ``queue_rest(defer=True)`` handed it (its
-        error, if it had one, is raised here)."""
+        error, if it had one, is raised here). A launcher drops the work queued behind a
+        failed one (another part's rest, say): this part's rest is then queued here, so that
+        no part stays half queued."""
         if self._rest_pending:
             self._rest_pending = False
-            self._rest_launcher.join()
+            try:
+                self._rest_launcher.join()
+            finally:
+                if self._queuing is not None:
+                    self._queue(self._queuing, None)
 
     def _queue(self, q: "_Queuing", limit: Optional[int]) -> None:
         """Queue ``q``'s chunks from the first not queued, at most ``limit`` of them; once all

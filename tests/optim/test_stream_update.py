@@ -1025,18 +1025,22 @@ def test_an_error_between_the_first_chunks_and_the_rest_queues_the_rest(monkeypa
     opt.wait_params()
     assert dev.pending_ops() == 0
     assert all(not torch.equal(p, b) for p, b in zip(part.params, before))  # every chunk ran
+    _next_step_works(monkeypatch, m, opt, start=2)
+
+
+def _next_step_works(monkeypatch, m, opt, start):
+    """After a failure: with the patches undone, the next step trains (finite parameters)."""
     monkeypatch.undo()
     opt.zero_grad()
-    train(m, opt, 1, start=2)
+    train(m, opt, 1, start=start)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     opt.close()
 
 
-def test_a_part_failing_in_its_second_half_leaves_no_other_part_half_queued(monkeypatch):
-    """Two streamed parts (a group added later gets its own), both queued in two parts; the
-    device part fails, and then, while the parts' rest is queued on the way out, the first part
-    fails too: the second still queues its rest, the error is raised (the device part's as its
-    context), and the next step works."""
+def _two_parts_failing_first_chunk(monkeypatch):
+    """Two streamed parts (a group added later gets its own) whose chunks all come after the
+    device part (``ahead_chunks = 0``), one step trained, then the first chunk queued fails:
+    ``(device, model, optimizer, parts, calls)``; ``calls`` counts the chunk updates."""
     dev = SimulatedDevice()
     m = model()
     layers = [layer for layer in m.children() if list(layer.parameters())]
@@ -1049,21 +1053,49 @@ def test_a_part_failing_in_its_second_half_leaves_no_other_part_half_queued(monk
     parts = opt._parts
     assert len(parts) >= 2
     for part in parts:
-        part.ahead_chunks = 0  # every chunk in the second half
+        part.ahead_chunks = 0
     train(m, opt, 1)
     calls = []
     update = ChunkRunner._step
 
     def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
         calls.append(1)
-        if len(calls) == 1:  # the first part's first chunk, queued by queue_rest
+        if len(calls) == 1:
             raise RuntimeError("update failed")
         update(self, chunk, pieces, views, grads, scale, read)
+
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    return dev, m, opt, parts, calls
+
+
+def test_a_part_failing_in_its_deferred_rest_leaves_no_other_part_half_queued(monkeypatch):
+    """Two streamed parts share the launcher that queues their rest after ``step()`` returns;
+    the first part's rest fails there, and a launcher drops the work queued behind a failure:
+    the error is raised once, the other parts queue their own rest when they are next waited
+    for, and the next step works."""
+    dev, m, opt, parts, calls = _two_parts_failing_first_chunk(monkeypatch)
+    loss_of(m, 1).backward()
+    opt.step()  # returns: nothing is queued yet
+    assert calls == [] and all(part._queuing is not None for part in parts)
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.wait_params()
+    opt.wait_params()  # raised once; the other parts' rest is queued by their next wait
+    assert all(part._queuing is None for part in parts)
+    assert len(calls) > 1
+    assert dev.pending_ops() == 0
+    _next_step_works(monkeypatch, m, opt, start=2)
+
+
+def test_a_part_failing_in_its_second_half_leaves_no_other_part_half_queued(monkeypatch):
+    """Two streamed parts (a group added later gets its own), both queued in two parts; the
+    device part fails, and then, while the parts' rest is queued on the way out, the first part
+    fails too: the second still queues its rest, the error is raised (the device part's as its
+    context), and the next step works."""
+    dev, m, opt, parts, calls = _two_parts_failing_first_chunk(monkeypatch)
 
     def device_fails(*args, **kwargs):
         raise RuntimeError("device part failed")
 
-    monkeypatch.setattr(ChunkRunner, "_step", failing)
     monkeypatch.setattr(opt._dev_part, "step", device_fails)
     loss_of(m, 1).backward()
     with pytest.raises(RuntimeError, match="update failed") as raised:
@@ -1073,8 +1105,4 @@ def test_a_part_failing_in_its_second_half_leaves_no_other_part_half_queued(monk
     assert len(calls) > 1  # the other parts' chunks were queued
     opt.wait_params()
     assert dev.pending_ops() == 0
-    monkeypatch.undo()
-    opt.zero_grad()
-    train(m, opt, 1, start=2)
-    assert all(torch.isfinite(p).all() for p in m.parameters())
-    opt.close()
+    _next_step_works(monkeypatch, m, opt, start=2)
