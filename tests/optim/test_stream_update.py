@@ -571,6 +571,23 @@ def test_the_rest_queued_by_the_launcher_thread_equals_the_class_on_cuda():
     opt.close()
 
 
+def _failing_chunk_update(monkeypatch, nth, in_step_only=False):
+    """Patch ``ChunkRunner._step`` so that the ``nth`` chunk update raises ``RuntimeError("update
+    failed")`` (``in_step_only``: only if it is an update inside ``step()``, not one started in
+    backward); returns the list that gets one entry per chunk update, failed ones included."""
+    calls = []
+    update = ChunkRunner._step
+
+    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
+        calls.append(1)
+        if len(calls) == nth and not (in_step_only and grads is not None):
+            raise RuntimeError("update failed")
+        update(self, chunk, pieces, views, grads, scale, read)
+
+    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    return calls
+
+
 def _cuda():
     from cpu_offload import CudaDevice
     return CudaDevice()
@@ -595,25 +612,12 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     m = model()
     opt = hybrid(m, 1.0, 1.0, mode, device=dev)
     train(m, opt, 1)
-    calls = []
-    update = ChunkRunner._step
-
-    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
-        calls.append(1)
-        if len(calls) == 2 and grads is None:  # in step(), not in backward
-            raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale, read)
-
-    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    _failing_chunk_update(monkeypatch, 2, in_step_only=True)
     loss_of(m, 1).backward()
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
     assert dev.pending_ops() == 0
-    monkeypatch.setattr(ChunkRunner, "_step", update)
-    opt.zero_grad()
-    train(m, opt, 1, start=2)  # works again: slots freed in order, nothing bound to them
-    assert all(torch.isfinite(p).all() for p in m.parameters())
-    opt.close()
+    _next_step_works(monkeypatch, m, opt, start=2)  # slots freed in order, nothing bound to them
 
 
 def test_a_failed_state_allocation_keeps_the_chunks_earlier_pieces_on_the_host(monkeypatch):
@@ -974,16 +978,7 @@ def test_an_error_in_the_deferred_rest_raises_at_the_next_wait_and_the_next_step
     part = opt._parts[0]
     part.ahead_chunks = 1
     train(m, opt, 1)
-    calls = []
-    update = ChunkRunner._step
-
-    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
-        calls.append(1)
-        if len(calls) == 2:  # the first chunk of the rest
-            raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale, read)
-
-    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    calls = _failing_chunk_update(monkeypatch, 2)  # the first chunk of the rest
     loss_of(m, 1).backward()
     opt.step()  # returns: the failing chunk is not queued yet
     assert len(calls) == 1
@@ -1055,17 +1050,7 @@ def _two_parts_failing_first_chunk(monkeypatch):
     for part in parts:
         part.ahead_chunks = 0
     train(m, opt, 1)
-    calls = []
-    update = ChunkRunner._step
-
-    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale, read)
-
-    monkeypatch.setattr(ChunkRunner, "_step", failing)
-    return dev, m, opt, parts, calls
+    return dev, m, opt, parts, _failing_chunk_update(monkeypatch, 1)
 
 
 def test_a_part_failing_in_its_deferred_rest_leaves_no_other_part_half_queued(monkeypatch):
