@@ -32,7 +32,8 @@ import torch
 
 from ..compat import optimizer_hooks
 from ..core.errors import OffloadUsageError
-from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry
+from .chunk_state import STATE_WRITE_FIX, StateEntry
+from .cpu_update import IMPLEMENTATION_KEYS
 
 FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
 FORMATS = (FORMAT, "cpu_offload.optim.HybridDeviceOptimizer/1")  # /1: masters under "hybrid"

@@ -548,6 +548,26 @@ def test_gil_probe_times_every_case_and_restores_the_switch_interval(capsys):
     assert "x idle" in capsys.readouterr().out
 
 
+def test_undo_probe_paths_make_the_same_update_and_print_the_table(capsys):
+    """The three paths differ only in where the step runs: same new parameters, bit for bit."""
+    import torch
+
+    bench = _benchmark_module("undo_probe")
+    outs = []
+    for path in ("plain", "undo copy", "spare"):
+        t = bench.make(10_000)
+        for _ in range(2):
+            bench.run(path, t, 4096, torch.empty(4096), [torch.zeros(())])
+            if path == "spare":  # the spare side becomes current, as the CPU part swaps them
+                for a, b in (("p", "sp"), ("m", "sm"), ("v", "sv")):
+                    t[a], t[b] = t[b], t[a]
+        outs.append(t["out16"])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    rates = bench.main(["--elems", "8192", "--chunk-mib", "0.01", "--threads", "1", "--rounds", "1"])
+    assert list(rates) == ["plain", "undo copy", "spare"] and all(r[0] > 0 for r in rates.values())
+    assert "median rate / plain" in capsys.readouterr().out
+
+
 def test_gil_probe_chunked_update_is_fused_adamw_over_the_whole_bucket():
     """Both paths compute what one fused AdamW step over the whole bucket does."""
     bench = _benchmark_module("gil_probe")

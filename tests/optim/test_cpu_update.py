@@ -182,3 +182,106 @@ def test_a_failing_chunk_leaves_the_chunks_before_it_written_and_the_rest_untouc
             got = out_failing[pc.index].view(-1)[pc.start:pc.stop]
             want = out_good[pc.index].view(-1)[pc.start:pc.stop] if ci < 2 else torch.zeros_like(got)
             assert torch.equal(got, want), (ci, pc.index)
+
+
+def _state_of(bucket):
+    return [{k: v.clone() for k, v in bucket.param_state(i).items()} for i in range(len(bucket.masters))]
+
+
+def _same(a, b):
+    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def _update(bucket, grads, views, hypers, **kw):
+    out = [torch.empty_like(v) for v in views]
+    bucket.update(grads, out, torch.empty(bucket.scratch_elems), hypers, None, **kw)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [0, 4096, 40_000])
+def test_an_early_update_goes_to_the_spare_side_and_restores_or_commits_exactly(chunk):
+    """With flat masters an early update (``keep_previous``) copies each chunk onto the spare
+    side and steps it there: the current side is only read, so ``restore()`` rebinds the
+    tensors back to values that were never touched, and ``commit()`` makes the spare side
+    current. Both are bit for bit an update in place; the tensor objects (masters, state) the
+    caller holds stay the same and show the current values."""
+    make, views, hypers = _packed_buckets(chunk)
+    plain, early = make(), make()
+    assert early._sides is not None  # packed masters are one flat buffer too
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(3)]
+    for bucket in (plain, early):
+        _update(bucket, grads[0], views, hypers)  # the first step makes the state
+    held_master, held_state = early.masters[5], early.param_state(5)["exp_avg_sq"]
+    storage = held_master.untyped_storage().data_ptr()
+    before_m, before_s = [m.clone() for m in early.masters], _state_of(early)
+
+    out_plain = _update(plain, grads[1], views, hypers)
+    out_early = _update(early, grads[1], views, hypers, keep_previous=True)
+    assert early._moved and early.restorable
+    assert held_master.untyped_storage().data_ptr() != storage  # stepped on the spare side
+    assert all(torch.equal(a, b) for a, b in zip(out_plain, out_early))
+    assert all(torch.equal(a, b) for a, b in zip(plain.masters, early.masters))
+    assert _same(_state_of(plain), _state_of(early))
+
+    early.restore()
+    assert not early._moved and held_master.untyped_storage().data_ptr() == storage
+    assert all(torch.equal(a, b) for a, b in zip(early.masters, before_m))
+    assert _same(_state_of(early), before_s)
+
+    _update(early, grads[1], views, hypers, keep_previous=True)
+    assert early._moved  # on the spare side again
+    early.commit()
+    assert not early._moved and not early.restorable
+    assert held_master is early.masters[5] and torch.equal(held_master, plain.masters[5])
+    assert torch.equal(held_state, plain.param_state(5)["exp_avg_sq"])
+    out_plain = _update(plain, grads[2], views, hypers)
+    out_early = _update(early, grads[2], views, hypers, keep_previous=True)  # from the swapped sides
+    early.commit()
+    assert all(torch.equal(a, b) for a, b in zip(out_plain, out_early))
+    assert all(torch.equal(a, b) for a, b in zip(plain.masters, early.masters))
+    assert _same(_state_of(plain), _state_of(early))
+
+
+def test_an_early_update_on_the_spare_side_that_fails_leaves_no_trace():
+    make, views, hypers = _packed_buckets(20_000)
+    plain, failing = make(), make()
+    gen = torch.Generator().manual_seed(4)
+    grads = [[torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES] for _ in range(2)]
+    for bucket in (plain, failing):
+        _update(bucket, grads[0], views, hypers)
+    before_m, before_s = [m.clone() for m in failing.masters], _state_of(failing)
+    step = failing.chunks[2].optimizer.step
+
+    def boom():
+        raise RuntimeError("boom")
+
+    failing.chunks[2].optimizer.step = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        _update(failing, grads[1], views, hypers, keep_previous=True)
+    assert not failing.restorable and not failing._moved
+    assert all(torch.equal(a, b) for a, b in zip(failing.masters, before_m))
+    assert _same(_state_of(failing), before_s)
+    failing.chunks[2].optimizer.step = step
+    out_plain, out_failing = _update(plain, grads[1], views, hypers), _update(failing, grads[1], views, hypers)
+    assert all(torch.equal(a, b) for a, b in zip(out_plain, out_failing))
+    assert _same(_state_of(plain), _state_of(failing))
+
+
+def test_masters_of_two_dtypes_save_what_an_early_update_changes_instead():
+    """Without one flat buffer of masters (fp32 for bf16, fp64 for fp64) there are no sides:
+    an early update copies aside what it changes."""
+    dtypes = [torch.bfloat16] * len(SHAPES)
+    dtypes[1] = torch.float64
+    params, views = _staged(dtypes)
+    hypers = [dict(HYPERS)]
+    bucket = CpuBucket(params, [0] * len(params), views, hypers,
+                       lambda groups: torch.optim.AdamW(groups, fused=True, **HYPERS), 4096)
+    assert bucket._sides is None
+    grads = [torch.randn(s).to(d) for s, d in zip(SHAPES, dtypes)]
+    _update(bucket, grads, views, hypers)
+    before = [m.clone() for m in bucket.masters]
+    _update(bucket, grads, views, hypers, keep_previous=True)
+    assert bucket.restorable and not bucket._moved and bucket._kept_bufs
+    bucket.restore()
+    assert all(torch.equal(a, b) for a, b in zip(bucket.masters, before))
