@@ -17,6 +17,12 @@ Each path runs over the same elements in turn (``--rounds`` rounds), best and me
 and the ratio to ``plain`` in the same round::
 
     python benchmarks/undo_probe.py --elems 134217728 --threads 15
+
+On the H100 host (2026-12-06, 128M params, 15 threads, median rate against ``plain``): chunks of
+15 / 4 / 1 MiB, undo copy 0.52x / 0.39x / 0.49x, spare 0.54x / 0.43x / 0.52x. The copy itself
+is the cost, not writing the originals back: the spare side saves 4-9%, and the CPU part built
+on it was no faster in a training step (``benchmarks/RESULTS.md``, twenty-fourth session), so
+the CPU part keeps the undo copies.
 """
 from __future__ import annotations
 

@@ -39,23 +39,21 @@ in (each call gives up the GIL, which the training thread may then hold for a wh
 conversions change: bf16 -> fp32 is exact, and fp32 -> bf16 rounds to nearest even in any
 implementation, so every bit is the wrapped class's.
 
-**Early updates** (``update(keep_previous=...)``) must be undoable. With flat masters (one
-master dtype) each chunk is copied onto a spare side and stepped there (``cpu_sides``): the
-originals are only read, so undoing moves the tensors back and keeping swaps the sides. Else a
-chunk's step first copies aside what it changes, and writes the originals back dirty: with fp32
-AdamW 12 more bytes per element (``benchmarks/undo_probe.py``). A callable ``keep_previous``
-lets the caller stop those copies as soon as it knows the update will stand.
+**Early updates** (``update(keep_previous=...)``) first copy what a chunk's step changes, so that
+the update can be undone: with fp32 AdamW that is 12 more bytes read and written per element,
+about as much as the update itself (``benchmarks/cpu_update_bench.py``). A callable
+``keep_previous`` lets the caller stop those copies as soon as it knows the update will stand.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..core.errors import OffloadUsageError
 from .amp import LossScale, run_step
-from .chunk_state import KeyedState, StateEntry, chunk_param_groups, chunk_state_dicts, part_param_groups
-from .cpu_sides import BucketSides
 
 IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # exact classes only
@@ -305,11 +303,8 @@ class CpuBucket:
                                dtype=dtypes.pop())  # zeros: the gaps (copied along) are defined
             self.masters = [flat[o: o + p.numel()].view(p.shape).copy_(v)
                             for o, p, v in zip(self._offsets, params, initial)]
-            # early updates go to the spare side instead of saving what they change (cpu_sides)
-            self._sides: Optional[BucketSides] = BucketSides(flat)
         else:
             self._offsets = None
-            self._sides = None
             self.masters = [torch.empty(p.shape, dtype=master_dtype(p.dtype, fp32_masters)).copy_(v)
                             for p, v in zip(params, initial)]
         self.group_of = list(group_ids)
@@ -321,9 +316,7 @@ class CpuBucket:
         self.chunks = [first] if len(plan) == 1 else [self._build(c, hypers) for c in plan]
         self.scratch_elems = max((pc.offset + pc.stop - pc.start for c in self.chunks for pc in c.pieces
                                   if self._converts(pc)), default=0)  # elements to convert gradients into
-        self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, state key) -> its state
-        self._moved = False  # the last update went to the spare side: commit() swaps, restore() moves back
-        self._unsided = False  # some state could not live in the side buffers (another dtype)
+        self._full: dict[tuple[int, str], torch.Tensor] = {}  # (param, state key) -> split state
         self._synced: list[dict] = []
         self._plans_sig: Optional[tuple] = None
         self._plans: list[_Plan] = []
@@ -398,57 +391,31 @@ class CpuBucket:
         bucket's masters and state, allocated the first time. A callable is asked before each
         chunk whether that is still wanted: once it answers no (the caller knows by then that
         it will keep this update, e.g. ``step()`` found an early update valid), the rest is not
-        copied and the update can no longer be restored (``restorable`` is false).
-
-        With flat masters and every piece's state bound (``_bind``), an update with
-        ``keep_previous`` goes to the spare side instead (``cpu_sides``): each chunk is copied
-        there and stepped there, nothing is saved, and ``restore()`` only moves back. Such an
-        update goes to the spare side whole (a callable's no then makes it final at its end,
-        ``commit``), and one that raises leaves no trace."""
-        self.commit()  # an update left neither kept nor undone stands
+        copied and the update can no longer be restored (``restorable`` is false)."""
         self._kept = [] if keep_previous else None
         ask = keep_previous if callable(keep_previous) else None
         if all(g is None for g in grads):
             return
         self._sync(hypers)
         plans = self._plan(grads, out, scratch)
-        spare = self._kept is not None and self._can_spare()
-        final = False  # spare: the caller said it keeps this update
         # One copy call per chunk: the previous chunk's new values out, this chunk's copies to
         # keep, its gradients in (each call releases and takes back the GIL, which the training
         # thread may hold meanwhile).
         written: tuple[list, list] = ([], [])  # the last stepped chunk's write-back, not done yet
         try:
             for ci, (chunk, plan) in enumerate(zip(self.chunks, plans)):
-                if spare:
-                    final = final or (bool(plan.live) and ask is not None and not ask())
-                    entry, bufs, kept = self._to_spare(chunk, plan)
+                if not plan.live:
+                    continue
+                if ask is not None and self._kept is not None and not ask():
+                    self._kept, ask = None, None  # the caller keeps this update: stop copying
+                dsts, srcs = written[0] + plan.convert_dst, written[1] + plan.convert_src
+                if self._kept is not None:
+                    entry, bufs, kept = self._keep(ci, chunk, plan.live)
                     self._kept.append(entry)
-                elif not plan.live:
-                    continue
-                else:
-                    if ask is not None and self._kept is not None and not ask():
-                        self._kept, ask = None, None  # the caller keeps this update: stop copying
-                    bufs, kept = [], []
-                    if self._kept is not None:
-                        entry, bufs, kept = self._keep(ci, chunk, plan.live)
-                        self._kept.append(entry)
-                dsts, srcs = written[0] + bufs + plan.convert_dst, written[1] + kept + plan.convert_src
+                    dsts, srcs = written[0] + bufs + plan.convert_dst, written[1] + kept + plan.convert_src
                 written = ([], [])
-                if not plan.live:  # spare: nothing to step, but the side must hold the chunk
-                    torch._foreach_copy_(dsts, srcs)
-                    continue
                 self._step_chunk(chunk, plan, dsts, srcs, clip_coef, scale)
                 written = (plan.write_dst, plan.write_src)
-            if spare:
-                self._sides.move(self._tensors(), to_spare=True)  # what views whole parameters
-                self._moved = True
-                if final:
-                    self.commit()
-        except BaseException:
-            if spare:
-                self.restore()
-            raise
         finally:
             if written[0]:
                 torch._foreach_copy_(*written)
@@ -461,9 +428,6 @@ class CpuBucket:
     def commit(self) -> None:
         """Keep the last update for good (``restore()`` is no longer possible)."""
         self._kept = None
-        if self._moved:
-            self._sides.swap()
-            self._moved = False
 
     def restore(self) -> None:
         """Undo the last ``update(keep_previous=True)``: masters, optimizer state and group entries
@@ -472,16 +436,11 @@ class CpuBucket:
         kept, self._kept = self._kept, None
         if kept is None:
             raise RuntimeError("CpuBucket.restore() without a preceding update(keep_previous=True)")
-        if self._sides is not None and self._sides.spare:  # an update on the spare side
-            self._sides.move(self._tensors(), to_spare=False)
-        self._moved = False
         for chunk, groups, pieces in reversed(kept):
-            if any(master is not None for _, master, _ in pieces):  # saved aside, not a spare side's
-                chunk.bound = False  # state may be replaced below: bind it again after the next step
+            chunk.bound = False  # state may be replaced below: bind it again after the next step
             state = chunk.optimizer.state
             for key, master, saved in pieces:
-                if master is not None:
-                    key.copy_(master)
+                key.copy_(master)
                 if saved is None:
                     state.pop(key, None)
                     continue
@@ -490,8 +449,6 @@ class CpuBucket:
                     del current[k]
                 for k, v in saved.items():
                     now = current.get(k)
-                    if v is now:  # moved back already (spare side)
-                        continue
                     if (torch.is_tensor(v) and torch.is_tensor(now) and now.shape == v.shape
                             and now.dtype == v.dtype and now.device == v.device):
                         now.copy_(v)  # in place: split pieces' state stays a view (see _bind)
@@ -526,52 +483,6 @@ class CpuBucket:
             pieces.append((pc.key, copy((ci, pc.index, pc.start, None), pc.key), saved))
         groups = [{k: v for k, v in g.items() if k != "params"} for g in chunk.optimizer.param_groups]
         return (chunk, groups, pieces), bufs, srcs
-
-    def _can_spare(self) -> bool:
-        """An early update can go to the spare side: flat masters, and every piece's state bound
-        into the side buffers (a piece without state would get it from this update, outside
-        them)."""
-        return self._sides is not None and not self._unsided and all(c.bound for c in self.chunks)
-
-    def _to_spare(self, chunk: _Chunk, plan: _Plan) -> tuple[tuple, list, list]:
-        """Take ``chunk`` to the spare side: the copies onto it (for the caller to make before the
-        step, split as ``coalesce`` splits runs), its tensors moved there now, and the entry
-        ``restore`` reads (the state that is not per element, and the group entries)."""
-        assert self._sides is not None and self._offsets is not None
-        self._sides.prepare()
-        ranges = [(self._offsets[pc.index] + pc.start, self._offsets[pc.index] + pc.stop) for pc in chunk.pieces]
-        pairs = self._sides.copies(ranges)
-        per_name = len(ranges)
-        runs = [r for i in range(0, len(pairs), per_name) for r in coalesce(pairs[i: i + per_name])]
-        pieces = []
-        for pc in plan.live:
-            st = chunk.optimizer.state[pc.key]
-            pieces.append((pc.key, None, {k: v if self._per_element(pc, v) else v.clone() if torch.is_tensor(v) else v
-                                          for k, v in st.items()}))
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in chunk.optimizer.param_groups]
-        self._sides.move(self._chunk_tensors(chunk, plan), to_spare=True)
-        return (chunk, groups, pieces), [d for d, _ in runs], [s for _, s in runs]
-
-    @staticmethod
-    def _per_element(pc: _Piece, v: Any) -> bool:
-        return torch.is_tensor(v) and v.shape == pc.key.shape
-
-    def _chunk_tensors(self, chunk: _Chunk, plan: Optional[_Plan]) -> list[torch.Tensor]:
-        """The tensors of ``chunk`` that view the side buffers: its keys, their per-element
-        state, and the views its ``plan`` writes the new values from."""
-        out = []
-        for pc in chunk.pieces:
-            out.append(pc.key)
-            out += [v for v in chunk.optimizer.state.get(pc.key, {}).values() if self._per_element(pc, v)]
-        return out + (plan.write_src if plan is not None else [])
-
-    def _tensors(self) -> list[torch.Tensor]:
-        """Every tensor that views the side buffers (see ``cpu_sides``)."""
-        plans = self._plans if len(self._plans) == len(self.chunks) else [None] * len(self.chunks)
-        out = list(self.masters) + list(self._full.values())
-        for chunk, plan in zip(self.chunks, plans):
-            out += self._chunk_tensors(chunk, plan)
-        return out
 
     def _plan(self, grads: Sequence[Optional[torch.Tensor]], out: Sequence[torch.Tensor],
               scratch: torch.Tensor) -> list[_Plan]:
@@ -629,14 +540,12 @@ class CpuBucket:
 
     def _bind(self, chunk: _Chunk) -> bool:
         """Make the per-element state of split pieces views of one tensor per parameter (the
-        optimizer allocates it per piece on its first step, and ``load_state_dict`` replaces it);
-        with flat masters, of every piece, and that tensor a view of the side buffer of its
-        name (``cpu_sides``), laid out as the masters. True when every such piece has state
-        and all of it is bound: the optimizer updates it in place from then on, so nothing is
-        left to do until it is replaced again."""
+        optimizer allocates it per piece on its first step, and ``load_state_dict`` replaces it).
+        True when every split piece has state and all of it is bound: the optimizer updates it
+        in place from then on, so nothing is left to do until it is replaced again."""
         done = True
         for pc in chunk.pieces:
-            if not (pc.split or self._sides is not None):
+            if not pc.split:
                 continue
             st = chunk.optimizer.state.get(pc.key)
             if not st:
@@ -649,20 +558,10 @@ class CpuBucket:
                 if full is not None and v.data_ptr() == full.data_ptr() + pc.start * full.element_size():
                     continue  # bound already
                 if full is None or full.dtype != v.dtype or full.device != v.device:
-                    full = self._full[(pc.index, k)] = self._state_home(pc.index, k, v)
-                st[k] = (full.view(-1)[pc.start:pc.stop] if pc.split else full).copy_(v)
+                    full = self._full[(pc.index, k)] = torch.empty(
+                        self.masters[pc.index].shape, dtype=v.dtype, device=v.device)
+                st[k] = full.view(-1)[pc.start:pc.stop].copy_(v)
         return done
-
-    def _state_home(self, index: int, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Where parameter ``index``'s state ``name`` (like ``like``) lives: its place in the
-        current side's buffer for ``name``, or a tensor of its own where it cannot live there."""
-        m = self.masters[index]
-        flat = self._sides.home(name, like) if self._sides is not None else None
-        if flat is None:
-            self._unsided = self._sides is not None  # early updates save what they change instead
-            return torch.empty(m.shape, dtype=like.dtype, device=like.device)
-        o = self._offsets[index]
-        return flat[o: o + m.numel()].view(m.shape)
 
     # -- the bucket as one optimizer over ``masters`` (state_dict support) ---------------------
 
@@ -688,10 +587,125 @@ class CpuBucket:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format over ``masters`` (grouped as ``param_groups``)."""
-        self.commit()  # an update on the spare side: loading replaces it anyway
         self._synced = []  # the chunks' groups take the saved hyperparameters: sync them again
         shapes = [m.shape for m in self.masters]
         for c, chunk_state in chunk_state_dicts(self.chunks, self.group_ids, self.group_of,
                                                 state_dict, shapes):
             c.optimizer.load_state_dict(chunk_state)
             c.bound = self._bind(c)
+
+
+def chunk_param_groups(pieces: Sequence[Any], group_of: Sequence[int],
+                       hypers: Sequence[dict]) -> tuple[list[int], list[dict]]:
+    """The groups a chunk's optimizer is built with: the ids of the part's groups its
+    ``pieces`` belong to (in order of first appearance), and per group its hyperparameters
+    (``hypers[id]``) with the pieces' keys as ``params``."""
+    gids = list(dict.fromkeys(group_of[pc.index] for pc in pieces))
+    groups = []
+    for gi in gids:
+        group = {k: v for k, v in hypers[gi].items() if k != "params"}
+        group["params"] = [pc.key for pc in pieces if group_of[pc.index] == gi]
+        groups.append(group)
+    return gids, groups
+
+
+def part_param_groups(chunks: Sequence[Any], group_ids: Sequence[int], group_of: Sequence[int],
+                      keys: Sequence[torch.Tensor]) -> list[dict]:
+    """torch's ``param_groups`` of a part whose parameters ``keys`` (``keys[i]`` in group
+    ``group_of[i]``) are updated by one optimizer per chunk (a ``CpuBucket``, a streamed part):
+    each group's hyperparameters from a chunk optimizer that has it (they all hold the same
+    ones), its ``params`` the part's keys in that group."""
+    out = []
+    for gi in group_ids:
+        g = next(g for c in chunks for g, cg in zip(c.optimizer.param_groups, c.group_ids)
+                 if cg == gi)
+        out.append({**{k: v for k, v in g.items() if k != "params"},
+                    "params": [k for k, og in zip(keys, group_of) if og == gi]})
+    return out
+
+
+def chunk_state_dicts(
+    chunks: Sequence[Any], group_ids: Sequence[int], group_of: Sequence[int],
+    state_dict: dict[str, Any], shapes: Sequence[torch.Size],
+) -> Iterator[tuple[Any, dict]]:
+    """``(chunk, its state dict)`` for loading torch's format (as ``part_param_groups`` groups
+    the part) into each chunk's optimizer: the saved hyperparameters of the chunk's groups, and
+    the entries of its pieces; a piece of a split parameter (``shapes[i]``: the whole
+    parameter's shape) gets the elements it updates of every per-element state tensor, and a
+    copy of the other tensors."""
+    local = {i: pos for pos, i in enumerate(
+        i for gi in group_ids for i, og in enumerate(group_of) if og == gi)}
+    saved_groups = dict(zip(group_ids, state_dict["param_groups"]))
+    for c in chunks:
+        state, groups, n = {}, [], 0
+        for group, gi in zip(c.optimizer.param_groups, c.group_ids):
+            ids = []
+            for key in group["params"]:
+                pc = next(pc for pc in c.pieces if pc.key is key)
+                entry = state_dict["state"].get(local[pc.index])
+                if entry is not None:
+                    state[n] = _slice(entry, pc, shapes[pc.index]) if pc.split else entry
+                ids.append(n)
+                n += 1
+            groups.append({**{k: v for k, v in saved_groups[gi].items() if k != "params"},
+                           "params": ids})
+        yield c, {"state": state, "param_groups": groups}
+
+
+def _slice(entry: dict, pc: Any, shape: torch.Size) -> dict:
+    return {k: (v.reshape(-1)[pc.start:pc.stop] if v.shape == shape else v.clone())
+            if torch.is_tensor(v) else v for k, v in entry.items()}
+
+
+STATE_WRITE_FIX = ("change its tensors in place (opt.state[p]['exp_avg'].zero_()), or load a "
+                   "state dict (opt.load_state_dict(sd)); to start afresh, build a new "
+                   "HybridDeviceOptimizer")
+
+
+class StateEntry(dict):
+    """One parameter's state assembled for ``opt.state[p]`` (a streamed parameter, or one split
+    over CPU chunks): a copy of the mapping over the live tensors, so that setting or removing
+    a key would change nothing; those raise instead."""
+
+    why = "this parameter's state is kept in pieces (streamed, or split over CPU chunks)"
+
+    def _refuse(self, *_: Any, **__: Any) -> None:
+        raise OffloadUsageError(f"{self.why}: a key cannot be set or removed here; {STATE_WRITE_FIX}")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple:  # pickled, deep-copied: a plain dict of the same items
+        return dict, (dict(self),)
+
+
+class KeyedState(Mapping):
+    """``optimizer.state`` of a part that keeps its state itself (a ``CpuBucket``, a streamed
+    part): ``state[key]`` is the per-parameter state of ``keys()[i]``, built on demand by
+    ``state_of(i)``; only keys with state are listed. Bound methods are held weakly, so the
+    part's own ``state`` attribute makes no reference cycle (a dropped part frees its memory
+    at once, without the cycle collector)."""
+
+    def __init__(self, keys: Callable[[], Sequence[torch.Tensor]],
+                 state_of: Callable[[int], Optional[dict]]) -> None:
+        self._keys, self._state_of = _weak(keys), _weak(state_of)
+
+    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
+        i = next((i for i, k in enumerate(self._keys()()) if k is key), None)
+        st = self._state_of()(i) if i is not None else None
+        if not st:
+            raise KeyError(key)
+        return st
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        state_of = self._state_of()
+        return (k for i, k in enumerate(self._keys()()) if state_of(i))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _weak(fn: Callable) -> Callable[[], Callable]:
+    """A getter of ``fn``: weak for bound methods (``weakref.WeakMethod``), strong otherwise."""
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn

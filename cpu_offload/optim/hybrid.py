@@ -25,8 +25,7 @@ from . import state as state_format
 from .amp import LossScale
 from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
-from .chunk_state import STATE_WRITE_FIX, StateEntry
-from .cpu_update import IMPLEMENTATION_KEYS, master_dtype
+from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry, master_dtype
 from .clipping import clip_by_global_norm
 from .device_part import DevicePart
 from .guards import GradsLaidOutAsParams, check_group_keys, snapshot_hypers

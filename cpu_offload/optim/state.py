@@ -32,8 +32,7 @@ import torch
 
 from ..compat import optimizer_hooks
 from ..core.errors import OffloadUsageError
-from .chunk_state import STATE_WRITE_FIX, StateEntry
-from .cpu_update import IMPLEMENTATION_KEYS
+from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry
 
 FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
 FORMATS = (FORMAT, "cpu_offload.optim.HybridDeviceOptimizer/1")  # /1: masters under "hybrid"

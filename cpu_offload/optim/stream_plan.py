@@ -14,8 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .chunk_state import chunk_param_groups
-from .cpu_update import ALIGN_ELEMS, master_dtype, plan_chunks
+from .cpu_update import ALIGN_ELEMS, chunk_param_groups, master_dtype, plan_chunks
 from .stream_store import PieceHost
 
 # Staging slots (of the update in step(), and of the updates started in backward). A chunk's copy

@@ -77,8 +77,9 @@ import torch
 from ..core.device import Event, OffloadDevice
 from ..core.errors import OffloadUsageError
 from ..core.launcher import Launcher
-from .chunk_state import KeyedState, StateEntry, chunk_state_dicts, part_param_groups
-from .cpu_update import ELEMENTWISE
+from .cpu_update import (
+    ELEMENTWISE, KeyedState, StateEntry, chunk_state_dicts, part_param_groups,
+)
 from .stream_backward import BackwardUpdates
 from .stream_chunk import ChunkRunner, Link
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
