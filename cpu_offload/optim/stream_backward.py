@@ -171,7 +171,7 @@ class BackwardUpdates:
         r.grads += grads
         try:
             dev.run_on(self.side, lambda: run.update(chunk, pieces, views, slot[:layout.total], hypers,
-                                                     grads=grads),
+                                                     grads, early=True),
                        reads=grads + own + [slot], writes=new)
             copies = self._copies_out(chunk, views, created)
         finally:

@@ -204,18 +204,15 @@ class ChunkRunner:
         return copies, views
 
     def update(self, chunk: Chunk, pieces: Sequence[Piece], views: Sequence[PieceViews],
-               staged: torch.Tensor, hypers: Sequence[dict],
-               grads: Optional[list[torch.Tensor]] = None,
-               scale: Optional[LossScale] = None,
-               read: Optional[list[torch.Tensor]] = None) -> None:
-        """One chunk's update, on the stream current now (its copy in waited for); ``grads``:
-        an update started in backward, from these gradients (see ``_step``); ``scale``: the
-        loss scale ``GradScaler`` handed to ``step()`` (``amp.run_step``); ``read``: the update
-        inside ``step()``, from these gradients (per piece; default each parameter's ``.grad``
-        now)."""
+               staged: torch.Tensor, hypers: Sequence[dict], grads: list[torch.Tensor],
+               scale: Optional[LossScale] = None, early: bool = False) -> None:
+        """One chunk's update, on the stream current now (its copy in waited for), from
+        ``grads`` (per piece, its parameter's gradient as ``step()`` or the backward hook took
+        it); ``scale``: the loss scale ``GradScaler`` handed to ``step()`` (``amp.run_step``);
+        ``early``: an update started in backward (see ``_step``)."""
         self.device.will_read(staged)
         with bound_hypers(chunk.optimizer, chunk.group_ids, hypers):
-            self._step(chunk, pieces, views, grads, scale, read)
+            self._step(chunk, pieces, views, grads, scale, early)
         for pc in pieces:  # copies out read flat storage: made contiguous on this stream
             st = chunk.optimizer.state.get(pc.key, {})
             for name, v in st.items():
@@ -223,23 +220,19 @@ class ChunkRunner:
                     st[name] = v.contiguous()
 
     def _step(self, chunk: Chunk, pieces: Sequence[Piece], views: Sequence[PieceViews],
-              grads: Optional[list[torch.Tensor]] = None, scale: Optional[LossScale] = None,
-              read: Optional[list[torch.Tensor]] = None) -> None:
-        """Step ``chunk``'s optimizer over its slot ``views`` from the parameters' ``.grad`` (or
-        ``read``, per piece: the gradients ``step()`` took), and write the new values into the
-        parameters. With ``grads`` (per piece: its
-        parameter's gradient), an update started in backward: from those, and the new values
-        go into the device buffer that holds them until ``step()`` (new values of a
-        low-precision parameter; an fp32/fp64 parameter is its own master, staged there from
-        the parameter first and stepped in place)."""
+              grads: list[torch.Tensor], scale: Optional[LossScale] = None, early: bool = False) -> None:
+        """Step ``chunk``'s optimizer over its slot ``views`` from ``grads`` (per piece), and
+        write the new values into the parameters. ``early`` (an update started in backward):
+        the new values go into the device buffer that holds them until ``step()`` (new values
+        of a low-precision parameter; an fp32/fp64 parameter is its own master, staged there
+        from the parameter first and stepped in place)."""
         opt = chunk.optimizer
-        early = grads is not None
         try:
             dsts, srcs = [], []  # gradients into the slot, converted to the master dtype
             edits: list = []  # (master, parameter, gradient region, mask region) per piece
             for k, (pc, v) in enumerate(zip(pieces, views)):
                 p = self.params[pc.index]
-                grad = (grads[k] if early else read[k] if read is not None else p.grad).detach()
+                grad = grads[k].detach()
                 grad = grad.reshape(-1)[pc.start:pc.stop] if pc.split else grad
                 if v.master is not None:
                     if v.grad is None:  # early, own master: stepped in the slot, not in place

@@ -513,14 +513,14 @@ class StreamedPart:
         grads = lc.grads
         if self.overlapped:
             dev.run_on(q.ustream, lambda: run.update(chunk, pieces, views, slot[:layout.total], hypers,
-                                                     scale=scale, read=grads),
+                                                     grads, scale=scale),
                        reads=grads + [slot],
                        writes=[pc.written(self.params[pc.index]) for pc in pieces])
             done = dev.record_event(q.ustream)
             for pc, grad in zip(pieces, grads):
                 q.marks[pc.index] = ChunkMark(q.first_position + i, done, grad)
         else:
-            run.update(chunk, pieces, views, slot[:layout.total], hypers, scale=scale, read=grads)
+            run.update(chunk, pieces, views, slot[:layout.total], hypers, grads, scale=scale)
             done = dev.record_event(q.compute)
         dev.wait_event(self.d2h, done)
         copies = []  # the chunk's copies out: queued together

@@ -346,10 +346,10 @@ def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode
     train(ref, ref_opt, 2, edit=None)
     update = ChunkRunner._step
 
-    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
-        if grads is not None:
+    def failing(self, chunk, pieces, views, grads, scale=None, early=False):
+        if early:
             raise RuntimeError("early update failed")
-        update(self, chunk, pieces, views, grads, scale, read)
+        update(self, chunk, pieces, views, grads, scale, early)
 
     monkeypatch.setattr(ChunkRunner, "_step", failing)
     if launches == "inline" or dtype == torch.float32:

@@ -578,11 +578,11 @@ def _failing_chunk_update(monkeypatch, nth, in_step_only=False):
     calls = []
     update = ChunkRunner._step
 
-    def failing(self, chunk, pieces, views, grads=None, scale=None, read=None):
+    def failing(self, chunk, pieces, views, grads, scale=None, early=False):
         calls.append(1)
-        if len(calls) == nth and not (in_step_only and grads is not None):
+        if len(calls) == nth and not (in_step_only and early):
             raise RuntimeError("update failed")
-        update(self, chunk, pieces, views, grads, scale, read)
+        update(self, chunk, pieces, views, grads, scale, early)
 
     monkeypatch.setattr(ChunkRunner, "_step", failing)
     return calls
