@@ -22,12 +22,11 @@ from cpu_offload.core.launcher import ThreadLauncher
 from cpu_offload.core.simulated import SimulatedHazard
 from cpu_offload.optim.reference import MasterWeightOptimizer
 from cpu_offload.optim.stream_backward import BackwardUpdates
-from cpu_offload.optim.stream_chunk import ChunkRunner
 from cpu_offload.optim.stream_records import EarlyPhase
 
 from test_stream_update import (
-    DTYPES, KW, _cuda, _Tracking, assert_same, loss_of, model, reference, reference_of, train,
-    with_empty,
+    DTYPES, KW, _cuda, _failing_chunk_update, _Tracking, assert_no_key_bound_to_a_slot, assert_same,
+    loss_of, model, reference, reference_of, train, with_empty,
 )
 from test_stream_update import hybrid as plain_hybrid
 
@@ -344,14 +343,7 @@ def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode
     opt = hybrid(m, 1.0, 1.0, mode, device=dev, launches=launches)
     train(m, opt, 2, edit=None)
     train(ref, ref_opt, 2, edit=None)
-    update = ChunkRunner._step
-
-    def failing(self, chunk, pieces, views, grads, scale=None, early=False):
-        if early:
-            raise RuntimeError("early update failed")
-        update(self, chunk, pieces, views, grads, scale, early)
-
-    monkeypatch.setattr(ChunkRunner, "_step", failing)
+    _failing_chunk_update(monkeypatch, lambda n, early: early, "early update failed")
     if launches == "inline" or dtype == torch.float32:
         with pytest.raises(RuntimeError, match="early update failed"):
             loss_of(m, 2).backward()
@@ -359,12 +351,10 @@ def test_an_error_in_an_early_update_raises_and_leaves_nothing(monkeypatch, mode
         loss_of(m, 2).backward()
         with pytest.raises(RuntimeError, match="early update failed"):
             opt.step()
-    monkeypatch.setattr(ChunkRunner, "_step", update)
+    monkeypatch.undo()
     opt.zero_grad()
     ref_opt.zero_grad()
-    assert all(k.numel() == 0 or k.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
-               for part in opt._parts for c in part.chunks for pc in c.pieces
-               for k, p in [(pc.key, part.params[pc.index])])  # no key left bound to a slot
+    assert_no_key_bound_to_a_slot(opt)
     train(m, opt, 2, start=3, edit=None)
     train(ref, ref_opt, 2, start=3, edit=None)
     assert_same(m, opt, ref, ref_opt)

@@ -571,17 +571,17 @@ def test_the_rest_queued_by_the_launcher_thread_equals_the_class_on_cuda():
     opt.close()
 
 
-def _failing_chunk_update(monkeypatch, nth, in_step_only=False):
-    """Patch ``ChunkRunner._step`` so that the ``nth`` chunk update raises ``RuntimeError("update
-    failed")`` (``in_step_only``: only if it is an update inside ``step()``, not one started in
-    backward); returns the list that gets one entry per chunk update, failed ones included."""
+def _failing_chunk_update(monkeypatch, fails, message="update failed"):
+    """Patch ``ChunkRunner._step`` so that a chunk update raises ``RuntimeError(message)`` where
+    ``fails(n, early)`` says so (``n``: its number, from 1; ``early``: started in backward);
+    returns the list that gets one entry per chunk update, failed ones included."""
     calls = []
     update = ChunkRunner._step
 
     def failing(self, chunk, pieces, views, grads, scale=None, early=False):
         calls.append(1)
-        if len(calls) == nth and not (in_step_only and early):
-            raise RuntimeError("update failed")
+        if fails(len(calls), early):
+            raise RuntimeError(message)
         update(self, chunk, pieces, views, grads, scale, early)
 
     monkeypatch.setattr(ChunkRunner, "_step", failing)
@@ -612,7 +612,7 @@ def test_an_error_in_the_update_leaves_nothing_queued(monkeypatch, mode):
     m = model()
     opt = hybrid(m, 1.0, 1.0, mode, device=dev)
     train(m, opt, 1)
-    _failing_chunk_update(monkeypatch, 2, in_step_only=True)
+    _failing_chunk_update(monkeypatch, lambda n, early: n == 2 and not early)  # in step()
     loss_of(m, 1).backward()
     with pytest.raises(RuntimeError, match="update failed"):
         opt.step()
@@ -978,7 +978,7 @@ def test_an_error_in_the_deferred_rest_raises_at_the_next_wait_and_the_next_step
     part = opt._parts[0]
     part.ahead_chunks = 1
     train(m, opt, 1)
-    calls = _failing_chunk_update(monkeypatch, 2)  # the first chunk of the rest
+    calls = _failing_chunk_update(monkeypatch, lambda n, early: n == 2)  # the rest's first chunk
     loss_of(m, 1).backward()
     opt.step()  # returns: the failing chunk is not queued yet
     assert len(calls) == 1
@@ -989,8 +989,7 @@ def test_an_error_in_the_deferred_rest_raises_at_the_next_wait_and_the_next_step
     monkeypatch.undo()
     opt.wait_params()
     assert dev.pending_ops() == 0
-    assert all(pc.key.numel() == 0 for c in part.chunks for pc in c.pieces
-               if pc.key.untyped_storage().data_ptr() != part.params[pc.index].untyped_storage().data_ptr())
+    assert_no_key_bound_to_a_slot(opt)
     train(m, opt, 1, start=3)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     opt.close()
@@ -1023,6 +1022,13 @@ def test_an_error_between_the_first_chunks_and_the_rest_queues_the_rest(monkeypa
     _next_step_works(monkeypatch, m, opt, start=2)
 
 
+def assert_no_key_bound_to_a_slot(opt):
+    """Every streamed piece's key is unbound (empty), or its parameter itself (an own master)."""
+    assert all(k.numel() == 0 or k.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+               for part in opt._parts for c in part.chunks for pc in c.pieces
+               for k, p in [(pc.key, part.params[pc.index])])
+
+
 def _next_step_works(monkeypatch, m, opt, start):
     """After a failure: with the patches undone, the next step trains (finite parameters)."""
     monkeypatch.undo()
@@ -1050,7 +1056,7 @@ def _two_parts_failing_first_chunk(monkeypatch):
     for part in parts:
         part.ahead_chunks = 0
     train(m, opt, 1)
-    return dev, m, opt, parts, _failing_chunk_update(monkeypatch, 1)
+    return dev, m, opt, parts, _failing_chunk_update(monkeypatch, lambda n, early: n == 1)
 
 
 def test_a_part_failing_in_its_deferred_rest_leaves_no_other_part_half_queued(monkeypatch):
