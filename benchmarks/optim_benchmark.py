@@ -74,10 +74,11 @@ CPU smoke test (tiny model, SimulatedDevice; numbers mean nothing)::
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import host_rates
 from bench_common import BenchDevice, environment_info, format_table, gc_paused, write_json
@@ -193,8 +194,8 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
             args: argparse.Namespace, link: dict) -> Row:
     fraction, overlap, act, stream = spec[:4]
     masters = precision(label) == "fp32"
-    if stream == "auto" and args.stream_fraction != "auto":
-        stream = float(args.stream_fraction)
+    if stream == "auto":
+        stream = args.stream_fraction
     row = Row(label, workload)
     model = opt = None
     try:
@@ -381,7 +382,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--cpu-chunk-mib", type=float,
                    help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
     p.add_argument("--stream-fraction", default="auto",
-                   help="stream_fraction of the 'split' rows: 'auto' (default) or a number in [0, 1]")
+                   help="stream_fraction of the 'split' rows: 'auto' (default), 'measure' (time this "
+                        "host when each optimizer is built) or a number in [0, 1]")
     p.add_argument("--stream-budget-mib", type=float,
                    help="stream_budget_bytes of the rows, in MiB (default: the optimizer's, 256)")
     p.add_argument("--bind-cores", action="store_true",
@@ -393,7 +395,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="skip the host-rate probe (benchmarks/host_rates.py) and its bound column")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    raw = args.stream_fraction
+    if raw not in ("auto", "measure"):
+        try:
+            args.stream_fraction = float(raw)
+        except ValueError:
+            args.stream_fraction = math.nan
+        if not 0.0 <= args.stream_fraction <= 1.0:
+            p.error(f"--stream-fraction: 'auto', 'measure' or a number in [0, 1], not {raw!r}")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> list[Row]:

@@ -58,6 +58,22 @@ def test_optim_benchmark_smoke_sim(tmp_path):
     assert (tmp_path / "optim_benchmark_sim.md").exists()
 
 
+def test_optim_benchmark_stream_fraction_takes_auto_measure_or_a_share(tmp_path, capsys):
+    bench = _benchmark_module("optim_benchmark")
+    for bad in ("most", "1.5", "nan"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--stream-fraction", bad])
+        assert f"--stream-fraction: 'auto', 'measure' or a number in [0, 1], not '{bad}'" in capsys.readouterr().err
+    assert bench.parse_args(["--stream-fraction", "0.75"]).stream_fraction == 0.75
+    common = ["--device", "sim", "--no-microbench", "--no-probe", "--rows", "split f=1", "--layers", "2",
+              "--warmup", "1", "--iters", "1", "--out", str(tmp_path)]
+    fixed, = bench.main(common + ["--stream-fraction", "0.75"])
+    timed, = bench.main(common + ["--stream-fraction", "measure"])
+    assert fixed.error is None and timed.error is None
+    assert fixed.stream_pct == 75.0 and fixed.balanced_ms is None  # a fixed share: no plan
+    assert 0 <= timed.stream_pct <= 100 and timed.balanced_ms > 0  # planned from the rates
+
+
 def test_optim_benchmark_bf16_state_rows_equal_their_plain_row_sim(tmp_path):
     """The ``bf16`` rows (``fp32_masters=False``) are compared with plain fused AdamW on the bf16
     weights, not with the master-weight baseline: on the simulated device, the same losses."""
