@@ -78,7 +78,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import host_rates
 from bench_common import BenchDevice, environment_info, format_table, gc_paused, write_json
@@ -354,6 +354,25 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stream_fraction_arg(raw: str) -> Union[str, float]:
+    """``--stream-fraction`` (an argparse ``type``): "auto", "measure" or a share in [0, 1].
+
+    Example::
+
+        >>> stream_fraction_arg("measure"), stream_fraction_arg("0.75")
+        ('measure', 0.75)
+    """
+    if raw in ("auto", "measure"):
+        return raw
+    try:
+        share = float(raw)
+    except ValueError:
+        share = math.nan
+    if not 0.0 <= share <= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"'auto', 'measure' or a number in [0, 1], not {raw!r}")
+    return share
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -381,7 +400,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "in the same rounds (benchmarks/cpu_update_bench.py)")
     p.add_argument("--cpu-chunk-mib", type=float,
                    help="HybridDeviceOptimizer(cpu_chunk_bytes=...) for the rows, in MiB (default: its own)")
-    p.add_argument("--stream-fraction", default="auto",
+    p.add_argument("--stream-fraction", default="auto", type=stream_fraction_arg,
                    help="stream_fraction of the 'split' rows: 'auto' (default), 'measure' (time this "
                         "host when each optimizer is built) or a number in [0, 1]")
     p.add_argument("--stream-budget-mib", type=float,
@@ -395,16 +414,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="skip the host-rate probe (benchmarks/host_rates.py) and its bound column")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out")
-    args = p.parse_args(argv)
-    raw = args.stream_fraction
-    if raw not in ("auto", "measure"):
-        try:
-            args.stream_fraction = float(raw)
-        except ValueError:
-            args.stream_fraction = math.nan
-        if not 0.0 <= args.stream_fraction <= 1.0:
-            p.error(f"--stream-fraction: 'auto', 'measure' or a number in [0, 1], not {raw!r}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> list[Row]:

@@ -253,7 +253,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda where available (else cpu: simulated device, small model)")
     p.add_argument("--fraction", type=float, default=0.25, help="offload_fraction")
-    p.add_argument("--stream-fraction", default="auto", help="'auto' or a number in [0, 1]")
+    p.add_argument("--stream-fraction", default="auto", type=optim_benchmark.stream_fraction_arg,
+                   help="'auto', 'measure' or a number in [0, 1]")
     p.add_argument("--overlap", default="next_forward")
     p.add_argument("--stream-during-backward", action="store_true")
     p.add_argument("--stream-budget-mib", type=float, default=None)
@@ -267,11 +268,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--bins: a bin length in ms, or 0 for no timeline")
     if args.steps < 3:
         p.error("--steps: at least 3 (the middle steps are summarized)")
-    if args.stream_fraction != "auto":
-        try:
-            args.stream_fraction = float(args.stream_fraction)
-        except ValueError:
-            p.error(f"--stream-fraction: 'auto' or a number in [0, 1], not {args.stream_fraction!r}")
     return args
 
 

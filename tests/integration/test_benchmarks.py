@@ -489,6 +489,8 @@ def test_optim_trace_needs_a_window():
         bench.parse_args(["--steps", "2"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--stream-fraction", "most"])
+    with pytest.raises(SystemExit):  # the same check as optim_benchmark.py's
+        bench.parse_args(["--stream-fraction", "1.5"])
     assert bench.parse_args(["--stream-fraction", "0.5"]).stream_fraction == 0.5
 
 
@@ -530,7 +532,7 @@ def test_fsdp2_host_overhead_checks_k():
         bench.parse_args(["--layers", "4", "--k", "4"])
 
 
-@pytest.mark.parametrize("name", ["plain_table", "launch_queue_probe", "optim_trace"])
+@pytest.mark.parametrize("name", ["plain_table", "launch_queue_probe", "optim_trace", "optim_benchmark"])
 def test_probe_docstring_examples_run(name):
     """The examples in these modules' docstrings run (``benchmarks/`` is outside the doctest
     collection of ``setup.cfg``)."""
