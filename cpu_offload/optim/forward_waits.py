@@ -52,15 +52,23 @@ def register(model: nn.Module, key: Callable[[torch.Tensor], torch.Tensor],
         under_fsdp.update(id(p) for p in root.parameters())
         out.covered.update(id(key(p)) for p in root.parameters())
     for module in model.modules():
-        own = [key(p) for p in module.parameters(recurse=False) if id(p) not in under_fsdp]
-        buckets = sorted({b for b in map(cpu_bucket, own) if b is not None})
-        if buckets:
-            out.handles.append(module.register_forward_pre_hook(lambda m, a, b=buckets: wait_cpu(b)))
+        buckets: set[int] = set()
         streamed: dict[int, list[int]] = {}  # part position -> parameter indices in it
-        for at in filter(None, map(streamed_at, own)):
-            streamed.setdefault(at[0], []).append(at[1])
+        for p in module.parameters(recurse=False):
+            if id(p) in under_fsdp:
+                continue
+            updated = key(p)
+            bucket, at = cpu_bucket(updated), streamed_at(updated)
+            if bucket is not None:
+                buckets.add(bucket)
+            if at is not None:
+                streamed.setdefault(at[0], []).append(at[1])
+            if bucket is not None or at is not None:
+                out.covered.add(id(updated))
+        if buckets:
+            out.handles.append(module.register_forward_pre_hook(
+                lambda m, a, b=sorted(buckets): wait_cpu(b)))
         if streamed:
             marks = sorted(streamed.items())
             out.handles.append(module.register_forward_pre_hook(lambda m, a, s=marks: wait_streamed(s)))
-        out.covered.update(id(p) for p in own if cpu_bucket(p) is not None or streamed_at(p) is not None)
     return out
