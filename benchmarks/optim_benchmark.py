@@ -74,7 +74,6 @@ CPU smoke test (tiny model, SimulatedDevice; numbers mean nothing)::
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,7 +86,8 @@ import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path
 
 import cpu_offload  # noqa: E402
 from cpu_offload.examples.gpt import GPTConfig, build_model, make_input, tiny_config  # noqa: E402
-from cpu_offload.optim import HybridDeviceOptimizer  # noqa: E402
+from cpu_offload.optim import HybridDeviceOptimizer, OptimizerOffloadOptions  # noqa: E402
+from cpu_offload.optim.options import STREAM_CHOICES  # noqa: E402
 from cpu_offload.optim.reference import MasterWeightOptimizer  # noqa: E402
 from cpu_offload.optim.worker import default_cpu_threads  # noqa: E402
 from cpu_update_bench import microbench, parse_chunks, table as micro_table  # noqa: E402
@@ -355,22 +355,22 @@ def markdown(rows: list[Row]) -> str:
 
 
 def stream_fraction_arg(raw: str) -> Union[str, float]:
-    """``--stream-fraction`` (an argparse ``type``): "auto", "measure" or a share in [0, 1].
+    """``--stream-fraction`` (an argparse ``type``): what ``HybridDeviceOptimizer`` accepts
+    (``OptimizerOffloadOptions`` decides), refused at parsing rather than row by row.
+
+    Args:
+        raw: the flag's text: "auto", "measure" or a share in [0, 1].
 
     Example::
 
         >>> stream_fraction_arg("measure"), stream_fraction_arg("0.75")
         ('measure', 0.75)
     """
-    if raw in ("auto", "measure"):
-        return raw
     try:
-        share = float(raw)
-    except ValueError:
-        share = math.nan
-    if not 0.0 <= share <= 1.0:  # also NaN
-        raise argparse.ArgumentTypeError(f"'auto', 'measure' or a number in [0, 1], not {raw!r}")
-    return share
+        value = raw if raw in STREAM_CHOICES else float(raw)
+        return OptimizerOffloadOptions(stream_fraction=value).stream_fraction
+    except (ValueError, cpu_offload.OffloadConfigError):
+        raise argparse.ArgumentTypeError(f"'auto', 'measure' or a number in [0, 1], not {raw!r}") from None
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
