@@ -369,7 +369,7 @@ def stream_fraction_arg(raw: str) -> Union[str, float]:
     try:
         value = raw if raw in STREAM_CHOICES else float(raw)
         return OptimizerOffloadOptions(stream_fraction=value).stream_fraction
-    except (ValueError, cpu_offload.OffloadConfigError):
+    except ValueError:  # float()'s, and OffloadConfigError (a ValueError)
         raise argparse.ArgumentTypeError(f"'auto', 'measure' or a number in [0, 1], not {raw!r}") from None
 
 
