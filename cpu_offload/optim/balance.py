@@ -29,14 +29,15 @@ PROBE_ELEMS = 2**22  # CPU update probe: 4 Mi parameters
 PROBE_LINK_BYTES = 64 * 2**20
 # What stream_fraction="auto" plans with where the device has no nominal rates of its own: a
 # model, not a timing, so that every run and every rank choose the same split. The figures are
-# the rates the H100 host reaches *together*, as in a step (benchmarks/host_rates.py,
-# 2026-12-07): the CPU update path while the link copies both ways (1.51 G params/s), the
-# pinned link while the CPU path runs (35.9 GB/s each way). They give 64% streamed for bf16
-# AdamW. On that host 64% beat the 69% of the rates measured alone (1.4 G params/s, 40 GB/s)
-# at fraction 0.5 in each of three interleaved rounds (212.5-218.0 ms against 219.3-222.1),
-# matched it at 0.25 and 1, and 60% lost at 0.5 and 1 (benchmarks/RESULTS.md, 2026-12-07).
-# "measure" times this host instead.
-MODEL_RATES = {"h2d_bytes_per_s": 35e9, "d2h_bytes_per_s": 35e9, "cpu_params_per_s": 1.5e9}
+# in-step rates of H100/H200 hosts (PCIe Gen5, 16 cores): the CPU update path inside a training
+# step (1.3-1.55 G params/s, measured on both), the pinned link while the CPU works (35-46 GB/s
+# each way on the H100 host, 55 on the H200 one). They give 69% streamed for bf16 AdamW; on the
+# H200 host that beat 78% (the 0.9 G params/s of older measurements) at fractions 0.25 and 1,
+# and tied at 0.5 (docs/optimizer.md). 64% (one H100 host's together rates) beat it by 3% at
+# fraction 0.5 on that host and lost 10% at fraction 1 on another, whose CPU update ran 10-20%
+# slower (benchmarks/RESULTS.md, 2026-12-07): the best share follows the host's CPU, and 69% loses
+# less where it is wrong. "measure" times this host instead.
+MODEL_RATES = {"h2d_bytes_per_s": 40e9, "d2h_bytes_per_s": 40e9, "cpu_params_per_s": 1.4e9}
 
 
 def balanced_cpu_share(cpu_params_per_s: float, link_bytes_per_s: float, cpu_bytes: float,
