@@ -33,10 +33,9 @@ PROBE_LINK_BYTES = 64 * 2**20
 # step (1.3-1.55 G params/s, measured on both), the pinned link while the CPU works (35-46 GB/s
 # each way on the H100 host, 55 on the H200 one). They give 69% streamed for bf16 AdamW; on the
 # H200 host that beat 78% (the 0.9 G params/s of older measurements) at fractions 0.25 and 1,
-# and tied at 0.5 (docs/optimizer.md). 64% (one H100 host's together rates) was 2-3% faster at
-# fractions 0.25 and 0.5 on one H100 host and 6-15% slower at 0.25 and 1 on another, whose CPU
-# update ran 10-20% slower (benchmarks/RESULTS.md, 2026-12-07): the best share follows the
-# host's CPU, and 69% loses less where it is not the best. "measure" times this host instead.
+# and tied at 0.5. On H100 hosts the best share follows the host's CPU (64-69%), and 69% loses
+# least where it is not the best (docs/optimizer.md, "The host's bound"). "measure" times this
+# host instead.
 MODEL_RATES = {"h2d_bytes_per_s": 40e9, "d2h_bytes_per_s": 40e9, "cpu_params_per_s": 1.4e9}
 
 
