@@ -712,8 +712,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` of a hybrid optimizer (any ``offload_fraction``) or of the
-        wrapped class over the same parameter groups; parameters are set from the masters.
-        Runs the optimizer's load-state-dict hooks, as torch's optimizers do."""
+        wrapped class over the same parameter groups; parameters are set from the masters (not
+        from stale ones: ``state.carried_masters``). Runs the load hooks, as torch's do."""
         self._check_open("load_state_dict")
         state_format.loaded_with_hooks(self, state_dict, self._load_state)
 

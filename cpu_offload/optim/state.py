@@ -23,6 +23,7 @@ wrapped optimizer's own state dict and starts master weights from the current pa
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from ..compat import optimizer_hooks
-from ..core.errors import OffloadUsageError
+from ..core.errors import OffloadUsageError, stacklevel_outside_package
 from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry
 
 FORMAT = "cpu_offload.optim.HybridDeviceOptimizer/2"
@@ -184,6 +185,20 @@ def check_state_shapes(saved_ids: Sequence[Any], saved_state: dict, masters: dic
                     "saved with this model's parameters, in the same order")
 
 
+def carried_masters(saved_ids: Sequence[Any], masters: dict,
+                    placements: Sequence[Placement]) -> list[int]:
+    """Positions whose saved master has its parameter's own dtype (bf16/fp16) where this
+    optimizer keeps a wider master. ``state_dict()`` never saves such a master (a copy in the
+    parameter's dtype equals the parameter): it is what an optimizer that keeps no masters makes
+    of ours when it loads our state dict (torch's ``load_state_dict`` casts state to the
+    parameter's dtype) and then carries along without updating it. After that optimizer has
+    trained, the master is older than the parameter, and loading it would take the parameter
+    back to it."""
+    return [pos for pos, (sid, pl) in enumerate(zip(saved_ids, placements))
+            if pl.master is not None and torch.is_tensor(masters.get(sid))
+            and masters[sid].dtype == pl.param.dtype != pl.master.dtype]
+
+
 def scatter(
     state_dict: dict[str, Any],
     param_groups: list[dict],
@@ -203,6 +218,19 @@ def scatter(
     masters = dict((state_dict.get("hybrid") or {}).get("master_weights", {}))
     masters.update((i, e[MASTER]) for i, e in state_dict["state"].items() if MASTER in e)
     check_state_shapes(saved_ids, saved_state, masters, placements)  # before anything is loaded
+    carried = carried_masters(saved_ids, masters, placements)
+    if carried:
+        pl = placements[carried[0]]
+        warnings.warn(
+            f"HybridDeviceOptimizer.load_state_dict: {len(carried)} master weight(s) have their "
+            f"parameters' dtype ({pl.param.dtype}), not {pl.master.dtype}: this state dict went "
+            "through an optimizer that keeps no masters (torch's load_state_dict casts them to "
+            "the parameter's dtype, and that optimizer never updates them), so they may be older "
+            "than the parameters. The masters start from the parameters instead, as "
+            "reload_master_weights() does. To leave them out, load to_wrapped_format(state_dict) "
+            "into other optimizers.", UserWarning, stacklevel=stacklevel_outside_package())
+        for pos in carried:
+            del masters[saved_ids[pos]]
     for g, s in zip(param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
     by_optimizer: dict[int, tuple[torch.optim.Optimizer, dict[int, int]]] = {}

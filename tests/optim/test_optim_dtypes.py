@@ -175,6 +175,45 @@ def check_state_dict_round_trips(dtype: torch.dtype, **kw) -> None:
         o.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_masters_carried_through_torch_adamw_do_not_take_the_parameters_back(dtype):
+    """hybrid -> torch's AdamW loaded with the hybrid's own state dict (no to_wrapped_format:
+    torch keeps the master weights, cast to bf16, and never updates them) -> trained -> hybrid.
+    Loading used to write those stale masters into the parameters, silently undoing what AdamW
+    had trained. Now they are refused with a warning, and the hybrid continues exactly as from
+    the same state dict without them (masters from the parameters)."""
+    m = model(dtype)
+    opt = hybrid(m, 1.0, "backward_update")
+    train(m, opt, 2)
+    plain = fused_adamw(m.parameters(), **KW)
+    plain.load_state_dict(_roundtrip(opt.state_dict()))
+    opt.close()
+    assert all(e["master_weight"].dtype == dtype for e in plain.state_dict()["state"].values())
+    train(m, plain, 2, start=2)
+    trained = copy.deepcopy(m)
+    runs = []
+    for carry in (True, False):
+        sd = _roundtrip(plain.state_dict())  # each run its own tensors (torch keeps those loaded)
+        m2 = copy.deepcopy(trained)
+        opt2 = hybrid(m2, 1.0, "backward_update")
+        if carry:
+            with pytest.warns(UserWarning, match=r"6 master weight\(s\) have their parameters' dtype"):
+                opt2.load_state_dict(sd)
+        else:
+            for entry in sd["state"].values():
+                del entry["master_weight"]
+            opt2.load_state_dict(sd)
+        for p, q in zip(m2.parameters(), trained.parameters()):
+            assert torch.equal(p, q)  # what AdamW trained is kept
+            assert torch.equal(opt2.state[p]["master_weight"], q.float())
+        train(m2, opt2, 2, start=4)
+        runs.append((m2, opt2))
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.equal(p, q)
+    for _, o in runs:
+        o.close()
+
+
 def test_bf16_parameters_keep_fp32_masters():
     m = model(torch.bfloat16)
     ref = model(torch.bfloat16)
