@@ -175,27 +175,42 @@ def check_state_dict_round_trips(dtype: torch.dtype, **kw) -> None:
         o.close()
 
 
+@pytest.mark.parametrize("where", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_masters_carried_through_torch_adamw_do_not_take_the_parameters_back(dtype):
+def test_masters_carried_through_torch_adamw_do_not_take_the_parameters_back(dtype, where):
     """hybrid -> torch's AdamW loaded with the hybrid's own state dict (no to_wrapped_format:
     torch keeps the master weights, cast to bf16, and never updates them) -> trained -> hybrid.
     Loading used to write those stale masters into the parameters, silently undoing what AdamW
     had trained. Now they are refused with a warning, and the hybrid continues exactly as from
     the same state dict without them (masters from the parameters)."""
-    m = model(dtype)
-    opt = hybrid(m, 1.0, "backward_update")
-    train(m, opt, 2)
+    cuda = where == "cuda"
+
+    def build(m):  # the default split: streamed and CPU-updated parameters
+        return HybridDeviceOptimizer(m.parameters(), 1.0, device=None if cuda else SimulatedDevice(),
+                                     bucket_bytes=SMALL_BUCKETS, cpu_chunk_bytes=SMALL_CHUNKS, **KW)
+
+    def run(m, opt, steps, start):
+        for i in range(start, start + steps):
+            gen = torch.Generator().manual_seed(100 + i)
+            x = torch.randn(8, 16, generator=gen).to(device=where if cuda else "cpu", dtype=dtype)
+            m(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m = model(dtype).to("cuda" if cuda else "cpu")
+    opt = build(m)
+    run(m, opt, 2, 0)
     plain = fused_adamw(m.parameters(), **KW)
     plain.load_state_dict(_roundtrip(opt.state_dict()))
     opt.close()
     assert all(e["master_weight"].dtype == dtype for e in plain.state_dict()["state"].values())
-    train(m, plain, 2, start=2)
+    run(m, plain, 2, 2)
     trained = copy.deepcopy(m)
     runs = []
     for carry in (True, False):
         sd = _roundtrip(plain.state_dict())  # each run its own tensors (torch keeps those loaded)
         m2 = copy.deepcopy(trained)
-        opt2 = hybrid(m2, 1.0, "backward_update")
+        opt2 = build(m2)
         if carry:
             with pytest.warns(UserWarning, match=r"6 master weight\(s\) have their parameters' dtype"):
                 opt2.load_state_dict(sd)
@@ -205,8 +220,8 @@ def test_masters_carried_through_torch_adamw_do_not_take_the_parameters_back(dty
             opt2.load_state_dict(sd)
         for p, q in zip(m2.parameters(), trained.parameters()):
             assert torch.equal(p, q)  # what AdamW trained is kept
-            assert torch.equal(opt2.state[p]["master_weight"], q.float())
-        train(m2, opt2, 2, start=4)
+            assert torch.equal(opt2.state[p]["master_weight"], q.float().cpu())
+        run(m2, opt2, 2, 4)
         runs.append((m2, opt2))
     for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
         assert torch.equal(p, q)
