@@ -77,6 +77,22 @@ def probe_class(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
     return dict(probe.defaults)
 
 
+def keeps_state(cls: Callable[..., Any], kwargs: dict) -> bool:
+    """Whether one step of ``cls`` on a dummy CPU parameter leaves state for it (torch's classes
+    do, but SGD without momentum). Such a class has state for every parameter it has stepped, so
+    a parameter without state was never stepped and its master equals it: ``state_dict()`` then
+    saves no master for it, as torch saves no entry (torch's Adam-like classes refuse to load an
+    entry without their ``"step"``). A step that fails: False (every master is saved)."""
+    x = torch.zeros(1, requires_grad=True)
+    try:
+        probe = cls([x], **kwargs)
+        x.grad = torch.zeros_like(x)
+        probe.step()
+        return bool(probe.state.get(x))
+    except Exception:  # noqa: BLE001 - the conservative answer
+        return False
+
+
 def check_cpu_class_dtypes(cls: Callable[..., Any], kwargs: dict, dtypes: Iterable[torch.dtype]) -> None:
     """Refuse a CPU class that torch is known to get wrong on the dtypes it would update there:
     fused SGD on bf16/fp16 state before torch 2.14 (``FUSED_CPU_SGD_LOW_PRECISION_FIXED``).

@@ -23,7 +23,7 @@ from ..core.launcher import Launcher
 from . import balance, ddp, forward_waits
 from . import state as state_format
 from .amp import LossScale
-from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, probe_class, warm_torch_optim
+from .classes import build, check_cpu_class_dtypes, default_optimizer_cls, keeps_state, probe_class, warm_torch_optim
 from .cpu_part import CpuPart, weak_call
 from .cpu_update import IMPLEMENTATION_KEYS, STATE_WRITE_FIX, StateEntry, master_dtype
 from .clipping import clip_by_global_norm
@@ -170,6 +170,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # implementation choices (fused, foreach, ...) stay out of the wrapper's groups, so each
         # part keeps its own; state_dict() reports them as the wrapped class would
         self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
+        self._keeps_state = keeps_state(self._cpu_cls, self._kwargs)  # see state_format.gather
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._cpu_threads = opts.cpu_threads or default_cpu_threads()
         chunk_bytes = opts.cpu_chunk_bytes
@@ -706,7 +707,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _gather_state(self) -> dict[str, Any]:
         self._drain_all()
         self._take_edits()
-        sd = state_format.gather(self.param_groups, self._placements(), self._implementation)
+        sd = state_format.gather(self.param_groups, self._placements(), self._implementation, self._keeps_state)
         sd["hybrid"]["stream_fraction"] = self.stream_fraction
         return self._shards.shard_state(sd, [p for g in self.param_groups for p in g["params"]])
 

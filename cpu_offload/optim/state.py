@@ -70,19 +70,22 @@ def hyperparameters(group: dict) -> dict:
 
 
 def gather(param_groups: Sequence[dict], placements: Sequence[Placement],
-           implementation: Optional[dict] = None) -> dict[str, Any]:
+           implementation: Optional[dict] = None, keeps_state: bool = False) -> dict[str, Any]:
     """The hybrid state dict of a wrapper whose parameters (in group order) sit at ``placements``.
 
     ``implementation``: the wrapped class's implementation entries (``fused``, ``foreach``,
     ``capturable``, ``differentiable``), added to every group as that class saves them (the
     wrapper's own groups leave them out: each part keeps the implementation it was built with).
+    ``keeps_state``: the class keeps state for every parameter it steps (``classes.keeps_state``),
+    so a parameter without state gets no entry at all, as in torch's state dict: its master
+    equals it (not stepped yet), and torch's Adam-like classes refuse an entry without ``"step"``.
     """
     state: dict[int, dict] = {}
     for i, pl in enumerate(placements):
         s = pl.optimizer.state.get(pl.key) if pl.optimizer is not None else None
         if s:
             state[i] = dict(s)
-        if pl.saved_master is not None:
+        if pl.saved_master is not None and (s or not keeps_state):
             state.setdefault(i, {})[MASTER] = pl.saved_master
     groups, start = [], 0
     for g in param_groups:

@@ -229,6 +229,49 @@ def test_masters_carried_through_torch_adamw_do_not_take_the_parameters_back(dty
         o.close()
 
 
+def test_a_state_dict_loads_into_torch_adamw_as_is_before_the_first_step_and_with_frozen_params():
+    """A parameter the class has not stepped has no state, and its master equals it: the state
+    dict lists nothing for it, as torch's does. Before, it listed ``{"master_weight": ...}``
+    alone, and torch's Adam-like classes raised ``KeyError: 'step'`` loading it (a checkpoint
+    taken before the first step, or with a parameter that gets no gradient)."""
+    m = model(torch.bfloat16)
+    m[0].weight.requires_grad_(False)  # in the optimizer, never a gradient
+    opt = hybrid(m, 1.0, "backward_update")
+    assert opt.state_dict()["state"] == {}
+    fused_adamw(m.parameters(), **KW).load_state_dict(opt.state_dict())
+    train(m, opt, 2)
+    sd = opt.state_dict()
+    assert 0 not in sd["state"] and all("master_weight" in e for e in sd["state"].values())
+    plain = fused_adamw(m.parameters(), **KW)
+    plain.load_state_dict(to_wrapped_format(sd))
+    plain.load_state_dict(sd)  # as is, too
+    opt.close()
+
+
+def test_a_class_without_state_keeps_its_masters_in_the_state_dict():
+    """SGD without momentum keeps no state: its masters are all the state dict has of the
+    update's precision, so they stay (only a class that keeps state for each parameter it steps
+    leaves out the masters of the ones without), and a run resumed from it continues exactly."""
+    kw = dict(cpu_optimizer_cls=torch.optim.SGD, gpu_optimizer_cls=torch.optim.SGD, lr=1e-2)
+    m = model(torch.bfloat16)
+    ref = copy.deepcopy(m)
+    opt = hybrid(m, 1.0, "backward_update", **kw)
+    train(m, opt, 2)
+    sd = _roundtrip(opt.state_dict())
+    assert sorted(sd["state"]) == list(range(6))
+    assert all(sorted(e) == ["master_weight"] for e in sd["state"].values())
+    m2 = copy.deepcopy(m)
+    opt2 = hybrid(m2, 1.0, "backward_update", **kw)
+    opt2.load_state_dict(sd)
+    train(m2, opt2, 2, start=2)
+    ref_opt = hybrid(ref, 1.0, "backward_update", **kw)
+    train(ref, ref_opt, 4)
+    for p, q in zip(m2.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    for o in (opt, opt2, ref_opt):
+        o.close()
+
+
 def test_bf16_parameters_keep_fp32_masters():
     m = model(torch.bfloat16)
     ref = model(torch.bfloat16)
