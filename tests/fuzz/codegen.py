@@ -235,6 +235,9 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
         out(3, f"return Masters({groups}, torch.optim.{cls_name}, {_kwargs(**hyper)})")
     else:
         out(3, f"return torch.optim.{cls_name}({groups}, {_kwargs(**hyper)})")
+    if opt.close_step is not None and opt.close_via == "torch":
+        out(2, "", "def make_torch():  # torch's class on the parameters themselves: no masters",
+            f"    return torch.optim.{cls_name}({groups}, {_kwargs(**hyper)})")
     out(2, "", "opt = make_opt()")
     if opt.ddp:
         out(2, "if offload:", "    model.register_comm_hook(*opt.ddp_comm_hook())")
@@ -553,7 +556,21 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     if lines and opt.edit_steps is not None:
         lines = [f"if step in {set(opt.edit_steps) or '()'}:"] + ["    " + l for line in lines
                                                                    for l in line.split("\n")]
-    if opt.close_step is not None:
+    if opt.close_step is not None and opt.close_via == "torch":
+        detour = [f"if step == {opt.close_step}:  # taken by torch's class, loaded as is",
+                  "    saved = opt.state_dict()",
+                  "    if offload:",
+                  "        opt.close()",
+                  '        rec.put("closed.step", step_after_close(opt))',
+                  "    else:",
+                  '        rec.put("closed.step", "OffloadUsageError naming close()")',
+                  "    detour = make_torch()",
+                  "    detour.load_state_dict(saved)  # a hybrid's masters: carried, cast",
+                  "    detour.step()",
+                  "    opt = make_opt()",
+                  "    opt.load_state_dict(detour.state_dict())",
+                  "else:"]
+    elif opt.close_step is not None:
         lines += [f"if step == {opt.close_step}:",
                   "    if offload:  # closed, a step must raise; then a new one from its state",
                   "        saved = opt.state_dict()",
@@ -578,6 +595,8 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
             "    " + l for line in step for l in line.split("\n")]
     else:
         step.append("opt.step()")
+    if opt.close_step is not None and opt.close_via == "torch":
+        step = detour + ["    " + l for line in step for l in line.split("\n")]
     lines += step
     if opt.scheduler:
         lines.append("sched.step()")

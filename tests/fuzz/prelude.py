@@ -340,6 +340,13 @@ class Masters(torch.optim.Optimizer):
         self.sync()
         return self.inner.state_dict()
 
+    def load_state_dict(self, state_dict):
+        """The inner optimizer's state and hyperparameters; the masters stay as they are (from
+        the parameters, for a new one: a state dict of torch's class has none)."""
+        self.inner.load_state_dict(state_dict)
+        for g, ig in zip(self.param_groups, self.inner.param_groups):
+            g.update({k: v for k, v in ig.items() if k != "params"})
+
 
 class Stack(nn.Module):
     """The layers as one module whose forward is the program's ``forward`` (for DDP)."""

@@ -144,6 +144,11 @@ class OptSpec:
     # FSDP2 runs them on its reduce-scatter stream (the optimizer's device only: the activation
     # offloading's takes the current stream for compute)
     hook_stream: bool = False
+    # ``close_step`` by way of torch's class (``close_via="torch"``): that step is taken by the
+    # torch class on the parameters themselves (no masters), loaded with the optimizer's
+    # ``state_dict()`` as is (a hybrid's masters carried along, cast to the parameters' dtype),
+    # and the new optimizer loads that class's ``state_dict()``
+    close_via: str = "state_dict"
 
 
 @dataclass(frozen=True)
@@ -298,6 +303,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
         f.update(f"save={kind}" for _, kind in opt.saves)
         if opt.close_step is not None:
             f["close_reuse"] += 1
+            if opt.close_via == "torch":
+                f["close_via_torch"] += 1
         if opt.ddp:
             f["ddp"] += 1
         if 0 < opt.chunk_bytes < 1024:
@@ -494,13 +501,16 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
     # a scheduler and DDP's comm hook hold the closed optimizer: no rebuild with them
     if close is not None and (close >= steps or opt.scheduler or opt.ddp):
         close = None
+    # by way of torch's class: a plain step() (no scaler, no clipping inside step())
+    via = "torch" if (opt.close_via == "torch" and close is not None and not scaler
+                      and mgn is None) else "state_dict"
     return replace(
         opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
         max_grad_norm=mgn, inline_launches=opt.inline_launches and opt.stream_during_backward,
         lr_tensor=opt.lr_tensor and opt.cls not in NO_TENSOR_LR, scaler=scaler,
         betas_tensor=(opt.betas_tensor and OPTIMIZERS[opt.cls][0] in ("Adam", "AdamW")
                       and opt.cls not in NO_TENSOR_LR),
-        inf_step=inf_step, saves=saves, close_step=close,
+        inf_step=inf_step, saves=saves, close_step=close, close_via=via,
         hook_stream=opt.hook_stream and not opt.shared_device,
         # the reference of bf16/fp16 parameters keeps fp32 masters that it does not reload from
         # edited parameters: parameter edits only where the reference is torch's class itself
@@ -718,4 +728,5 @@ def _more_optimizer(rng: random.Random, opt: OptSpec, steps: int) -> OptSpec:
         data_assign=rng.random() < 0.15,
         betas_tensor=rng.random() < 0.25,
         hook_stream=rng.random() < 0.5,
+        close_via=rng.choice(("state_dict", "torch")),
     )
