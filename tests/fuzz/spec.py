@@ -504,6 +504,8 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
     # by way of torch's class: a plain step() (no scaler, no clipping inside step())
     via = "torch" if (opt.close_via == "torch" and close is not None and not scaler
                       and mgn is None) else "state_dict"
+    if via == "torch" and steps > 1:  # after a step: the masters it carries are then stale
+        close = max(close, 1)
     return replace(
         opt, edits=edits, no_sync=opt.no_sync or opt.overlap in UPDATING_MODES,
         max_grad_norm=mgn, inline_launches=opt.inline_launches and opt.stream_during_backward,
