@@ -71,7 +71,7 @@ PRELUDE = (
     prelude.zero_grad_of, prelude.boom_hook, prelude.identity, prelude.in_flight, prelude.set_stream_ahead,
     prelude.div_grad_data, prelude.mul_grad_data, prelude.read_states, prelude.clip_values, prelude.tensor_betas,
     prelude.early_updates_ran, prelude.hooks_on_stream,
-    prelude.Masters, prelude.Stack,
+    prelude.Masters, prelude.renewed, prelude.Stack,
     prelude.ensure_process_group, prelude.record_state, prelude.step_after_close,
     prelude.misuse,
 )
@@ -326,6 +326,9 @@ def program_source(spec: ProgramSpec) -> str:
         out(1, "import numpy as np")
     if opt is not None and any(kind == "dcp" for _, kind in opt.saves):
         out(1, "from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict")
+    if opt is not None and opt.close_step is not None and opt.close_via == "dcp":
+        out(1, "from torch.distributed.checkpoint.state_dict import (",
+            "    StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)")
     out(1, "layers = build()", "params = list(layers.parameters())", f"dev = TrackingDevice({_device_kwargs(spec)})",
         "watch = Watch(layers)", "handle = opt = None", "try:")
     _entry_setup(spec, out)
@@ -570,6 +573,19 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
                   "    opt = make_opt()",
                   "    opt.load_state_dict(detour.state_dict())",
                   "else:"]
+    elif opt.close_step is not None and opt.close_via == "dcp":
+        lines += [f"if step == {opt.close_step}:",
+                  "    saved = get_optimizer_state_dict(layers, opt)",
+                  "    if offload:  # closed, a step must raise; then a new one from DCP's dict",
+                  "        opt.close()",
+                  '        rec.put("closed.step", step_after_close(opt))',
+                  "        opt = make_opt()",
+                  "    else:  # a new reference too, with the masters the hybrid's dict holds",
+                  '        rec.put("closed.step", "OffloadUsageError naming close()")',
+                  "        opt = renewed(opt, make_opt)",
+                  "    # not strict: a parameter without state yet (no gradient so far) is allowed",
+                  "    set_optimizer_state_dict(layers, opt, saved,",
+                  "                             options=StateDictOptions(strict=False))"]
     elif opt.close_step is not None:
         lines += [f"if step == {opt.close_step}:",
                   "    if offload:  # closed, a step must raise; then a new one from its state",

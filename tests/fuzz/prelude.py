@@ -348,6 +348,15 @@ class Masters(torch.optim.Optimizer):
             g.update({k: v for k, v in ig.items() if k != "params"})
 
 
+def renewed(opt, make_opt):
+    """A new optimizer from ``make_opt()`` with ``opt``'s masters (a reference's ``Masters``):
+    a DCP state dict holds none of a reference's masters, while the hybrid's holds its own."""
+    new = make_opt()
+    for p, m in getattr(opt, "masters", {}).items():
+        new.masters[p].copy_(m)
+    return new
+
+
 class Stack(nn.Module):
     """The layers as one module whose forward is the program's ``forward`` (for DDP)."""
 

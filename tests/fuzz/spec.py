@@ -144,10 +144,11 @@ class OptSpec:
     # FSDP2 runs them on its reduce-scatter stream (the optimizer's device only: the activation
     # offloading's takes the current stream for compute)
     hook_stream: bool = False
-    # ``close_step`` by way of torch's class (``close_via="torch"``): that step is taken by the
-    # torch class on the parameters themselves (no masters), loaded with the optimizer's
-    # ``state_dict()`` as is (a hybrid's masters carried along, cast to the parameters' dtype),
-    # and the new optimizer loads that class's ``state_dict()``
+    # how ``close_step``'s new optimizer gets the old one's state: ``state_dict`` (its
+    # ``load_state_dict``); ``torch``: that step is taken by the torch class on the parameters
+    # themselves (no masters), loaded with the ``state_dict()`` as is (a hybrid's masters carried
+    # along, cast to the parameters' dtype), and the new optimizer loads that class's
+    # ``state_dict()``; ``dcp``: DCP's ``get_optimizer_state_dict``/``set_optimizer_state_dict``
     close_via: str = "state_dict"
 
 
@@ -303,8 +304,8 @@ def feature_counts(spec: ProgramSpec) -> Counter:
         f.update(f"save={kind}" for _, kind in opt.saves)
         if opt.close_step is not None:
             f["close_reuse"] += 1
-            if opt.close_via == "torch":
-                f["close_via_torch"] += 1
+            if opt.close_via != "state_dict":
+                f[f"close_via_{opt.close_via}"] += 1
         if opt.ddp:
             f["ddp"] += 1
         if 0 < opt.chunk_bytes < 1024:
@@ -502,8 +503,9 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
     if close is not None and (close >= steps or opt.scheduler or opt.ddp):
         close = None
     # by way of torch's class: a plain step() (no scaler, no clipping inside step())
-    via = "torch" if (opt.close_via == "torch" and close is not None and not scaler
-                      and mgn is None) else "state_dict"
+    via = opt.close_via if close is not None else "state_dict"
+    if via == "torch" and (scaler or mgn is not None):  # torch's class takes a plain step()
+        via = "state_dict"
     if via == "torch" and steps > 1:  # after a step: the masters it carries are then stale
         close = max(close, 1)
     return replace(
@@ -730,5 +732,5 @@ def _more_optimizer(rng: random.Random, opt: OptSpec, steps: int) -> OptSpec:
         data_assign=rng.random() < 0.15,
         betas_tensor=rng.random() < 0.25,
         hook_stream=rng.random() < 0.5,
-        close_via=rng.choice(("state_dict", "torch")),
+        close_via=rng.choice(("state_dict", "torch", "dcp")),
     )

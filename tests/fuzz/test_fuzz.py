@@ -106,7 +106,7 @@ def test_generation_covers_every_dimension():
         "groups>1", "sched=lambda", "sched=step", "scaler=step", "scaler=unscale",
         "scaler=unscale_clip", "scaler_inf_step", "edit=data_div", "edit=data_mul",
         "edit=clip_value", "edit=lr_fill", "edit=lr_set", "param_edit=clamp_data",
-        "param_edit=clamp_nograd", "save=state_dict", "save=dcp", "close_reuse", "close_via_torch", "ddp",
+        "param_edit=clamp_nograd", "save=state_dict", "save=dcp", "close_reuse", "close_via_torch", "close_via_dcp", "ddp",
         "chunk_bytes_small", "pageable_grads", "pageable_params", "numpy_args",
         "stream_fraction=auto", "stream_fraction=1", "stream_fraction=part",
         "stream_during_backward", "stream_queued_in_two_parts", "stream_rest_deferred",
