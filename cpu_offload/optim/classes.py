@@ -3,7 +3,7 @@ that a class has a torch optimizer's API, and how its instances are built."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from packaging.version import Version
@@ -77,20 +77,30 @@ def probe_class(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
     return dict(probe.defaults)
 
 
-def keeps_state(cls: Callable[..., Any], kwargs: dict) -> bool:
-    """Whether one step of ``cls`` on a dummy CPU parameter leaves state for it (torch's classes
-    do, but SGD without momentum). Such a class has state for every parameter it has stepped, so
-    a parameter without state was never stepped and its master equals it: ``state_dict()`` then
+def one_step(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> Optional[tuple[Any, dict]]:
+    """What one step of a class does to a dummy CPU parameter (8 zeros, a zero gradient): the
+    optimizer ``make_optimizer`` built over it, and the state the step left for it (``{}``:
+    none). ``None`` if building or stepping fails (a class that needs a closure, an option
+    only a GPU takes): callers fall back to a conservative answer. How the hybrid learns what a
+    class keeps (``keeps_state``, ``stream_update.state_elems_per_param``)."""
+    x = torch.zeros(8, requires_grad=True)
+    try:
+        opt = make_optimizer([{"params": [x]}])
+        x.grad = torch.zeros_like(x)
+        opt.step()
+        return opt, dict(opt.state.get(x, {}))
+    except Exception:  # noqa: BLE001 - the callers' fallback
+        return None
+
+
+def keeps_state(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> bool:
+    """Whether one step of the class leaves state for its parameter (torch's classes do, but
+    SGD without momentum). Such a class has state for every parameter it has stepped, so a
+    parameter without state was never stepped and its master equals it: ``state_dict()`` then
     saves no master for it, as torch saves no entry (torch's Adam-like classes refuse to load an
     entry without their ``"step"``). A step that fails: False (every master is saved)."""
-    x = torch.zeros(1, requires_grad=True)
-    try:
-        probe = cls([x], **kwargs)
-        x.grad = torch.zeros_like(x)
-        probe.step()
-        return bool(probe.state.get(x))
-    except Exception:  # noqa: BLE001 - the conservative answer
-        return False
+    stepped = one_step(make_optimizer)
+    return stepped is not None and bool(stepped[1])
 
 
 def check_cpu_class_dtypes(cls: Callable[..., Any], kwargs: dict, dtypes: Iterable[torch.dtype]) -> None:

@@ -170,7 +170,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # implementation choices (fused, foreach, ...) stay out of the wrapper's groups, so each
         # part keeps its own; state_dict() reports them as the wrapped class would
         self._implementation = {k: v for k, v in defaults.items() if k in IMPLEMENTATION_KEYS}
-        self._keeps_state = keeps_state(self._cpu_cls, self._kwargs)  # see state_format.gather
+        self._keeps_state = keeps_state(self._make(self._cpu_cls))  # see state_format.gather
         defaults = {k: v for k, v in defaults.items() if k not in IMPLEMENTATION_KEYS}
         self._cpu_threads = opts.cpu_threads or default_cpu_threads()
         chunk_bytes = opts.cpu_chunk_bytes

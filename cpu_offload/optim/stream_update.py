@@ -80,6 +80,7 @@ from ..core.launcher import Launcher
 from .cpu_update import (
     ELEMENTWISE, KeyedState, StateEntry, chunk_state_dicts, part_param_groups,
 )
+from .classes import one_step
 from .stream_backward import BackwardUpdates
 from .stream_chunk import ChunkRunner, Link
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
@@ -108,16 +109,12 @@ def state_elems_per_param(make_optimizer: Callable[[list[dict]], torch.optim.Opt
     """How many per-element state tensors the optimizer class keeps (2 for Adam), found by one
     step on a CPU dummy parameter, and whether the class updates elements independently (its
     parameters may be split into chunks). Falls back to 2 if the dummy step fails."""
-    x = torch.zeros(8, requires_grad=True)
-    try:
-        opt = make_optimizer([{"params": [x]}])
-        elementwise = type(opt) in ELEMENTWISE
-        x.grad = torch.zeros_like(x)
-        opt.step()
-        st = opt.state.get(x, {})
-        return sum(1 for v in st.values() if torch.is_tensor(v) and v.shape == x.shape), elementwise
-    except Exception:  # noqa: BLE001 - an estimate only (sizes the chunks)
+    stepped = one_step(make_optimizer)
+    if stepped is None:  # an estimate only (sizes the chunks)
         return 2, False
+    opt, st = stepped
+    per_element = sum(1 for v in st.values() if torch.is_tensor(v) and v.shape == (8,))
+    return per_element, type(opt) in ELEMENTWISE
 
 
 @dataclass(eq=False)
