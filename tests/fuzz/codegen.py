@@ -542,6 +542,35 @@ EDIT_CODE = {  # a gradient edit's line; {1}, {2}: the edit's fields (OptSpec.ed
 }
 
 
+def _close_lines(opt) -> list:
+    """``close_step``: the old optimizer's state is saved, the hybrid is closed (a ``step()``
+    must then raise naming ``close()``) and a new optimizer takes that state, as ``close_via``
+    says (``OptSpec``). Each way only adds what it does differently."""
+    save, new_hybrid, new_reference, both = {
+        "state_dict": ("opt.state_dict()", ["opt = make_opt()", "opt.load_state_dict(saved)"], [], []),
+        # torch's class on the parameters takes this step (instead of the lines after), loaded
+        # with the dict as is: a hybrid's masters carried along, cast
+        "torch": ("opt.state_dict()", [], [],
+                  ["detour = make_torch()", "detour.load_state_dict(saved)", "detour.step()",
+                   "opt = make_opt()", "opt.load_state_dict(detour.state_dict())"]),
+        # a new reference too, with the masters the hybrid's dict holds; not strict: a parameter
+        # without state yet (no gradient so far) is allowed
+        "dcp": ("get_optimizer_state_dict(layers, opt)", ["opt = make_opt()"],
+                ["opt = renewed(opt, make_opt)"],
+                ["set_optimizer_state_dict(layers, opt, saved,",
+                 "                         options=StateDictOptions(strict=False))"]),
+    }[opt.close_via]
+    return [f"if step == {opt.close_step}:", f"    saved = {save}",
+            "    if offload:  # closed, a step must raise; then a new one",
+            "        opt.close()",
+            '        rec.put("closed.step", step_after_close(opt))',
+            *("        " + line for line in new_hybrid),
+            "    else:",
+            '        rec.put("closed.step", "OffloadUsageError naming close()")',
+            *("        " + line for line in new_reference),
+            *("    " + line for line in both)]
+
+
 def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     opt = spec.optimizer
     lines = []
@@ -559,43 +588,10 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     if lines and opt.edit_steps is not None:
         lines = [f"if step in {set(opt.edit_steps) or '()'}:"] + ["    " + l for line in lines
                                                                    for l in line.split("\n")]
-    if opt.close_step is not None and opt.close_via == "torch":
-        detour = [f"if step == {opt.close_step}:  # taken by torch's class, loaded as is",
-                  "    saved = opt.state_dict()",
-                  "    if offload:",
-                  "        opt.close()",
-                  '        rec.put("closed.step", step_after_close(opt))',
-                  "    else:",
-                  '        rec.put("closed.step", "OffloadUsageError naming close()")',
-                  "    detour = make_torch()",
-                  "    detour.load_state_dict(saved)  # a hybrid's masters: carried, cast",
-                  "    detour.step()",
-                  "    opt = make_opt()",
-                  "    opt.load_state_dict(detour.state_dict())",
-                  "else:"]
-    elif opt.close_step is not None and opt.close_via == "dcp":
-        lines += [f"if step == {opt.close_step}:",
-                  "    saved = get_optimizer_state_dict(layers, opt)",
-                  "    if offload:  # closed, a step must raise; then a new one from DCP's dict",
-                  "        opt.close()",
-                  '        rec.put("closed.step", step_after_close(opt))',
-                  "        opt = make_opt()",
-                  "    else:  # a new reference too, with the masters the hybrid's dict holds",
-                  '        rec.put("closed.step", "OffloadUsageError naming close()")',
-                  "        opt = renewed(opt, make_opt)",
-                  "    # not strict: a parameter without state yet (no gradient so far) is allowed",
-                  "    set_optimizer_state_dict(layers, opt, saved,",
-                  "                             options=StateDictOptions(strict=False))"]
-    elif opt.close_step is not None:
-        lines += [f"if step == {opt.close_step}:",
-                  "    if offload:  # closed, a step must raise; then a new one from its state",
-                  "        saved = opt.state_dict()",
-                  "        opt.close()",
-                  '        rec.put("closed.step", step_after_close(opt))',
-                  "        opt = make_opt()",
-                  "        opt.load_state_dict(saved)",
-                  "    else:",
-                  '        rec.put("closed.step", "OffloadUsageError naming close()")']
+    if opt.close_step is not None:
+        close = _close_lines(opt)
+        if opt.close_via != "torch":  # torch's class takes that step itself: see below
+            lines += close
     step = []
     if opt.scaler in ("unscale", "unscale_clip"):
         step.append("scaler.unscale_(opt)")
@@ -612,7 +608,7 @@ def _optimizer_step(spec: ProgramSpec, out: _Lines) -> None:
     else:
         step.append("opt.step()")
     if opt.close_step is not None and opt.close_via == "torch":
-        step = detour + ["    " + l for line in step for l in line.split("\n")]
+        step = close + ["else:"] + ["    " + l for line in step for l in line.split("\n")]
     lines += step
     if opt.scheduler:
         lines.append("sched.step()")

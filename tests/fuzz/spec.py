@@ -502,7 +502,6 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
     # a scheduler and DDP's comm hook hold the closed optimizer: no rebuild with them
     if close is not None and (close >= steps or opt.scheduler or opt.ddp):
         close = None
-    # by way of torch's class: a plain step() (no scaler, no clipping inside step())
     via = opt.close_via if close is not None else "state_dict"
     if via == "torch" and (scaler or mgn is not None):  # torch's class takes a plain step()
         via = "state_dict"
