@@ -138,18 +138,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = opts.max_grad_norm
         self.stream_during_backward = opts.stream_during_backward
         self.stream_budget_bytes = opts.stream_budget_bytes
-        if opts.stream_during_backward:
-            if not self._mode.updates_in_backward:
-                raise OffloadConfigError(
-                    f"stream_during_backward=True updates during backward: it needs "
-                    f"overlap='backward_update' or 'next_forward', not {self._mode.name!r}")
-            if opts.max_grad_norm is not None:
-                raise OffloadConfigError(
-                    "stream_during_backward=True cannot be combined with max_grad_norm (which "
-                    "scales every gradient inside step(), after backward): drop one of them")
-            if opts.stream_fraction == 0:
-                raise OffloadConfigError("stream_during_backward=True needs a streamed part: "
-                                         "stream_fraction > 0 (or 'auto')")
+        opts.check_mode(self._mode)
         if device is not None and not isinstance(device, OffloadDevice):
             raise OffloadConfigError(
                 f"device must be an OffloadDevice or None (CUDA), got {device!r}: on a machine "

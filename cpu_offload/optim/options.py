@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..core.errors import OffloadConfigError
-from .overlap import OVERLAP_MODES
+from .overlap import OVERLAP_MODES, OverlapMode
 from .partition import DEFAULT_BUCKET_BYTES
 from .stream_update import DEFAULT_STREAM_BUDGET_BYTES, MIN_STREAM_BUDGET_BYTES
 
@@ -122,6 +122,23 @@ class OptimizerOffloadOptions:
         put("bind_cpu_cores", _flag("bind_cpu_cores", self.bind_cpu_cores))
         put("stream_during_backward", _flag("stream_during_backward", self.stream_during_backward))
         put("fp32_masters", _flag("fp32_masters", self.fp32_masters))
+
+    def check_mode(self, mode: OverlapMode) -> None:
+        """``stream_during_backward`` against the overlap mode chosen (it needs one that
+        updates in backward)."""
+        if not self.stream_during_backward:
+            return
+        if not mode.updates_in_backward:
+            raise OffloadConfigError(
+                f"stream_during_backward=True updates during backward: it needs "
+                f"overlap='backward_update' or 'next_forward', not {mode.name!r}")
+        if self.max_grad_norm is not None:
+            raise OffloadConfigError(
+                "stream_during_backward=True cannot be combined with max_grad_norm (which "
+                "scales every gradient inside step(), after backward): drop one of them")
+        if self.stream_fraction == 0:
+            raise OffloadConfigError("stream_during_backward=True needs a streamed part: "
+                                     "stream_fraction > 0 (or 'auto')")
 
     def replace(self, **changes: Any) -> "OptimizerOffloadOptions":
         """A copy with ``changes`` (checked again)."""
