@@ -156,7 +156,7 @@ class Row:
 def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: Optional[str],
                     device: BenchDevice, threads: Optional[int], chunk_mib: Optional[float] = None,
                     stream: Any = 0, bind: bool = False, budget_mib: Optional[float] = None,
-                    during_backward: bool = False, masters: bool = True, prefetch: bool = True) -> Any:
+                    during_backward: bool = False, masters: bool = True) -> Any:
     if fraction is None and not masters:  # bf16 state, as torch.optim keeps it on bf16 weights
         return torch.optim.AdamW(model.parameters(), fused=True, **KW)
     if fraction is None:  # what a mixed-precision loop does without offloading
@@ -172,7 +172,6 @@ def build_optimizer(model: torch.nn.Module, fraction: Optional[float], overlap: 
         model.parameters(), fraction, overlap=overlap, param_update_in_fp32=masters,
         fp32_masters=masters, stream_fraction=stream, bind_cpu_cores=bind,
         **({"stream_during_backward": True} if during_backward and stream != 0 else {}),
-        **({} if prefetch else {"stream_prefetch": False}),
         **({} if budget_mib is None else {"stream_budget_bytes": int(budget_mib * 2**20)}),
         device=None if device.is_cuda else cpu_offload.SimulatedDevice(), cpu_threads=threads,
         cpu_chunk_bytes=None if chunk_mib is None else int(chunk_mib * 2**20),
@@ -205,7 +204,7 @@ def run_row(label: str, spec: tuple, cfg: GPTConfig, workload: str, device: Benc
         xs = [make_input(cfg, device.torch_device, seed=100 + i, requires_grad=False) for i in range(3)]
         opt = build_optimizer(model, fraction, overlap, device, args.threads, args.cpu_chunk_mib,
                               stream, args.bind_cores, args.stream_budget_mib,
-                              args.stream_during_backward, masters, not args.no_stream_prefetch)
+                              args.stream_during_backward, masters)
         forward = make_forward(model, act, device, cfg)
         hybrid = isinstance(opt, HybridDeviceOptimizer)
         losses, stats = [], []
@@ -411,8 +410,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "the CPU worker on physical cores (of the GPU's NUMA node)")
     p.add_argument("--stream-during-backward", action="store_true",
                    help="HybridDeviceOptimizer(stream_during_backward=True) for the 'split' rows")
-    p.add_argument("--no-stream-prefetch", action="store_true",
-                   help="HybridDeviceOptimizer(stream_prefetch=False) for the 'split' rows")
     p.add_argument("--no-probe", action="store_true",
                    help="skip the host-rate probe (benchmarks/host_rates.py) and its bound column")
     p.add_argument("--seed", type=int, default=0)

@@ -172,8 +172,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._state_probe: Optional[tuple[int, bool]] = None
         self._torch_device: Optional[torch.device] = None
         self._engine = TransferEngine(self._device, pin_cpu_grads, pin_cpu_params)
-        self._hooks: list[Any] = []  # on offloaded parameters (DDP's comm hook replaces them)
-        self._streamed_hooks: list[Any] = []  # on streamed parameters (updates or prefetch)
+        self._hooks: list[Any] = []
         self._module_hooks: list[Any] = []
         self._waits: list[forward_waits.ForwardWaits] = []  # register_forward_waits' hooks
         self._partitioned: list[tuple[int, ...]] = []  # per group: ids of the parameters placed
@@ -309,9 +308,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                             early=self.stream_during_backward, launcher=self._launcher)
         self._parts.append(part)
         self._streamed.update((id(p), (part, k)) for k, p in enumerate(part.params))
-        if part.backward is not None or self.options.stream_prefetch:  # chunks start updating
-            hook = weak_call(self, "_on_streamed_grad")  # as gradients land, or state comes in
-            self._streamed_hooks += [p.register_post_accumulate_grad_hook(hook) for p in hooked if p.requires_grad]
+        if part.backward is not None:  # chunks start updating as their gradients land
+            hook = weak_call(self, "_on_streamed_grad")
+            self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in hooked if p.requires_grad]
 
     def _split(self, params: list[torch.Tensor], chosen: list[int],
                hypers: list[dict]) -> tuple[list[int], list[int]]:
@@ -458,9 +457,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         finally:
             self._closed = True
             self._finalizer.detach()
-            for h in self._hooks + self._streamed_hooks + self._module_hooks:
+            for h in self._hooks + self._module_hooks:
                 h.remove()
-            self._hooks, self._streamed_hooks, self._module_hooks = [], [], []
+            self._hooks, self._module_hooks = [], []
             self._worker.shutdown()
             if self._launcher is not None:
                 self._launcher.close()
@@ -497,13 +496,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu.on_grad(key, grad, self._hypers_now)
 
     def _on_streamed_grad(self, p: torch.Tensor) -> None:
-        if self._no_sync or p.grad is None or self._closed:
+        if self._no_sync or p.grad is None or self._ddp or self._closed:
             return
-        part, k = self._streamed[id(self._shards.key(p))]
-        if part.backward is None or self._ddp:  # no update in backward (under DDP: unreduced)
-            return part.prefetch(k)
         self._cpu.finish()
         key, grad = self._shards.grad(p)
+        part, k = self._streamed[id(key)]
         part.follow_params([k])  # the early update reads it
         part.backward.on_grad(k, grad, self._hypers_now())
 
@@ -622,7 +619,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "stream_staging_bytes": max([p.staging_bytes for p in self._parts] or [0]),
             "stream_bytes_to_device": sum(p.bytes_in for p in self._parts),
             "stream_bytes_to_host": sum(p.bytes_out for p in self._parts),
-            "stream_prefetched_chunks": sum(p.prefetched for p in self._parts),
             "stream_early_chunks": sum(p.backward.started for p in self._parts if p.backward),
             "stream_early_kept": sum(p.backward.kept for p in self._parts if p.backward),
             "stream_early_missed": dict(sum((p.backward.missed for p in self._parts if p.backward),
@@ -780,7 +776,6 @@ def _abandon_parts(cpu: CpuPart, parts: list[StreamedPart], st: Any = None) -> N
     it queued."""
     cpu.abandon(st)
     for part in parts:
-        part.drop_prefetch()
         if part.backward is not None:
             part.backward.abandon()
 

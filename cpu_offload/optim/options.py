@@ -76,7 +76,6 @@ class OptimizerOffloadOptions:
     bind_cpu_cores: bool = False
     stream_during_backward: bool = False
     fp32_masters: bool = True
-    stream_prefetch: bool = True
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen
@@ -123,7 +122,6 @@ class OptimizerOffloadOptions:
         put("bind_cpu_cores", _flag("bind_cpu_cores", self.bind_cpu_cores))
         put("stream_during_backward", _flag("stream_during_backward", self.stream_during_backward))
         put("fp32_masters", _flag("fp32_masters", self.fp32_masters))
-        put("stream_prefetch", _flag("stream_prefetch", self.stream_prefetch))
 
     def check_mode(self, mode: OverlapMode) -> None:
         """``stream_during_backward`` against the overlap mode chosen (it needs one that

@@ -44,7 +44,6 @@ class Link:
 
     def copy_in(self, copies: list) -> None:
         """Queue ``(device, host)`` byte pairs on ``h2d`` (``OffloadDevice.copy_many``)."""
-        self.bytes_in += sum(dst.numel() for dst, _ in copies)
         self.device.copy_many(self.h2d, _nonempty(copies))
 
     def copy_out(self, copies: list) -> None:
@@ -201,6 +200,7 @@ class ChunkRunner:
                 copies.append((raw, flat))
                 st[name] = raw.view(host.dtype).view(host.shape)
             views.append(PieceViews(m, g, new, st, keep))
+        self.link.bytes_in += sum(dst.numel() for dst, _ in copies)
         return copies, views
 
     def update(self, chunk: Chunk, pieces: Sequence[Piece], views: Sequence[PieceViews],

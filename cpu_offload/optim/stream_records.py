@@ -16,8 +16,6 @@ state of a chunk is one value, not a combination of containers.
   not kept.
 - ``ChunkMark`` and ``QueuedUpdate``: the update ``step()`` left running (``next_forward``),
   which forwards wait for chunk by chunk; ``UpdatePhase``.
-- ``Prefetch`` and ``Staged``: the first chunks' state copied into the staging slots during
-  backward, for the next ``step()`` to use or drop.
 """
 from __future__ import annotations
 
@@ -197,39 +195,3 @@ class QueuedUpdate:
     held: list  # staging slots, device state, early updates' buffers: freed once FINISHED
     early_grads: list  # gradients the kept early updates read: freed once ORDERED
     phase: UpdatePhase = UpdatePhase.RUNNING
-
-
-@dataclass(frozen=True, eq=False)
-class Staged:
-    """One chunk's masters and state copied into a slot ahead of ``step()``: usable by the
-    update of the same chunk, laid out alike, while the host tensors the copies read are
-    unchanged (their version counters, shared by every view, move on any in-place edit)."""
-
-    chunk: object  # the ``stream_plan.Chunk``
-    layout: object  # its ``stream_plan.SlotLayout`` (all its pieces)
-    sources: tuple  # the host tensors the copies read
-    versions: tuple  # their ``_version`` then
-
-    @classmethod
-    def of(cls, chunk: object, layout: object, copies: list) -> "Staged":
-        sources = tuple(host for _, host in copies)
-        return cls(chunk, layout, sources, tuple(t._version for t in sources))
-
-    def holds(self, chunk: object, layout: object) -> bool:
-        """Whether the slot holds what ``chunk``'s update with ``layout`` would copy in now."""
-        return (chunk is self.chunk and layout == self.layout
-                and tuple(t._version for t in self.sources) == self.versions)
-
-
-@dataclass(eq=False)
-class Prefetch:
-    """The staging slots a streamed part allocated in backward, and the chunks copied into
-    them (``Staged``, in the update's order), landed once ``landed`` has passed on the copy
-    stream; ``seen``: the parameters whose gradients have landed since (a second one means a
-    second backward before ``step()``: gradient accumulation)."""
-
-    slots: list
-    slot_bytes: int
-    staged: list
-    landed: Event
-    seen: set = field(default_factory=set)

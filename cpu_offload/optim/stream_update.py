@@ -22,10 +22,7 @@ two it did, and each copy stream idled about a fifth of the streaming).
 Device memory for it is allocated at the start of the update (compute stream) and dropped at
 its end, after the compute stream has waited for the last copy out, so the next step's copies
 in are ordered after this step's copies out, and outside ``step()`` the part holds no device
-memory, but for one thing: at the part's first gradient in backward (a hook) the slots are
-allocated and the first ``SLOTS`` chunks' masters and state copied in (``prefetch``). Copies
-in read no gradient, so ``step()`` then starts on chunks already in place; the copies wait on
-the device for backward up to that gradient, so the slots' memory is not in use by it.
+memory.
 
 Overlapped (``overlap="next_forward"``): step 2 runs on a stream of the part's own
 (``update_stream``, ``OffloadDevice.run_on``), which first waits for the compute stream (the
@@ -87,7 +84,7 @@ from .classes import one_step
 from .stream_backward import BackwardUpdates
 from .stream_chunk import ChunkRunner, Link
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
-from .stream_records import ChunkMark, Prefetch, QueuedUpdate, Staged, UpdatePhase
+from .stream_records import ChunkMark, QueuedUpdate, UpdatePhase
 from .stream_store import HostCopy, ParamIO
 from .amp import LossScale
 from .guards import check_layout, merge_edited, snapshot, snapshot_hypers
@@ -146,8 +143,6 @@ class _Queuing:
     marks: dict = field(default_factory=dict)  # overlapped: what each forward waits for
     outs: list = field(default_factory=list)  # per queued chunk: its copies out's end
     keep: list = field(default_factory=list)  # device state the class created, read by copies out
-    prefetch: Optional[Prefetch] = None  # the slots, with the first chunks copied in in backward
-    staged: frozenset = frozenset()  # the chunks of ``live`` (positions) it holds as they are now
     first_position: int = 0  # the place of the first chunk in the update's order (after kept)
     queued: int = 0  # chunks of ``live`` queued so far
 
@@ -189,9 +184,6 @@ class StreamedPart:
             self._rest_launcher = launcher or device.host_launcher(params[0].device)
         self._rest_pending = False
         self.ahead_chunks = STREAM_AHEAD_CHUNKS  # what the optimizer's step() passes as ``ahead``
-        self._prefetch: Optional[Prefetch] = None  # the first chunks staged in backward
-        self.prefetching = not early  # off after a second backward before step() (prefetch)
-        self.prefetched = 0  # chunks the last step() found staged
         self.backward: Optional[BackwardUpdates] = None
         self.chunks: list[Chunk] = []
         self.params = list(params)
@@ -369,7 +361,6 @@ class StreamedPart:
         last step's, as with torch's optimizers."""
         if self.backward is not None:
             self.backward.abandon()
-        self.drop_prefetch()
         self.finish()
         if self._link.last_out is not None:
             self._device.wait_host(self._link.last_out)
@@ -380,58 +371,6 @@ class StreamedPart:
 
     # ------------------------------------------------------------------------------------------
     # the update
-
-    def prefetch(self, index: int) -> None:
-        """(Parameter ``index``'s gradient hook, in backward.) At the part's first gradient,
-        allocate the staging slots and copy the first ``SLOTS`` chunks of the next update into
-        them, on ``h2d`` after the backward work queued so far: copies in read no gradient, and
-        that direction of the link idles in backward, so ``step()`` starts on chunks already in
-        place (``benchmarks/stream_prefetch_probe.py``). The slots are held from here to the
-        update's end. ``step()`` takes a staged chunk only if nothing its copies read has
-        changed (``Staged.holds``); ``sync`` and ``zero_grad`` drop them. A second gradient of
-        a parameter before ``step()`` (gradient accumulation outside ``no_sync``) drops them
-        and turns this off for the part, so that the slots are not held through forwards."""
-        pre = self._prefetch
-        if pre is not None:
-            if index in pre.seen:
-                self.drop_prefetch()
-                self.prefetching = False
-            pre.seen.add(index)
-            return
-        if not self.prefetching or not self.chunks:
-            return
-        self.finish()  # overlapped: the last update's copies out are ordered before these
-        dev, run = self._device, self._runner
-        order = self.chunks[::-1] if self.overlapped else self.chunks
-        layouts = [run.layout(c.pieces) for c in order]
-        slot_bytes = max(1, max(lay.total for lay in layouts))
-        slots = [dev.alloc_device(slot_bytes, self.params[0].device) for _ in range(min(SLOTS, len(order)))]
-        self._wait_backward(dev.record_event(dev.current_stream()))
-        staged: list = []
-        try:
-            for chunk, layout, slot in zip(order, layouts, slots):
-                copies, _ = run.stage_in(chunk.pieces, layout, slot)
-                self._link.copy_in(copies)
-                staged.append(Staged.of(chunk, layout, copies))
-        finally:  # what was queued before an error is held, and fenced where it is dropped
-            self._prefetch = Prefetch(slots, slot_bytes, staged, dev.record_event(self.h2d), {index})
-
-    def _wait_backward(self, event: Event) -> None:
-        """``prefetch``'s copies in wait for backward up to the hook: the slots' memory is no
-        longer in use there, and the last step's copies out, which the compute stream waited
-        for, have landed in the host memory they read (tests remove it: stale state)."""
-        self._device.wait_event(self.h2d, event)
-
-    def drop_prefetch(self) -> None:
-        """Let go of the slots ``prefetch`` filled (``sync``, ``zero_grad``, a second backward,
-        a ``step()`` that cannot use them): the compute stream waits for their copies in, so
-        that their memory is reused only after."""
-        pre, self._prefetch = self._prefetch, None
-        if pre is not None:
-            dev = self._device
-            dev.wait_event(dev.current_stream(), pre.landed)
-            for s in pre.slots:
-                dev.will_free(s)
 
     def _wait_slot(self, event: Event) -> None:
         """The copy in waits until its slot is free: allocated (the step's start) or read out by
@@ -484,9 +423,7 @@ class StreamedPart:
                 live.append(_Live(c, pieces, self._runner.layout(pieces),
                                   [self.params[pc.index].grad for pc in pieces]))
         self.finish()  # overlapped: the last update is ordered before this one
-        self.prefetched = 0
         if not live and not kept:
-            self.drop_prefetch()
             if self.backward is not None:  # updates started in backward, none kept: dropped
                 self.backward.abandon()
             return
@@ -499,23 +436,13 @@ class StreamedPart:
             live.reverse()  # forward order: the next forward's first modules wait least
             kept.reverse()
         slot_bytes = max([lc.layout.total for lc in live] or [0])
-        pre, self._prefetch = self._prefetch, None
-        if pre is not None and (pre.slot_bytes < slot_bytes or len(pre.slots) < min(SLOTS, len(live))):
-            self._prefetch = pre
-            self.drop_prefetch()  # the chunks' state grew since backward (never in one step)
-            pre = None
-        slots = pre.slots if pre is not None else [
-            dev.alloc_device(max(slot_bytes, 1), self.params[0].device) for _ in range(min(SLOTS, len(live)))]
+        slots = [dev.alloc_device(max(slot_bytes, 1), self.params[0].device)
+                 for _ in range(min(SLOTS, len(live)))]
         self.staging_bytes = sum(s.numel() for s in slots)
         start = dev.record_event(compute)
         if self.overlapped:  # gradients final (clipped), parameters read by backward
             dev.wait_event(ustream, start)
-        # which staged chunks hold what their copies in would read now: checked before this
-        # step queues a copy (a copy out may move the version counter of the host block)
-        staged = frozenset(i for i, (lc, st) in enumerate(zip(live, pre.staged if pre else ()))
-                           if st.holds(lc.chunk, lc.layout))
-        q = self._queuing = _Queuing(live, hypers, scale, slots, start, compute, ustream,
-                                     prefetch=pre, staged=staged)
+        q = self._queuing = _Queuing(live, hypers, scale, slots, start, compute, ustream)
         try:
             if kept:
                 for pos, (rec, done) in enumerate(zip(kept, self.backward.commit(kept, ustream))):
@@ -575,15 +502,10 @@ class StreamedPart:
         lc = q.live[i]
         chunk, pieces, layout = lc.chunk, lc.pieces, lc.layout
         slot = q.slots[i % SLOTS]
-        if i in q.staged:
-            _, views = run.stage_in(pieces, layout, slot)  # copied in during backward
-            self._wait_chunk(q.prefetch.landed)
-            self.prefetched += 1
-        else:
-            self._wait_slot(q.start if i < SLOTS else q.outs[i - SLOTS])
-            copies, views = run.stage_in(pieces, layout, slot)
-            self._link.copy_in(copies)
-            self._wait_chunk(dev.record_event(self.h2d))
+        self._wait_slot(q.start if i < SLOTS else q.outs[i - SLOTS])
+        copies, views = run.stage_in(pieces, layout, slot)
+        self._link.copy_in(copies)
+        self._wait_chunk(dev.record_event(self.h2d))
         hypers, scale = q.hypers, q.scale
         grads = lc.grads
         if self.overlapped:

@@ -199,8 +199,6 @@ def _optimizer_setup(spec: ProgramSpec, out: _Lines) -> None:
         kw.update(max_grad_norm=opt.max_grad_norm)
     if opt.stream_during_backward:
         kw.update(stream_during_backward=True)
-    if not opt.stream_prefetch:
-        kw.update(stream_prefetch=False)
     if masters:
         kw.update(param_update_in_fp32=True)
     elif spec.low_precision:

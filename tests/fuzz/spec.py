@@ -132,8 +132,6 @@ class OptSpec:
     # bf16/fp16 parameters: False keeps their state in their own dtype (no fp32 master), and the
     # reference is then torch's class itself on the parameters
     fp32_masters: bool = True
-    # False: the streamed part copies nothing in during backward (``stream_prefetch=False``)
-    stream_prefetch: bool = True
     # opt.state[p] read for every parameter between backward and step() (it must change nothing)
     state_read: bool = False
     # after every step(), each parameter given new memory of the same values (p.data = clone)
@@ -284,8 +282,6 @@ def feature_counts(spec: ProgramSpec) -> Counter:
                     f["stream_queued_in_two_parts"] += 1
                     if not opt.stream_during_backward:  # the rest queued after step() returns
                         f["stream_rest_deferred"] += 1
-            if not opt.stream_during_backward:  # its first chunks staged in backward, or not
-                f["stream_prefetch" if opt.stream_prefetch else "stream_prefetch_off"] += 1
             if opt.stream_during_backward:
                 f["stream_during_backward"] += 1
                 f["inline_launches" if opt.inline_launches else "deferred_launches"] += 1
@@ -660,8 +656,6 @@ def generate(seed: int) -> ProgramSpec:
         spec = replace(spec, optimizer=replace(spec.optimizer, stream_ahead=rng.choice((0, 1, 2))))
     if spec.optimizer is not None and spec.low_precision and rng.random() < 0.5:  # drawn last
         spec = replace(spec, optimizer=replace(spec.optimizer, fp32_masters=False))
-    if spec.optimizer is not None and rng.random() < 0.3:  # drawn last
-        spec = replace(spec, optimizer=replace(spec.optimizer, stream_prefetch=False))
     return normalize(spec)
 
 

@@ -110,7 +110,6 @@ def test_generation_covers_every_dimension():
         "chunk_bytes_small", "pageable_grads", "pageable_params", "numpy_args",
         "stream_fraction=auto", "stream_fraction=1", "stream_fraction=part",
         "stream_during_backward", "stream_queued_in_two_parts", "stream_rest_deferred",
-        "stream_prefetch", "stream_prefetch_off",
         "state_in_param_dtype",
         "state_read", "data_assign", "hook_stream",
     } | {f"layer={k}" for k in ("mlp", "attention", "conv1d", "conv2d", "rnn", "custom_function",
