@@ -13,6 +13,14 @@ during backward, when the host-to-device direction idles. This probe times the p
 - ``extra MiB``: those and further chunks already in buffers of their own (memory held from
   backward on, freed after their copies out).
 
+What the library measured when it built this (thirtieth session, 45b3cff, reverted in the
+commit after; benchmarks/RESULTS.md): the three slots copied in during backward saved 1-3 ms of
+a 187-190 ms step with everything streamed, and nothing with ``stream_fraction="auto"``, where
+the copies also slowed the CPU update by about 11 ms (they share host memory). The 11 ms this
+probe gives did not carry over. Not measured apart: in the library each chunk also costs host
+time to queue, about as much as the link takes to move it (``stream_update``'s docstring), and
+the probe has none. Read its numbers as an upper bound.
+
 Usage (CUDA only)::
 
     python3 benchmarks/stream_prefetch_probe.py --total-gib 3.0 --slot-mib 128,512
