@@ -124,8 +124,8 @@ class OptimizerOffloadOptions:
         put("fp32_masters", _flag("fp32_masters", self.fp32_masters))
 
     def check_mode(self, mode: OverlapMode) -> None:
-        """``stream_during_backward`` against the overlap mode chosen (it needs one that
-        updates in backward)."""
+        """``stream_during_backward`` against the overlap mode chosen and the other options:
+        it needs a mode that updates in backward, no ``max_grad_norm`` and a streamed part."""
         if not self.stream_during_backward:
             return
         if not mode.updates_in_backward:
