@@ -77,13 +77,16 @@ def probe_class(cls: Callable[..., Any], kwargs: dict, role: str) -> dict:
     return dict(probe.defaults)
 
 
+ONE_STEP_SHAPE = (8,)  # the dummy parameter of ``one_step``: state shaped so is per element
+
+
 def one_step(make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> Optional[tuple[Any, dict]]:
-    """What one step of a class does to a dummy CPU parameter (8 zeros, a zero gradient): the
-    optimizer ``make_optimizer`` built over it, and the state the step left for it (``{}``:
-    none). ``None`` if building or stepping fails (a class that needs a closure, an option
-    only a GPU takes): callers fall back to a conservative answer. How the hybrid learns what a
-    class keeps (``keeps_state``, ``stream_update.state_elems_per_param``)."""
-    x = torch.zeros(8, requires_grad=True)
+    """What one step of a class does to a dummy CPU parameter (``ONE_STEP_SHAPE`` zeros, a zero
+    gradient): the optimizer ``make_optimizer`` built over it, and the state the step left for
+    it (``{}``: none). ``None`` if building or stepping fails (a class that needs a closure, an
+    option only a GPU takes): callers fall back to a conservative answer. How the hybrid learns
+    what a class keeps (``keeps_state``, ``stream_update.state_elems_per_param``)."""
+    x = torch.zeros(ONE_STEP_SHAPE, requires_grad=True)
     try:
         opt = make_optimizer([{"params": [x]}])
         x.grad = torch.zeros_like(x)

@@ -80,7 +80,7 @@ from ..core.launcher import Launcher
 from .cpu_update import (
     ELEMENTWISE, KeyedState, StateEntry, chunk_state_dicts, part_param_groups,
 )
-from .classes import one_step
+from .classes import ONE_STEP_SHAPE, one_step
 from .stream_backward import BackwardUpdates
 from .stream_chunk import ChunkRunner, Link
 from .stream_plan import SLOTS, Chunk, ChunkPlan, Piece, SlotLayout, build_chunk, plan_ranges
@@ -113,7 +113,7 @@ def state_elems_per_param(make_optimizer: Callable[[list[dict]], torch.optim.Opt
     if stepped is None:  # an estimate only (sizes the chunks)
         return 2, False
     opt, st = stepped
-    per_element = sum(1 for v in st.values() if torch.is_tensor(v) and v.shape == (8,))
+    per_element = sum(1 for v in st.values() if torch.is_tensor(v) and v.shape == ONE_STEP_SHAPE)
     return per_element, type(opt) in ELEMENTWISE
 
 
