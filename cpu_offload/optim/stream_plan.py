@@ -24,6 +24,11 @@ from .stream_store import PieceHost
 # eighteenth session).
 SLOTS = 3
 SLOT_ALIGN = 256  # bytes: every region of a device buffer starts aligned (vectorized kernels)
+# Pieces per chunk whose alignment padding a slot keeps room for (at most 1/16 of the slot): a
+# chunk that ``plan_chunks`` filled to the element budget and that then needed its pieces'
+# padding as well was cut in two by ``_regroup``, one of them small (GPT layers of hidden 2048 at
+# 128 MiB slots: 80 chunks where 52 hold the elements, each costing a chunk's host time).
+PADDED_PIECES = 16
 
 
 def slot_aligned(n: int) -> int:
@@ -154,8 +159,9 @@ def plan_ranges(params: Sequence[torch.Tensor], lowp: Sequence[bool], budget_byt
     """The elements per chunk a slot of ``budget_bytes / SLOTS`` holds, and the chunks as lists
     of ``(param index, start, stop)``, each fitting a slot with its regions aligned."""
     slot = budget_bytes // SLOTS - (3 + state_elems) * SLOT_ALIGN
+    padding = min(PADDED_PIECES * (3 + state_elems) * SLOT_ALIGN, slot // 16)
     per_elem = [bytes_per_elem(p, lp, state_elems) for p, lp in zip(params, lowp)]
-    chunk_elems = max(1, slot // max(1, max(per_elem or [1])))
+    chunk_elems = max(1, (slot - padding) // max(1, max(per_elem or [1])))
     chunk_elems = chunk_elems // ALIGN_ELEMS * ALIGN_ELEMS or chunk_elems
     ranges = plan_chunks([p.numel() for p in params], chunk_elems, elementwise)
     return chunk_elems, _regroup(_with_empty(ranges, params), per_elem, 3 + state_elems, slot)
