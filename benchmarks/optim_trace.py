@@ -20,6 +20,8 @@ next forward's start:
 
 - with ``--bins MS``, the same window as a timeline: per stream and kind of work, the percent of
   each ``MS`` bin it was busy (which resource idles while which other works);
+- the streamed chunks queued per untraced step, in ``step()`` (and its launcher thread) and in
+  backward (``--stream-during-backward``), and the host time each took (``ChunkLaunchClock``);
 - the CPU part's updates over the untraced steps (``CpuBucket.update`` timed on the worker):
   parameters per step, busy ms and G params/s, split into updates started with undo copies
   (before ``step()`` validated their bucket; the copies stop once it has) and the rest: the
@@ -39,6 +41,7 @@ import argparse
 import gzip
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -248,6 +251,68 @@ class CpuUpdateClock:
         return out
 
 
+class ChunkLaunchClock:
+    """Times the host work of queuing each streamed chunk while installed: in ``step()`` and
+    by its launcher thread (``StreamedPart._queue_chunk``), and in backward
+    (``BackwardUpdates._launch``, ``stream_during_backward``). Queuing a chunk is a few dozen
+    small torch calls (copies, the device class's ``step()``, bit sums); the number of chunks
+    and the time each takes say whether the host or the link paces the streamed part.
+
+    Example (calls as the wrapper records them: where, seconds)::
+
+        >>> clock = ChunkLaunchClock()
+        >>> clock.calls += [("backward", 0.001), ("backward", 0.003), ("step", 0.002)]
+        >>> s = clock.summary(steps=1)
+        >>> s["backward_chunks_per_step"], s["backward_median_ms"], s["backward_ms_per_step"]
+        (2.0, 2.0, 4.0)
+    """
+
+    WHERE = {"step": ("cpu_offload.optim.stream_update", "StreamedPart", "_queue_chunk"),
+             "backward": ("cpu_offload.optim.stream_backward", "BackwardUpdates", "_launch")}
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+        self._originals: dict[str, tuple[Any, Any]] = {}
+
+    def __enter__(self) -> "ChunkLaunchClock":
+        import importlib
+        for where, (module, cls_name, method) in self.WHERE.items():
+            cls = getattr(importlib.import_module(module), cls_name)
+            original = getattr(cls, method)
+            self._originals[where] = (cls, original)
+            setattr(cls, method, self._timed(where, original))
+        return self
+
+    def _timed(self, where: str, original: Any) -> Any:
+        calls = self.calls
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                calls.append((where, time.perf_counter() - t0))
+        return timed
+
+    def __exit__(self, *exc: Any) -> None:
+        for where, (cls, original) in self._originals.items():
+            setattr(cls, self.WHERE[where][2], original)
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Per place (``step``, ``backward``): chunks queued per step, the median host ms of
+        one, and the host ms per step.
+
+        Args:
+            steps: the steps the recorded calls belong to (the per-step divisor)."""
+        out: dict[str, float] = {}
+        for where in self.WHERE:
+            times = [t for w, t in self.calls if w == where]
+            out[f"{where}_chunks_per_step"] = len(times) / max(steps, 1)
+            out[f"{where}_median_ms"] = 1e3 * statistics.median(times) if times else 0.0
+            out[f"{where}_ms_per_step"] = 1e3 * sum(times) / max(steps, 1)
+        return out
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -307,13 +372,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         device.synchronize()
         host.update((name, 0.0) for name in PHASES)
         t0 = time.perf_counter()
-        with CpuUpdateClock() as clock:
+        with CpuUpdateClock() as clock, ChunkLaunchClock() as launches:
             for i in range(args.steps):
                 train_step(i)
             device.synchronize()
             untraced_ms = (time.perf_counter() - t0) * 1e3 / args.steps
             opt.wait_params()  # the last step's CPU update, timed with the others
         cpu = clock.summary(args.steps)
+        chunks = launches.summary(args.steps)
         host_ms = {name: 1e3 * s / args.steps for name, s in host.items()}
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
         with profile(activities=activities) as prof:
@@ -340,6 +406,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             f"{label} {cpu[tag + '_params_per_step'] / 1e6:.1f}M params in "
             f"{cpu[tag + '_busy_ms_per_step']:.1f} ms ({cpu[tag + '_g_params_per_s']:.2f} G params/s)"
             for tag, label in (("all", "all"), ("kept", "started with undo copies"), ("plain", "without"))))
+    for where in ChunkLaunchClock.WHERE:
+        if chunks[f"{where}_chunks_per_step"]:
+            print(f"streamed chunks queued in {where} per untraced step: "
+                  f"{chunks[where + '_chunks_per_step']:.0f}, {chunks[where + '_median_ms']:.2f} ms "
+                  f"of host time each (median), {chunks[where + '_ms_per_step']:.1f} ms in all")
     print(format_table(("host phase", "start ms", "end ms"),
                        [[p.name, f"{p.start_ms:.1f}", f"{p.end_ms:.1f}"] for p in phases]))
     if work:
@@ -351,6 +422,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         print(f"busy % per {args.bins:g} ms bin (stream work: kind@stream):")
         print(format_table(["bin ms"] + names, [[f"{r[0]:.0f}"] + [f"{v:.0f}" for v in r[1:]] for r in rows]))
     result = {"untraced_step_ms": untraced_ms, "untraced_host_ms": host_ms, "cpu_updates": cpu,
+              "chunk_launches": chunks,
               "stream_fraction": opt.stream_fraction,
               "args": {k: v for k, v in vars(args).items()},
               "phases": [asdict(p) for p in phases], "streams": [asdict(w) for w in work]}

@@ -480,6 +480,46 @@ def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method
     assert summary["all_busy_ms_per_step"] > 0 and summary["all_g_params_per_s"] > 0
 
 
+@pytest.mark.parametrize("during_backward", [False, True])
+def test_optim_trace_chunk_clock_counts_every_streamed_chunk_where_it_was_queued(during_backward):
+    """Every chunk of a part that streams everything is queued once per step: inside ``step()``,
+    or in backward with ``stream_during_backward`` (kept there: nothing changed the gradients);
+    leaving the clock puts both methods back."""
+    import cpu_offload
+    from cpu_offload.optim import HybridDeviceOptimizer
+    from cpu_offload.optim.stream_backward import BackwardUpdates
+    from cpu_offload.optim.stream_update import StreamedPart
+
+    bench = _benchmark_module("optim_trace")
+    originals = (StreamedPart._queue_chunk, BackwardUpdates._launch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]).to(torch.bfloat16)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap="backward_update", stream_fraction=1.0,
+                                stream_budget_bytes=98304, stream_during_backward=during_backward,
+                                lr=1e-3, device=cpu_offload.SimulatedDevice())
+    chunks = len(opt._parts[0].chunks)
+    try:
+        model(torch.randn(8, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()  # the first step creates the state: no early update before it
+        opt.zero_grad()
+        with bench.ChunkLaunchClock() as clock:
+            assert (StreamedPart._queue_chunk, BackwardUpdates._launch) != originals
+            for _ in range(3):
+                model(torch.randn(8, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        summary = clock.summary(3)
+    finally:
+        opt.close()
+    assert (StreamedPart._queue_chunk, BackwardUpdates._launch) == originals
+    assert chunks > 1
+    where, other = ("backward", "step") if during_backward else ("step", "backward")
+    assert summary[f"{where}_chunks_per_step"] == chunks
+    assert summary[f"{other}_chunks_per_step"] == 0
+    assert summary[f"{where}_median_ms"] > 0
+    assert summary[f"{where}_ms_per_step"] >= summary[f"{where}_median_ms"]
+
+
 def test_optim_trace_needs_a_window():
     bench = _benchmark_module("optim_trace")
     ev = [_span("user_annotation", "forward", t, 10) for t in (0, 100)]
