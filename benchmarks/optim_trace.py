@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib
 import json
 import math
 import statistics
@@ -275,7 +276,6 @@ class ChunkLaunchClock:
         self._originals: dict[str, tuple[Any, Any]] = {}
 
     def __enter__(self) -> "ChunkLaunchClock":
-        import importlib
         for where, (module, cls_name, method) in self.WHERE.items():
             cls = getattr(importlib.import_module(module), cls_name)
             original = getattr(cls, method)
