@@ -158,13 +158,14 @@ def plan_ranges(params: Sequence[torch.Tensor], lowp: Sequence[bool], budget_byt
                 state_elems: int, elementwise: bool) -> tuple[int, list[list[tuple[int, int, int]]]]:
     """The elements per chunk a slot of ``budget_bytes / SLOTS`` holds, and the chunks as lists
     of ``(param index, start, stop)``, each fitting a slot with its regions aligned."""
-    slot = budget_bytes // SLOTS - (3 + state_elems) * SLOT_ALIGN
-    padding = min(PADDED_PIECES * (3 + state_elems) * SLOT_ALIGN, slot // 16)
+    regions = 3 + state_elems  # per piece: master, gradient, edit mask, each state tensor
+    slot = budget_bytes // SLOTS - regions * SLOT_ALIGN
+    padding = min(PADDED_PIECES * regions * SLOT_ALIGN, slot // 16)
     per_elem = [bytes_per_elem(p, lp, state_elems) for p, lp in zip(params, lowp)]
     chunk_elems = max(1, (slot - padding) // max(1, max(per_elem or [1])))
     chunk_elems = chunk_elems // ALIGN_ELEMS * ALIGN_ELEMS or chunk_elems
     ranges = plan_chunks([p.numel() for p in params], chunk_elems, elementwise)
-    return chunk_elems, _regroup(_with_empty(ranges, params), per_elem, 3 + state_elems, slot)
+    return chunk_elems, _regroup(_with_empty(ranges, params), per_elem, regions, slot)
 
 
 def build_chunk(ranges: Sequence[tuple[int, int, int]], params: Sequence[torch.Tensor],

@@ -433,10 +433,10 @@ def test_full_chunks_are_not_cut_by_their_padding(hidden, budget):
     host work costs a step time, and a chunk filled to the element budget used to be cut in
     two by its pieces' alignment padding (80 chunks instead of 52 for eight layers of hidden
     2048 at the default budget)."""
+    from cpu_offload.examples.gpt import GPTConfig, build_model
     from cpu_offload.optim.stream_plan import plan_ranges
-    h = hidden
-    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,), (h,), (h,), (h,), (h,)]
-    params = [torch.empty(s, dtype=torch.bfloat16, device="meta") for _ in range(8) for s in shapes]
+    cfg = GPTConfig(hidden=hidden, heads=4, seq=8, batch=1, layers=8, dtype=torch.bfloat16)
+    params = list(build_model(cfg, "meta").parameters())
     chunk_elems, ranges = plan_ranges(params, [True] * len(params), budget, 2, True)
     total = sum(p.numel() for p in params)
     assert len(ranges) == -(-total // chunk_elems)
