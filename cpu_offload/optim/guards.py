@@ -91,29 +91,48 @@ def bit_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.empty((0, 2), dtype=torch.float64)
-    sums = [_sums(t.detach()) for t in tensors]
+    # a gradient needs no detach (the value sum of a parameter would be recorded by autograd)
+    sums = [_sums(t.detach() if t.requires_grad else t) for t in tensors]
     return torch.stack([torch.stack([w for w, _ in sums]).to(torch.float64),
                         torch.stack([v for _, v in sums]).to(torch.float64)], dim=1)
 
 
 def _sums(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``d``'s word sum and value sum (see ``bit_sum``), 0-d tensors on its device."""
-    raw = d.reshape(-1).view(torch.uint8)
-    if d.device.type == "cpu" or raw.numel() < 4:
-        words = raw.sum(dtype=torch.int64)
-    else:  # 32-bit words, plus the bytes before the first aligned word and after the last
-        head = -raw.storage_offset() % 4
-        body = max(0, raw.numel() - head) // 4 * 4
-        parts = [raw[head: head + body].view(torch.int32).sum(dtype=torch.int32)] if body else []
-        parts += [edge.sum(dtype=torch.int64) for edge in (raw[:head], raw[head + body:]) if edge.numel()]
-        words = parts[0]
-        for part in parts[1:]:
-            words = words + part
+    words = word_sum(d, modular=d.device.type != "cpu")
     if d.is_floating_point() and d.numel():
         values = d.sum(dtype=torch.float32 if d.element_size() <= 4 else d.dtype)
     else:
         values = torch.zeros((), dtype=torch.float64, device=d.device)
     return words, values
+
+
+def word_sum(d: torch.Tensor, modular: bool) -> torch.Tensor:
+    """The sum of ``d``'s raw bits, a 0-d tensor on its device: exact (int64, of its bytes), or
+    ``modular`` (int32, modulo 2**32, of its 32-bit words plus the bytes outside them: see
+    ``bit_sum``). A contiguous tensor of whole aligned words, as tensors on an accelerator
+    almost always are, takes one view and one reduction: the launch of each streamed chunk
+    fingerprints a few of them on the host (``stream_backward``)."""
+    nbytes = d.numel() * d.element_size()
+    if not modular or nbytes < 4:
+        return d.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)
+    if d.is_contiguous() and nbytes % 4 == 0 and d.storage_offset() * d.element_size() % 4 == 0:
+        return d.view(-1).view(torch.int32).sum(dtype=torch.int32)
+    return _unaligned_word_sum(d)
+
+
+def _unaligned_word_sum(d: torch.Tensor) -> torch.Tensor:
+    """``word_sum(d, modular=True)`` of any tensor: its aligned 32-bit words, plus the bytes
+    before the first and after the last."""
+    raw = d.reshape(-1).view(torch.uint8)
+    head = -raw.storage_offset() % 4
+    body = max(0, raw.numel() - head) // 4 * 4
+    parts = [raw[head: head + body].view(torch.int32).sum(dtype=torch.int32)] if body else []
+    parts += [edge.sum(dtype=torch.int64) for edge in (raw[:head], raw[head + body:]) if edge.numel()]
+    words = parts[0]
+    for part in parts[1:]:
+        words = words + part
+    return words
 
 
 def differs_from_rounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -241,8 +260,8 @@ class Fingerprint:
         if not todo:
             return None
         sums = bit_sums([fp.tensor for fp in todo])
-        for k, fp in enumerate(todo):
-            fp.bits = sums[k]
+        for fp, row in zip(todo, sums.unbind(0)):
+            fp.bits = row
         return sums
 
     @classmethod
@@ -253,7 +272,7 @@ class Fingerprint:
         if not tensors:
             return []
         sums = bit_sums(tensors)
-        return [cls(t, tensor_version(t), sums[k]) for k, t in enumerate(tensors)]
+        return [cls(t, tensor_version(t), row) for t, row in zip(tensors, sums.unbind(0))]
 
     def same_object(self, now: Optional[torch.Tensor]) -> bool:
         """``now`` is the very tensor read, at the same version (content still to compare)."""

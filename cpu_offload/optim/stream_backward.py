@@ -157,7 +157,7 @@ class BackwardUpdates:
         k = r.launched % SLOTS
         r.launched += 1
         slot = r.slots[k]
-        layout = run.layout(pieces)
+        layout = r.layouts[ci]
         dev.wait_event(link.h2d, r.free[k])  # the slot's last copy out has read it
         copies, views = run.stage_in(pieces, layout, slot, new)
         link.copy_in(copies)
@@ -199,8 +199,9 @@ class BackwardUpdates:
         hook (the compute stream; FSDP2's reduce-scatter stream): at the first update of a
         backward the staging slots, and the chunk's new-values buffer (``_new_values``)."""
         r, run = self.round, self.runner
-        if not r.slots:
-            size = max(run.layout(c.pieces).total for c in self.chunks)
+        if not r.slots:  # the layouts hold for the round: state appears only in step()
+            r.layouts = [run.layout(c.pieces) for c in self.chunks]
+            size = max(lay.total for lay in r.layouts)
             r.slots = [self.device.alloc_device(max(size, 1), run.params[0].device)
                        for _ in range(SLOTS)]
         return self._new_values(pieces)
@@ -246,7 +247,7 @@ class BackwardUpdates:
                 copies.append((spare.master, v.master))
             for name, t in st.items():
                 created.append(t)
-                copies.append((spare.state[name], flat_bytes(t)))
+                copies.append((spare.state[name], v.state_bytes(name, t)))
         return copies
 
     # ------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ the compute stream has waited for it (``read_on_device``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -65,6 +65,17 @@ class PieceViews:
     new: Optional[torch.Tensor]  # an early update's new values of a low-precision parameter
     state: dict  # name -> the state tensor, typed
     keep: Optional[torch.Tensor] = None  # low precision: the edit mask (bytes, one per element)
+    raw: dict = field(default_factory=dict)  # name -> the bytes of ``state[name]``
+
+    def state_bytes(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``flat_bytes(t)`` of the state tensor ``t`` named ``name`` after an update: its
+        slot bytes, already at hand, where ``t`` is still the view staged there (the class
+        stepped it in place, and did not ``set_`` it elsewhere)."""
+        raw = self.raw.get(name)
+        if (raw is not None and self.state.get(name) is t and t.data_ptr() == raw.data_ptr()
+                and t.nbytes == raw.nbytes):
+            return raw
+        return flat_bytes(t)
 
 
 def _nonempty(copies: list) -> list:
@@ -193,13 +204,13 @@ class ChunkRunner:
                     new = pending[k]
             elif pending is not None:
                 m = pending[k]
-            st = {}
+            st, raws = {}, {}
             for name, off in reg.state.items():
                 host, flat = pc.host.streamed[name], pc.host.current.state[name]
-                raw = slot[off: off + flat.numel()]
+                raw = raws[name] = slot[off: off + flat.numel()]
                 copies.append((raw, flat))
                 st[name] = raw.view(host.dtype).view(host.shape)
-            views.append(PieceViews(m, g, new, st, keep))
+            views.append(PieceViews(m, g, new, st, keep, raws))
         self.link.bytes_in += sum(dst.numel() for dst, _ in copies)
         return copies, views
 
@@ -230,19 +241,20 @@ class ChunkRunner:
         try:
             dsts, srcs = [], []  # gradients into the slot, converted to the master dtype
             edits: list = []  # (master, parameter, gradient region, mask region) per piece
-            for k, (pc, v) in enumerate(zip(pieces, views)):
+            for k, (pc, v) in enumerate(zip(pieces, views)):  # few views: a launch's host time
                 p = self.params[pc.index]
-                grad = grads[k].detach()
+                shape = pc.shape(p)  # of the key, the gradient piece and ``pc.written(p)``
+                grad = grads[k].detach() if grads[k].requires_grad else grads[k]
                 grad = grad.reshape(-1)[pc.start:pc.stop] if pc.split else grad
                 if v.master is not None:
                     if v.grad is None:  # early, own master: stepped in the slot, not in place
                         v.master.copy_(flat_bytes(pc.written(p)))
-                    pc.key.set_(v.master.view(pc.key.dtype).view(pc.shape(p)))
+                    pc.key.set_(v.master.view(pc.key.dtype).view(shape))
                 if v.grad is not None:  # a user's edit of the parameter since the part wrote it
-                    edits.append((pc.key, pc.written(p).view(pc.shape(p)), v.grad, v.keep))
-                    gm = v.grad.view(pc.key.dtype).view(pc.key.shape)
+                    edits.append((pc.key, pc.written(p), v.grad, v.keep))
+                    gm = v.grad.view(pc.key.dtype).view(shape)
                     dsts.append(gm)
-                    srcs.append(grad.view(pc.key.shape))
+                    srcs.append(grad if grad.shape == shape else grad.view(shape))
                     pc.key.grad = gm
                 else:
                     pc.key.grad = grad
@@ -258,19 +270,20 @@ class ChunkRunner:
                     if v.grad is None:  # own master: updated where it is
                         continue
                     p = self.params[pc.index]
-                    shape = pc.shape(p)
-                    dsts.append(v.new.view(p.dtype).view(shape) if early else pc.written(p))
-                    srcs.append(pc.key.view(shape))
+                    dsts.append(v.new.view(p.dtype).view(pc.key.shape) if early else pc.written(p))
+                    srcs.append(pc.key)  # bound to the slot above, in the piece's shape
                 copy_all(dsts, srcs)
         finally:
             for pc in pieces:
                 pc.key.grad = None
 
-    def state_out(self, chunk: Chunk, pc: Piece, created: list[torch.Tensor], copies: list) -> bool:
+    def state_out(self, chunk: Chunk, pc: Piece, created: list[torch.Tensor], copies: list,
+                  views: Optional[PieceViews] = None) -> bool:
         """The copies of piece ``pc``'s state back into host memory, appended to ``copies`` as
         ``(host bytes, device bytes)`` (first time: the host memory is allocated); appends the
         device tensors the copies read to ``created`` (to keep until they are done); True if
-        the class created state on the device (none was in host memory yet)."""
+        the class created state on the device (none was in host memory yet). ``views``: the
+        piece's slot views of the update, if any (``PieceViews.state_bytes``)."""
         st = chunk.optimizer.state.pop(pc.key, None) or {}
         fresh = False
         key_device = self.params[pc.index].device
@@ -284,7 +297,7 @@ class ChunkRunner:
                 fresh = True
             v = v.contiguous()
             created.append(v)
-            copies.append((flat, flat_bytes(v)))
+            copies.append((flat, views.state_bytes(name, v) if views is not None else flat_bytes(v)))
             self.link.bytes_out += flat.numel()
         if self.lowp[pc.index]:
             pc.key.set_()  # drop the slot view

@@ -150,6 +150,7 @@ class BackwardRound:
     landed: dict = field(default_factory=dict)  # param index -> ``Landed``
     done: dict = field(default_factory=dict)  # chunk -> ``EarlyUpdate`` (phase UPDATED on)
     slots: list = field(default_factory=list)  # the staging slots, from the first update
+    layouts: list = field(default_factory=list)  # per chunk: its ``SlotLayout`` (with the slots)
     free: list = field(default_factory=list)  # per slot: its last copy out
     launched: int = 0
     held: list = field(default_factory=list)  # device buffers queued work uses

@@ -527,7 +527,7 @@ class StreamedPart:
                 if v.master is not None:
                     copies.append((pc.host.current.master, v.master))
                     self._link.bytes_out += v.master.numel()
-                fresh |= run.state_out(chunk, pc, q.keep, copies)
+                fresh |= run.state_out(chunk, pc, q.keep, copies, v)
         finally:  # pieces before a failed one keep their update, on the host too
             self._link.copy_out(copies)
         q.outs.append(dev.record_event(self.d2h))

@@ -28,8 +28,11 @@ ALIGN = 64
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 view (what ``OffloadDevice.copy`` moves)."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    """The bytes of a contiguous tensor as a flat uint8 view (what ``OffloadDevice.copy`` moves).
+    No more views than needed: a chunk's launch takes this of every state tensor it copies."""
+    if t.requires_grad:
+        t = t.detach()
+    return (t if t.dim() == 1 else t.reshape(-1)).view(torch.uint8)
 
 
 class Staging:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cpu_offload.optim.guards import (
-    Fingerprint, bit_sum, bit_sums, changed, differs_from_rounded, host_list, merge_edited,
+    Fingerprint, _unaligned_word_sum, bit_sum, bit_sums, changed, differs_from_rounded, host_list,
+    merge_edited, word_sum,
 )
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -39,6 +40,25 @@ def test_bit_sums_equal_bit_sum_row_by_row(device):
     assert rows.shape == (len(ts), 2) and rows.dtype == torch.float64
     for t, row in zip(ts, rows):
         assert torch.equal(row, bit_sum(t)), t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_modular_word_sum_of_aligned_words_equals_the_general_one(device):
+    """The accelerator's word sum takes a contiguous tensor of whole aligned words in one
+    reduction, and anything else bytes-and-words: the two agree wherever both apply (the CPU
+    runs both here, as the simulated device never takes the modular sum), and the rest goes
+    the general way."""
+    ts = _tensors(device)
+    aligned = [t for t in ts if t.is_contiguous() and t.numel() * t.element_size() % 4 == 0
+               and t.storage_offset() * t.element_size() % 4 == 0 and t.numel()]
+    assert len(aligned) == 4  # bf16, fp32 at offset 1 and 3 (4-byte words), int64
+    for t in aligned:
+        fast = word_sum(t, modular=True)
+        assert fast.dtype == torch.int32 and torch.equal(fast, _unaligned_word_sum(t)), t
+    for t in aligned[:2]:  # and it sees a write through .data
+        before = word_sum(t, modular=True)
+        t.data[5] += 1
+        assert not torch.equal(before, word_sum(t, modular=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -936,6 +936,28 @@ def test_the_chunk_updates_edit_merge_allocates_nothing(dtype):
         assert torch.equal(got, expected)
 
 
+def test_state_is_copied_out_from_its_slot_bytes_only_while_it_is_the_staged_view():
+    """The copies out of a chunk's state reuse the slot bytes staged for it (one view fewer per
+    state tensor at each launch) only while the class's state is that very view, at that
+    address: a tensor the class put in its place, or ``set_`` elsewhere, is copied from its
+    own bytes."""
+    from cpu_offload.optim.stream_chunk import PieceViews
+    from cpu_offload.optim.transfer import flat_bytes
+
+    slot = torch.arange(64, dtype=torch.uint8)
+    raw = slot[16:48]
+    staged = raw.view(torch.float32).view(2, 4)
+    views = PieceViews(None, None, None, {"exp_avg": staged}, raw={"exp_avg": raw})
+    assert views.state_bytes("exp_avg", staged) is raw
+    other = staged.clone()
+    got = views.state_bytes("exp_avg", other)
+    assert got is not raw and got.data_ptr() == other.data_ptr() and torch.equal(got, flat_bytes(other))
+    elsewhere = torch.zeros(8)
+    staged.set_(elsewhere)  # same object, other memory
+    assert views.state_bytes("exp_avg", staged).data_ptr() == elsewhere.data_ptr()
+    assert views.state_bytes("step", torch.ones(1)).data_ptr() != raw.data_ptr()  # not staged
+
+
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunks_queued_after_the_device_part_stay_exact(dtype, ahead):
