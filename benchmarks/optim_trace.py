@@ -21,7 +21,8 @@ next forward's start:
 - with ``--bins MS``, the same window as a timeline: per stream and kind of work, the percent of
   each ``MS`` bin it was busy (which resource idles while which other works);
 - the streamed chunks queued per untraced step, in ``step()`` (and its launcher thread) and in
-  backward (``--stream-during-backward``), and the host time each took (``ChunkLaunchClock``);
+  backward (``--stream-during-backward``), the host time each took, and (in one more step, not
+  timed) the torch calls each made (``ChunkLaunchClock``);
 - the CPU part's updates over the untraced steps (``CpuBucket.update`` timed on the worker):
   parameters per step, busy ms and G params/s, split into updates started with undo copies
   (before ``step()`` validated their bucket; the copies stop once it has) and the rest: the
@@ -52,6 +53,7 @@ from bench_common import BenchDevice, format_table, write_json
 
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import optim_benchmark  # noqa: E402
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config  # noqa: E402
@@ -252,6 +254,18 @@ class CpuUpdateClock:
         return out
 
 
+class _CallCount(TorchDispatchMode):
+    """Counts the torch operations dispatched on the thread that entered it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 class ChunkLaunchClock:
     """Times the host work of queuing each streamed chunk while installed: in ``step()`` and
     by its launcher thread (``StreamedPart._queue_chunk``), and in backward
@@ -259,20 +273,28 @@ class ChunkLaunchClock:
     small torch calls (copies, the device class's ``step()``, bit sums); the number of chunks
     and the time each takes say whether the host or the link paces the streamed part.
 
-    Example (calls as the wrapper records them: where, seconds)::
+    With ``count_calls=True`` it also counts the torch operations each launch dispatches (a
+    ``TorchDispatchMode`` on the launching thread): the host cost of a launch in a unit that
+    does not move with the host's speed, comparable between trees on any machine, the
+    simulated device included. Counting slows the launches: count in steps you do not time.
+
+    Example (calls as the wrapper records them: where, seconds, torch operations)::
 
         >>> clock = ChunkLaunchClock()
-        >>> clock.calls += [("backward", 0.001), ("backward", 0.003), ("step", 0.002)]
+        >>> clock.calls += [("backward", 0.001, 90), ("backward", 0.003, 110), ("step", 0.002, 70)]
         >>> s = clock.summary(steps=1)
         >>> s["backward_chunks_per_step"], s["backward_median_ms"], s["backward_ms_per_step"]
         (2.0, 2.0, 4.0)
+        >>> s["backward_median_torch_calls"], s["step_median_torch_calls"]
+        (100.0, 70.0)
     """
 
     WHERE = {"step": ("cpu_offload.optim.stream_update", "StreamedPart", "_queue_chunk"),
              "backward": ("cpu_offload.optim.stream_backward", "BackwardUpdates", "_launch")}
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, float]] = []
+    def __init__(self, count_calls: bool = False) -> None:
+        self.count_calls = count_calls
+        self.calls: list[tuple[str, float, int]] = []  # where, seconds, torch operations (0: not counted)
         self._originals: dict[str, tuple[Any, Any]] = {}
 
     def __enter__(self) -> "ChunkLaunchClock":
@@ -284,14 +306,18 @@ class ChunkLaunchClock:
         return self
 
     def _timed(self, where: str, original: Any) -> Any:
-        calls = self.calls
+        calls, count = self.calls, self.count_calls
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            counter = _CallCount() if count else None
             t0 = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                if counter is None:
+                    return original(*args, **kwargs)
+                with counter:
+                    return original(*args, **kwargs)
             finally:
-                calls.append((where, time.perf_counter() - t0))
+                calls.append((where, time.perf_counter() - t0, counter.n if counter else 0))
         return timed
 
     def __exit__(self, *exc: Any) -> None:
@@ -300,16 +326,18 @@ class ChunkLaunchClock:
 
     def summary(self, steps: int) -> dict[str, float]:
         """Per place (``step``, ``backward``): chunks queued per step, the median host ms of
-        one, and the host ms per step.
+        one, the host ms per step, and the median torch operations of one (0 if not counted).
 
         Args:
             steps: the steps the recorded calls belong to (the per-step divisor)."""
         out: dict[str, float] = {}
         for where in self.WHERE:
-            times = [t for w, t in self.calls if w == where]
+            times = [t for w, t, _ in self.calls if w == where]
+            ops = [n for w, _, n in self.calls if w == where]
             out[f"{where}_chunks_per_step"] = len(times) / max(steps, 1)
             out[f"{where}_median_ms"] = 1e3 * statistics.median(times) if times else 0.0
             out[f"{where}_ms_per_step"] = 1e3 * sum(times) / max(steps, 1)
+            out[f"{where}_median_torch_calls"] = float(statistics.median(ops)) if ops else 0.0
         return out
 
 
@@ -381,6 +409,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cpu = clock.summary(args.steps)
         chunks = launches.summary(args.steps)
         host_ms = {name: 1e3 * s / args.steps for name, s in host.items()}
+        with ChunkLaunchClock(count_calls=True) as counted:  # one more step, not timed
+            train_step(args.steps)
+            device.synchronize()
+        for where, calls in counted.summary(1).items():
+            if where.endswith("_median_torch_calls"):
+                chunks[where] = calls
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
         with profile(activities=activities) as prof:
             for i in range(args.steps):
@@ -410,7 +444,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if chunks[f"{where}_chunks_per_step"]:
             print(f"streamed chunks queued in {where} per untraced step: "
                   f"{chunks[where + '_chunks_per_step']:.0f}, {chunks[where + '_median_ms']:.2f} ms "
-                  f"of host time each (median), {chunks[where + '_ms_per_step']:.1f} ms in all")
+                  f"of host time each (median), {chunks[where + '_ms_per_step']:.1f} ms in all; "
+                  f"{chunks[where + '_median_torch_calls']:.0f} torch calls each (median, one "
+                  "more step)")
     print(format_table(("host phase", "start ms", "end ms"),
                        [[p.name, f"{p.start_ms:.1f}", f"{p.end_ms:.1f}"] for p in phases]))
     if work:

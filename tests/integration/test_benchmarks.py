@@ -2,7 +2,9 @@
 seconds, and the frontier's selection and drift correction are checked on synthetic points."""
 from __future__ import annotations
 
+import contextlib
 import math
+import statistics
 
 import pytest
 import torch
@@ -480,11 +482,14 @@ def test_optim_trace_clock_times_every_cpu_bucket_update_and_restores_the_method
     assert summary["all_busy_ms_per_step"] > 0 and summary["all_g_params_per_s"] > 0
 
 
+@pytest.mark.parametrize("count_calls", [False, True])
 @pytest.mark.parametrize("during_backward", [False, True])
-def test_optim_trace_chunk_clock_counts_every_streamed_chunk_where_it_was_queued(during_backward):
+def test_optim_trace_chunk_clock_counts_every_streamed_chunk_where_it_was_queued(during_backward, count_calls):
     """Every chunk of a part that streams everything is queued once per step: inside ``step()``,
     or in backward with ``stream_during_backward`` (kept there: nothing changed the gradients);
-    leaving the clock puts both methods back."""
+    leaving the clock puts both methods back. With ``count_calls`` each launch also counts the
+    torch operations it dispatched (none otherwise), and counting changes no result: the
+    parameters equal those of the same steps without the clock, bit for bit."""
     import cpu_offload
     from cpu_offload.optim import HybridDeviceOptimizer
     from cpu_offload.optim.stream_backward import BackwardUpdates
@@ -492,25 +497,30 @@ def test_optim_trace_chunk_clock_counts_every_streamed_chunk_where_it_was_queued
 
     bench = _benchmark_module("optim_trace")
     originals = (StreamedPart._queue_chunk, BackwardUpdates._launch)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]).to(torch.bfloat16)
-    opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap="backward_update", stream_fraction=1.0,
-                                stream_budget_bytes=98304, stream_during_backward=during_backward,
-                                lr=1e-3, device=cpu_offload.SimulatedDevice())
-    chunks = len(opt._parts[0].chunks)
-    try:
-        model(torch.randn(8, 32, dtype=torch.bfloat16)).float().square().mean().backward()
-        opt.step()  # the first step creates the state: no early update before it
-        opt.zero_grad()
-        with bench.ChunkLaunchClock() as clock:
-            assert (StreamedPart._queue_chunk, BackwardUpdates._launch) != originals
-            for _ in range(3):
-                model(torch.randn(8, 32, dtype=torch.bfloat16)).float().square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-        summary = clock.summary(3)
-    finally:
-        opt.close()
+
+    def run(clock):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]).to(torch.bfloat16)
+        opt = HybridDeviceOptimizer(model.parameters(), 1.0, overlap="backward_update", stream_fraction=1.0,
+                                    stream_budget_bytes=98304, stream_during_backward=during_backward,
+                                    lr=1e-3, device=cpu_offload.SimulatedDevice())
+        chunks = len(opt._parts[0].chunks)
+        try:
+            model(torch.randn(8, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()  # the first step creates the state: no early update before it
+            opt.zero_grad()
+            with clock:
+                for _ in range(3):
+                    model(torch.randn(8, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            opt.close()
+        return chunks, [p.detach().clone() for p in model.parameters()]
+
+    clock = bench.ChunkLaunchClock(count_calls=count_calls)
+    chunks, params = run(clock)
+    summary = clock.summary(3)
     assert (StreamedPart._queue_chunk, BackwardUpdates._launch) == originals
     assert chunks > 1
     where, other = ("backward", "step") if during_backward else ("step", "backward")
@@ -518,6 +528,13 @@ def test_optim_trace_chunk_clock_counts_every_streamed_chunk_where_it_was_queued
     assert summary[f"{other}_chunks_per_step"] == 0
     assert summary[f"{where}_median_ms"] > 0
     assert summary[f"{where}_ms_per_step"] >= summary[f"{where}_median_ms"]
+    counts = [n for _, _, n in clock.calls]
+    if count_calls:
+        assert min(counts) > 0 and summary[f"{where}_median_torch_calls"] == statistics.median(counts)
+    else:
+        assert counts == [0] * len(counts) and summary[f"{where}_median_torch_calls"] == 0
+    _, unclocked = run(contextlib.nullcontext())
+    assert all(torch.equal(a, b) for a, b in zip(params, unclocked))
 
 
 def test_optim_trace_needs_a_window():
