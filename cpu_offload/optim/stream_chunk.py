@@ -92,6 +92,49 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], bases: dict) -> torch.Tensor:
+    """``raw[:n].view(dtype).view(shape)`` (``raw``: contiguous bytes of a device buffer, ``n``
+    the bytes of ``shape`` in ``dtype``) in one torch call instead of four (slice, view, the
+    detach inside a dtype view, view): an ``as_strided`` of the whole buffer viewed as
+    ``dtype``, which ``bases`` keeps for the next view of the same buffer and dtype. A chunk's
+    update makes a few dozen such views, and every call is host time of every launch.
+
+    Args:
+        raw: flat uint8, a view of a buffer (a slot, a chunk's new values) or the buffer.
+        dtype: the view's dtype.
+        shape: the view's shape; its bytes may be fewer than ``raw``'s (a prefix).
+        bases: ``{(id(buffer), dtype): typed buffer}``, one dict per update (the buffers must
+            outlive it).
+
+    Example::
+
+        >>> import torch
+        >>> slot, bases = torch.zeros(1024, dtype=torch.uint8), {}
+        >>> v = typed_view(slot[256:512], torch.float32, (4, 8), bases)
+        >>> _ = v.fill_(1.0)
+        >>> torch.equal(slot[256:384].view(torch.float32), torch.ones(32)), v.is_contiguous()
+        (True, True)
+    """
+    size = dtype.itemsize
+    n = 1
+    for d in shape:
+        n *= d
+    base = raw if raw._base is None else raw._base
+    offset = raw.storage_offset()
+    if (not n or n * size > raw.numel() or offset % size or base.dtype != torch.uint8
+            or base.storage_offset() % size or base.numel() % size or not raw.is_contiguous()):
+        return raw[: n * size].view(dtype).view(tuple(shape))
+    key = (id(base), dtype)
+    typed = bases.get(key)
+    if typed is None:
+        typed = bases[key] = base.view(dtype)
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return typed.as_strided(tuple(shape), tuple(reversed(strides)), offset // size)
+
+
 def tensors_in(hypers: Sequence[dict]) -> list[torch.Tensor]:
     """The tensors among ``hypers``' values (also inside tuples and lists)."""
     out: list[torch.Tensor] = []
@@ -126,7 +169,8 @@ def bound_hypers(opt: torch.optim.Optimizer, group_ids: Sequence[int],
 
 
 def merge_edits(masters: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                scratch: Sequence[torch.Tensor], keep: Sequence[torch.Tensor]) -> None:
+                scratch: Sequence[torch.Tensor], keep: Sequence[torch.Tensor],
+                bases: Optional[dict] = None) -> None:
     """``guards.merge_edited`` for each ``(master, param)`` of a chunk, without allocating (so
     the update stays within the staging budget) and in few kernels: per piece, ``scratch`` (its
     gradient region, 4 bytes per element, filled only after this) takes the master rounded,
@@ -140,6 +184,7 @@ def merge_edits(masters: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
         params: per piece, the parameter's elements (bf16/fp16), shaped as its master.
         scratch: per piece, 4 bytes per element (uint8), overwritten.
         keep: per piece, 1 byte per element (uint8), overwritten.
+        bases: ``typed_view``'s cache of the buffers these regions are views of, if any.
 
     Example::
 
@@ -154,12 +199,13 @@ def merge_edits(masters: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
     """
     if not masters:
         return
-    rounded = [s[: p.numel() * p.element_size()].view(p.dtype).view(p.shape) for s, p in zip(scratch, params)]
-    masks = [k.view(torch.bool).view(p.shape) for k, p in zip(keep, params)]
+    bases = {} if bases is None else bases
+    rounded = [typed_view(s, p.dtype, p.shape, bases) for s, p in zip(scratch, params)]
+    masks = [typed_view(k, torch.bool, p.shape, bases) for k, p in zip(keep, params)]
     copy_all(rounded, list(masters))
     for r, p, k in zip(rounded, params, masks):
         torch.eq(r, p, out=k)
-    wide = [s.view(m.dtype).view(m.shape) for s, m in zip(scratch, masters)]
+    wide = [typed_view(s, m.dtype, m.shape, bases) for s, m in zip(scratch, masters)]
     copy_all(wide, list(params))
     for m, w, k in zip(masters, wide, masks):
         torch.where(k, m, w, out=m)
@@ -191,7 +237,7 @@ class ChunkRunner:
         ``pending``, per piece its parameter's bytes on the device: a low-precision parameter's
         new values go there, and an fp32/fp64 parameter (its own master, not updated in place
         then) is staged there from the parameter by the update itself."""
-        copies, views = [], []
+        copies, views, bases = [], [], {}
         for k, (pc, reg) in enumerate(zip(pieces, layout.regions)):
             p = self.params[pc.index]
             m = g = new = keep = None
@@ -209,7 +255,7 @@ class ChunkRunner:
                 host, flat = pc.host.streamed[name], pc.host.current.state[name]
                 raw = raws[name] = slot[off: off + flat.numel()]
                 copies.append((raw, flat))
-                st[name] = raw.view(host.dtype).view(host.shape)
+                st[name] = typed_view(raw, host.dtype, host.shape, bases)
             views.append(PieceViews(m, g, new, st, keep, raws))
         self.link.bytes_in += sum(dst.numel() for dst, _ in copies)
         return copies, views
@@ -238,6 +284,7 @@ class ChunkRunner:
         of a low-precision parameter; an fp32/fp64 parameter is its own master, staged there
         from the parameter first and stepped in place)."""
         opt = chunk.optimizer
+        bases: dict = {}  # ``typed_view``'s, for this update
         try:
             dsts, srcs = [], []  # gradients into the slot, converted to the master dtype
             edits: list = []  # (master, parameter, gradient region, mask region) per piece
@@ -249,10 +296,10 @@ class ChunkRunner:
                 if v.master is not None:
                     if v.grad is None:  # early, own master: stepped in the slot, not in place
                         v.master.copy_(flat_bytes(pc.written(p)))
-                    pc.key.set_(v.master.view(pc.key.dtype).view(shape))
+                    pc.key.set_(typed_view(v.master, pc.key.dtype, shape, bases))
                 if v.grad is not None:  # a user's edit of the parameter since the part wrote it
                     edits.append((pc.key, pc.written(p), v.grad, v.keep))
-                    gm = v.grad.view(pc.key.dtype).view(shape)
+                    gm = typed_view(v.grad, pc.key.dtype, shape, bases)
                     dsts.append(gm)
                     srcs.append(grad if grad.shape == shape else grad.view(shape))
                     pc.key.grad = gm
@@ -261,7 +308,7 @@ class ChunkRunner:
                 if pc.host.streamed or pc.host.kept:
                     opt.state[pc.key] = {**pc.host.kept, **v.state}
             if edits:
-                merge_edits(*map(list, zip(*edits)))
+                merge_edits(*map(list, zip(*edits)), bases=bases)
             copy_all(dsts, srcs)
             run_step(opt, scale)
             with torch.no_grad():
@@ -270,7 +317,7 @@ class ChunkRunner:
                     if v.grad is None:  # own master: updated where it is
                         continue
                     p = self.params[pc.index]
-                    dsts.append(v.new.view(p.dtype).view(pc.key.shape) if early else pc.written(p))
+                    dsts.append(typed_view(v.new, p.dtype, pc.key.shape, bases) if early else pc.written(p))
                     srcs.append(pc.key)  # bound to the slot above, in the piece's shape
                 copy_all(dsts, srcs)
         finally:

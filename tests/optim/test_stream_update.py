@@ -936,6 +936,45 @@ def test_the_chunk_updates_edit_merge_allocates_nothing(dtype):
         assert torch.equal(got, expected)
 
 
+def test_typed_views_of_a_slot_equal_the_view_chain_in_one_call_each():
+    """``typed_view`` gives what ``raw[:n].view(dtype).view(shape)`` gives (same memory, shape,
+    contiguity) in one torch call once the buffer's typed view is made, and falls back to that
+    chain where the buffer has no view of that dtype (its size not a multiple of it, a buffer
+    that is not bytes) or the view no elements."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cpu_offload.optim.stream_chunk import typed_view
+
+    class Calls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.n += 1
+            return func(*args, **(kwargs or {}))
+
+    slot, bases = torch.arange(4096, dtype=torch.int64).to(torch.uint8), {}
+    cases = [(256, 512, torch.float32, (4, 8)), (512, 1024, torch.bfloat16, (16, 16)),
+             (1024, 1088, torch.bool, (8, 8)), (1280, 1536, torch.bfloat16, (3, 5)),  # a prefix
+             (1536, 1540, torch.float32, ()), (2048, 2560, torch.float64, (64,))]
+    for start, stop, dtype, shape in cases:
+        raw = slot[start:stop]
+        n = torch.Size(shape).numel() * dtype.itemsize
+        want = raw[:n].view(dtype).view(shape)
+        typed_view(raw, dtype, shape, bases)  # the buffer's typed view, made once
+        Calls.n = 0
+        with Calls():
+            got = typed_view(raw, dtype, shape, bases)
+        assert Calls.n == 1, (dtype, shape)
+        assert (got.shape, got.dtype, got.data_ptr(), got.is_contiguous()) == \
+            (want.shape, want.dtype, want.data_ptr(), True)
+        assert torch.equal(got.flatten().view(torch.uint8), want.flatten().view(torch.uint8))
+    for raw, dtype, shape in [(torch.zeros(10, dtype=torch.uint8)[4:8], torch.float32, (1,)),  # 10 bytes
+                              (slot[256:256], torch.float32, (0,)),    # no elements
+                              (torch.zeros(16).view(-1)[4:8].view(torch.uint8), torch.float32, (4,))]:
+        got = typed_view(raw, dtype, shape, {})
+        assert got.data_ptr() == raw.data_ptr() and got.shape == torch.Size(shape)
+
+
 def test_state_is_copied_out_from_its_slot_bytes_only_while_it_is_the_staged_view():
     """The copies out of a chunk's state reuse the slot bytes staged for it (one view fewer per
     state tensor at each launch) only while the class's state is that very view, at that
