@@ -494,8 +494,11 @@ def _normalize_optimizer(s: ProgramSpec, opt: OptSpec, count: int) -> OptSpec:
         mgn = None
     inf_step = opt.inf_step if scaler and opt.inf_step is not None and opt.inf_step < steps else None
     # fused SGD with momentum makes its momentum buffers with empty_like on a parameter's first
-    # step, and a step skipped for an inf leaves them uninitialized: torch itself differs run to run
-    if inf_step == 0 and opt.cls == "sgd_fused":
+    # step, and a step skipped for an inf leaves them uninitialized: torch itself differs run to
+    # run. The first step is that of the first iteration whose backwards fill ``.grad``
+    # (``autograd.grad`` alone does not, and the program then calls no step)
+    first = next((k for k, hows in enumerate(s.backwards) if set(hows) - {"autograd_grad"}), None)
+    if inf_step is not None and inf_step == first and opt.cls == "sgd_fused":
         inf_step = None
     saves = tuple(sorted({(st, kind) for st, kind in opt.saves if st < steps}))
     close = opt.close_step

@@ -160,6 +160,22 @@ def test_the_optimizer_features_run_standalone():
     _standalone_agrees(FEATURES)
 
 
+@pytest.mark.parametrize("backwards, inf_step, kept", [
+    ((("backward",), ("backward",)), 0, False),          # the first step skipped
+    ((("autograd_grad",), ("backward",)), 1, False),     # the first step is the second iteration's
+    ((("autograd_grad",), ("backward",)), 0, True),      # no step there: nothing made
+    ((("backward",), ("backward",)), 1, True),           # the buffers exist by then
+])
+def test_fused_sgd_never_skips_its_first_step_for_an_inf(backwards, inf_step, kept):
+    """torch's fused SGD makes its momentum buffers with ``empty_like`` at a parameter's first
+    step and leaves them unwritten when the scaler skips that step for an inf: reference and
+    hybrid would then hold different uninitialized memory (seed 3070192: the first step came
+    in the second iteration, after one of ``autograd.grad`` only, which calls no step)."""
+    spec = ProgramSpec(seed=1, layers=(LayerSpec("mlp"),), backwards=backwards,
+                       optimizer=OptSpec(fraction=0.0, cls="sgd_fused", scaler="step", inf_step=inf_step))
+    assert normalize(spec).optimizer.inf_step == (inf_step if kept else None)
+
+
 def test_a_hang_is_reported_and_the_worker_restarted():
     """``Isolated`` kills a worker that gives no result in time (here: still starting) and
     starts a new one for the next program."""
