@@ -270,6 +270,27 @@ class CpuPart:
         b, k = self.where[pid]
         return self.buckets[b].params[k]
 
+    def pre_state_read(self, p: torch.Tensor) -> None:
+        """Before ``p``'s state is read outside ``step()`` (``opt.state[p]``): an update of its
+        bucket that backward started is undone (``_reset``, after it ran; one not started yet
+        never runs). The read then sees the last step's state, as a torch optimizer's, and no
+        update writes that state meanwhile; ``step()`` copies and updates the bucket again (the
+        same result, bit for bit; only that bucket's overlap is lost)."""
+        st = self.backward_step
+        if st is None:
+            return
+        b = self.where[id(p)][0]
+        bs = st.buckets[b]
+        if bs.job is None:
+            return  # no update queued: the state is the last step's
+        with st.lock:
+            if b in st.ready:  # queued, not started: taken back
+                st.ready.remove(b)
+                bs.job.future.set_result(None)
+                bs.job = None
+                bs.move(Phase.IDLE)
+        self._reset(st, b)
+
     def _reset(self, st: CpuStep, b: int) -> None:
         """Forget bucket ``b``'s early work: wait for its jobs, undo an early update, drop its
         copies (their temporaries stay alive until the step is fenced)."""

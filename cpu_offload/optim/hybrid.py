@@ -384,6 +384,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _state_of(self, p: torch.Tensor) -> Optional[dict]:
         if self._cpu is not None and self._cpu.owns(p):
             self._cpu.finish()
+            self._cpu.pre_state_read(p)
             b, k = self._cpu.where[id(p)]
             return self._cpu.buckets[b].param_state(k)
         if id(p) in self._streamed:

@@ -164,6 +164,43 @@ def test_early_updates_are_kept_when_nothing_changes_and_redone_when_clipped(mod
     opt.close()
 
 
+@pytest.mark.parametrize("read_during", ["after_updates", "while_queued"])
+@pytest.mark.parametrize("mode", ["backward_update", "next_forward"])
+def test_reading_the_state_before_step_shows_the_last_steps_and_changes_nothing(mode, read_during):
+    """``opt.state[p]`` read between backward and ``step()`` is the last step's state (none
+    before the first), as a torch optimizer's, though the CPU part already updated the bucket
+    during backward: the read undoes that bucket's update (after it ran, or before it starts),
+    and ``step()`` redoes it. Nothing else changes: parameters and state equal the wrapped
+    class's, bit for bit. (The fuzzer's seed 3080330: a read that raced with the update of a
+    first step, as it created the state, raised "dictionary changed size during iteration".)"""
+    ref = model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **KW)
+    m = model()
+    opt = hybrid(m, 1.0, mode, defer=False)
+    read = [p for i, p in enumerate(m.parameters()) if i % 4 == 0]
+    last: dict = {}
+    for i in range(3):
+        for model_, o in ((ref, ref_opt), (m, opt)):
+            loss_of(model_, i).backward()
+        jobs = [bs.job.future for bs in opt._cpu.backward_step.buckets if bs.job is not None]
+        assert jobs  # updates started during backward
+        if read_during == "after_updates":
+            for f in jobs:
+                f.result()
+        for p in read:
+            got = {k: v.clone() for k, v in opt.state[p].items() if k != "master_weight"}
+            assert sorted(got) == sorted(last.get(p, {})), (i, sorted(got))
+            assert all(torch.equal(v, last[p][k]) for k, v in got.items()), i
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+        opt.wait_params()
+        assert opt.last_step_stats["redone_buckets"] >= 1
+        last = {p: {k: v.clone() for k, v in opt.state[p].items() if k != "master_weight"} for p in read}
+    assert_same_params_and_state(m, opt, ref, ref_opt)
+    opt.close()
+
+
 def test_abandoned_backward_is_undone_by_zero_grad_and_state_dict():
     """Early updates of a backward that never reached step() leave no trace: zero_grad() and
     state_dict() see the state of the last step(), as with the wrapped optimizer."""
