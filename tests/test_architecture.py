@@ -152,7 +152,7 @@ def test_no_import_cycles():
 # torch's private APIs the optimizer calls, by attribute name: tensors' version counter, DTensor's
 # local shard, autograd's engine; ``torch._foreach_*`` and ``torch._amp_foreach_*`` (GradScaler's
 # unscale kernel), checked as prefixes on ``torch``.
-TORCH_PRIVATE = {"_version", "_local_tensor", "_execution_engine"}
+TORCH_PRIVATE = {"_version", "_local_tensor", "_execution_engine", "_base"}  # torch.Tensor._base: a view's base
 TORCH_PRIVATE_PREFIXES = ("_foreach_", "_amp_foreach_")
 
 
