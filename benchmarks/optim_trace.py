@@ -53,9 +53,9 @@ from bench_common import BenchDevice, format_table, write_json
 
 import torch  # noqa: E402  (after bench_common, which puts the repo on sys.path)
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import optim_benchmark  # noqa: E402
+from cpu_offload.compat import TorchDispatchMode  # noqa: E402
 from cpu_offload.examples.gpt import build_model, make_input, tiny_config  # noqa: E402
 
 PHASES = ("forward", "backward", "step", "zero_grad")

@@ -941,8 +941,7 @@ def test_typed_views_of_a_slot_equal_the_view_chain_in_one_call_each():
     contiguity) in one torch call once the buffer's typed view is made, and falls back to that
     chain where the buffer has no view of that dtype (its size not a multiple of it, a buffer
     that is not bytes) or the view no elements."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from cpu_offload.compat import TorchDispatchMode
     from cpu_offload.optim.stream_chunk import typed_view
 
     class Calls(TorchDispatchMode):
