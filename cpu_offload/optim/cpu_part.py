@@ -238,15 +238,9 @@ class CpuPart:
             bs.job is not None and bs.job.early and not same_hypers(bs.job.hypers, hypers) for bs in st.buckets)
         with st.lock:
             st.validated = True
-            taken = [b for b in st.ready if b in stale]
-            st.ready = [b for b in st.ready if b not in stale]
+            self._take_back(st, stale)
             for b, bs in enumerate(st.buckets):
                 bs.verdict = b not in stale
-            for b in taken:
-                bs = st.buckets[b]
-                bs.job.future.set_result(None)
-                bs.job = None
-                bs.move(Phase.IDLE)
             for b, bs in enumerate(st.buckets):
                 if bs.phase is Phase.UPDATED and b not in stale:
                     self._send(st, b)
@@ -284,12 +278,20 @@ class CpuPart:
         if bs.job is None:
             return  # no update queued: the state is the last step's
         with st.lock:
-            if b in st.ready:  # queued, not started: taken back
-                st.ready.remove(b)
-                bs.job.future.set_result(None)
-                bs.job = None
-                bs.move(Phase.IDLE)
+            self._take_back(st, {b})  # if queued and not started
         self._reset(st, b)
+
+    @staticmethod
+    def _take_back(st: CpuStep, buckets: set) -> None:
+        """Under ``st.lock``: the updates of ``buckets`` still queued (not started) leave the
+        queue and never run (their waiters get ``None``); those buckets are idle again."""
+        taken = [b for b in st.ready if b in buckets]
+        st.ready = [b for b in st.ready if b not in buckets]
+        for b in taken:
+            bs = st.buckets[b]
+            bs.job.future.set_result(None)
+            bs.job = None
+            bs.move(Phase.IDLE)
 
     def _reset(self, st: CpuStep, b: int) -> None:
         """Forget bucket ``b``'s early work: wait for its jobs, undo an early update, drop its
@@ -520,16 +522,10 @@ class CpuPart:
             if st is None:
                 return
         with st.lock:
-            taken = [] if st.validated else st.ready
             if not st.validated:
-                st.ready = []
+                self._take_back(st, set(st.ready))
             for bs in st.buckets:
                 bs.verdict = bs.verdict if st.validated else False
-            for b in taken:
-                bs = st.buckets[b]
-                bs.job.future.set_result(None)
-                bs.move(Phase.IDLE)
-                bs.job = None
         for bs in st.buckets:
             for f in (bs.norms, bs.job.future if bs.job is not None else None):
                 if f is None:
