@@ -17,6 +17,7 @@ the compute stream has waited for it (``read_on_device``).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -116,9 +117,7 @@ def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], base
         (True, True)
     """
     size = dtype.itemsize
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     base = raw if raw._base is None else raw._base
     offset = raw.storage_offset()
     if (not n or n * size > raw.numel() or offset % size or base.dtype != torch.uint8
