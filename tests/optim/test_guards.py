@@ -46,8 +46,7 @@ def test_bit_sums_equal_bit_sum_row_by_row(device):
 def test_modular_word_sum_of_aligned_words_equals_the_general_one(device):
     """The accelerator's word sum takes a contiguous tensor of whole aligned words in one
     reduction, and anything else bytes-and-words: the two agree wherever both apply (the CPU
-    runs both here, as the simulated device never takes the modular sum), and the rest goes
-    the general way."""
+    runs both here, as the simulated device never takes the modular sum)."""
     ts = _tensors(device)
     aligned = [t for t in ts if t.is_contiguous() and t.numel() * t.element_size() % 4 == 0
                and t.storage_offset() * t.element_size() % 4 == 0 and t.numel()]
