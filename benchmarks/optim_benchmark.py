@@ -404,7 +404,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="stream_fraction of the 'split' rows: 'auto' (default), 'measure' (time this "
                         "host when each optimizer is built) or a number in [0, 1]")
     p.add_argument("--stream-budget-mib", type=float,
-                   help="stream_budget_bytes of the rows, in MiB (default: the optimizer's, 256)")
+                   help="stream_budget_bytes of the rows, in MiB (default: the optimizer's, 384)")
     p.add_argument("--bind-cores", action="store_true",
                    help="HybridDeviceOptimizer(bind_cpu_cores=True) for the rows and the microbench: "
                         "the CPU worker on physical cores (of the GPU's NUMA node)")
