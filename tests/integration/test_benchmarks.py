@@ -3,6 +3,7 @@ seconds, and the frontier's selection and drift correction are checked on synthe
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import statistics
 
@@ -655,3 +656,44 @@ def test_gil_probe_chunked_update_is_fused_adamw_over_the_whole_bucket():
         chunked.run()
         assert torch.equal(chunked.master, whole.master), optimizer
         assert torch.equal(chunked.param, whole.param), optimizer
+
+
+def test_ab_trees_summary_gives_each_trees_median_and_its_ratio_to_the_first():
+    ab = _benchmark_module("ab_trees")
+    runs = {"old": [{"plain": 100.0, "split": 160.0}, {"plain": 102.0, "split": 170.0},
+                    {"plain": 101.0, "split": 150.0}],
+            "new": [{"plain": 100.0, "split": 120.0}, {"plain": 100.0, "split": None}, {}]}
+    got = {(s["row"], s["tree"]): s for s in ab.summarize(["old", "new"], runs)}
+    assert list(got) == [("plain", "old"), ("plain", "new"), ("split", "old"), ("split", "new")]
+    old, new = got["split", "old"], got["split", "new"]
+    assert old["rounds_ms"] == [160.0, 170.0, 150.0] and old["median_ms"] == 160.0
+    assert old["vs_first"] == 1.0 and old["x_plain"] == 1.6  # of 1.6, 1.667, 1.485
+    # a failed row and a failed run count as missing rounds, not as zeros
+    assert new["rounds_ms"] == [120.0, None, None] and new["median_ms"] == 120.0
+    assert new["vs_first"] == 0.75 and new["x_plain"] == 1.2
+    assert "failed" in ab.table(list(got.values()))
+
+
+def test_ab_trees_runs_each_tree_from_its_own_code_interleaved_sim(tmp_path):
+    ab = _benchmark_module("ab_trees")
+    summary = ab.main(["--trees", "HEAD", ".", "--rounds", "2", "--out", str(tmp_path), "--",
+                       "--device", "sim", "--no-microbench", "--no-probe", "--rows", "plain",
+                       "--layers", "2", "--warmup", "1", "--iters", "1"])
+    assert [(s["row"], s["tree"]) for s in summary] == [("plain", "HEAD"), ("plain", ".")]
+    assert all(len(s["rounds_ms"]) == 2 and all(t > 0 for t in s["rounds_ms"]) for s in summary)
+    assert (tmp_path / "tree0" / "cpu_offload" / "__init__.py").exists()  # HEAD, unpacked
+    assert json.loads((tmp_path / "ab_trees.json").read_text())["summary"] == summary
+
+
+def test_ab_trees_refuses_what_it_cannot_compare(tmp_path, capsys):
+    ab = _benchmark_module("ab_trees")
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--trees", "HEAD"])
+    assert "--trees needs at least two trees" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--trees", "HEAD", ".", "--", "--out", "x"])
+    assert "give --out before '--'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="would import cpu_offload from"):
+        ab.check_imports(tmp_path)  # no package there: another copy (or none) would answer
+    with pytest.raises(SystemExit, match="git archive 'no-such-revision' failed"):
+        ab.unpack("no-such-revision", tmp_path / "t")
