@@ -1,8 +1,10 @@
 """Whether a change made the optimizer's step faster on this host: ``optim_benchmark.py`` run
-from two or more source trees, interleaved, in one call.
+from two or more source trees, or with two or more sets of options, interleaved, in one call.
 
     python3 benchmarks/ab_trees.py --trees HEAD~1 . --rounds 3 -- \\
         --no-microbench --no-probe --iters 6 --warmup 2 --rows "plain,split f=0.25"
+    python3 benchmarks/ab_trees.py --variant "384=--stream-budget-mib 384" \\
+        --variant "768=--stream-budget-mib 768" -- --rows "plain,split f=0.25" ...
 
 A host's CPU rate moves up to 1.7x between machines, and between runs on one machine, so step
 times of two trees compare only when measured on one machine with the trees interleaved (A B A
@@ -10,11 +12,12 @@ B ...), not one after the other. Each tree is ``.`` (the working tree) or a git 
 repository (unpacked with ``git archive`` under ``--out``). Each round runs ``optim_benchmark.py``
 once from each tree's root, in a fresh process (each tree imports its own ``cpu_offload``:
 checked before the first round), with the arguments after ``--``; a tree too old to know one of
-them fails its runs, and the table says so.
+them fails its runs, and the table says so. Each ``--variant NAME=ARGS`` adds ``ARGS`` to the
+runs of an arm of its own: every tree runs every variant, in each round.
 
-The table, per benchmark row and tree: the step ms of each round, their median, the median's
-ratio to the first tree's, and the median of "x plain" (each run's step ms over the ``plain``
-row of the same run, when ``--rows`` has one). ``--out/ab_trees.json`` keeps every run. On a
+The table, per benchmark row and arm (a tree, or a tree and a variant): the step ms of each
+round, their median, the median's ratio to the first arm's, and the median of "x plain" (each
+run's step ms over the ``plain`` row of the same run, when ``--rows`` has one). ``--out/ab_trees.json`` keeps every run. On a
 machine without CUDA the benchmark runs on the simulated device (a smoke test: times there mean
 nothing).
 """
@@ -24,6 +27,7 @@ import argparse
 import io
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -89,47 +93,63 @@ def run_once(root: Path, bench_args: Sequence[str], out: Path) -> dict[str, Opti
     return {r["label"]: (r["step_ms"] if not r.get("error") else None) for r in rows}
 
 
-def summarize(trees: Sequence[str], runs: dict[str, list[dict]]) -> list[dict]:
-    """Per row label (in first-seen order) and tree: the step ms of each round, their median,
-    its ratio to the first tree's median, and the median of each run's step over its ``plain``.
+def summarize(arms: Sequence[str], runs: dict[str, list[dict]]) -> list[dict]:
+    """Per row label (in first-seen order) and arm: the step ms of each round, their median,
+    its ratio to the first arm's median, and the median of each run's step over its ``plain``.
 
     Example::
 
         >>> runs = {"A": [{"plain": 100.0, "split": 160.0}, {"plain": 100.0, "split": 170.0}],
         ...         "B": [{"plain": 100.0, "split": 150.0}, {"plain": 101.0, "split": 151.5}]}
-        >>> [(r["row"], r["tree"], r["median_ms"], r["vs_first"], r["x_plain"])
+        >>> [(r["row"], r["arm"], r["median_ms"], r["vs_first"], r["x_plain"])
         ...  for r in summarize(["A", "B"], runs) if r["row"] == "split"]
         [('split', 'A', 165.0, 1.0, 1.65), ('split', 'B', 150.75, 0.9136, 1.5)]
     """
     labels: list[str] = []
-    for tree in trees:
-        for run in runs[tree]:
+    for arm in arms:
+        for run in runs[arm]:
             labels += [k for k in run if k not in labels]
     out = []
     for label in labels:
         first = None
-        for tree in trees:
-            times = [run.get(label) for run in runs[tree]]
+        for arm in arms:
+            times = [run.get(label) for run in runs[arm]]
             ok = [t for t in times if t is not None]
             median = statistics.median(ok) if ok else None
-            if first is None and tree == trees[0]:
+            if first is None and arm == arms[0]:
                 first = median
-            ratios = [run[label] / run[PLAIN] for run in runs[tree]
+            ratios = [run[label] / run[PLAIN] for run in runs[arm]
                       if run.get(label) is not None and run.get(PLAIN)]
             out.append({
-                "row": label, "tree": tree, "rounds_ms": times, "median_ms": median,
+                "row": label, "arm": arm, "rounds_ms": times, "median_ms": median,
                 "vs_first": None if median is None or not first else round(median / first, 4),
                 "x_plain": round(statistics.median(ratios), 4) if ratios else None,
             })
     return out
 
 
+def arms_of(trees: Sequence[str], variants: Sequence[str]) -> list[tuple[str, str, list[str]]]:
+    """``(label, tree, extra arguments)`` per arm: each tree, times each ``NAME=ARGS`` variant.
+
+    Example::
+
+        >>> arms_of(["HEAD", "."], ["a=--x 1", "b=--x 2"])[1]
+        ('HEAD b', 'HEAD', ['--x', '2'])
+        >>> arms_of(["."], ["a=--x 1", "b="])
+        [('a', '.', ['--x', '1']), ('b', '.', [])]
+    """
+    if not variants:
+        return [(t, t, []) for t in trees]
+    named = [(name, shlex.split(extra)) for name, _, extra in (v.partition("=") for v in variants)]
+    return [((f"{t} {name}" if len(trees) > 1 else name), t, extra) for t in trees for name, extra in named]
+
+
 def table(summary: Sequence[dict]) -> str:
     def num(v: Optional[float], fmt: str) -> str:
         return "failed" if v is None else format(v, fmt)
     return format_table(
-        ["row", "tree", "rounds (step ms)", "median ms", "vs first tree", "x plain"],
-        [[s["row"], s["tree"], " / ".join(num(t, ".1f") for t in s["rounds_ms"]),
+        ["row", "arm", "rounds (step ms)", "median ms", "vs first arm", "x plain"],
+        [[s["row"], s["arm"], " / ".join(num(t, ".1f") for t in s["rounds_ms"]),
           num(s["median_ms"], ".1f"), num(s["vs_first"], ".3f"), num(s["x_plain"], ".3f")]
          for s in summary])
 
@@ -139,14 +159,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                usage="%(prog)s --trees REV [REV ...] [--rounds N] -- OPTIM_BENCHMARK_ARGS")
-    p.add_argument("--trees", nargs="+", required=True,
-                   help="'.' (the working tree) or git revisions; the first is the baseline")
-    p.add_argument("--rounds", type=int, default=3, help="runs per tree, interleaved")
+                                usage="%(prog)s [--trees REV ...] [--variant NAME=ARGS ...] [--rounds N] -- OPTIM_BENCHMARK_ARGS")
+    p.add_argument("--trees", nargs="+", default=["."],
+                   help="'.' (the working tree, the default) or git revisions; the first is the baseline")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="more optim_benchmark.py arguments for an arm of their own, e.g. "
+                        "'b768=--stream-budget-mib 768'; every tree runs every variant")
+    p.add_argument("--rounds", type=int, default=3, help="runs per arm, interleaved")
     p.add_argument("--out", default="bench_out/ab_trees")
     args = p.parse_args(own)
-    if len(args.trees) < 2 or args.rounds < 1:
-        p.error("--trees needs at least two trees and --rounds at least 1")
+    bad = [v for v in args.variant if not v.partition("=")[0] or "=" not in v]
+    if bad:
+        p.error(f"--variant takes NAME=ARGS, got {bad[0]!r}")
+    if len(args.trees) * max(1, len(args.variant)) < 2 or args.rounds < 1:
+        p.error("compare at least two arms (two --trees, or two --variant) and --rounds at least 1")
     if any(a == "--out" or a.startswith("--out=") for a in bench_args):
         p.error("give --out before '--': each run writes under it")
     return args, bench_args
@@ -158,17 +184,19 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     roots = {t: unpack(t, out / f"tree{i}") for i, t in enumerate(args.trees)}
     for root in roots.values():
         check_imports(root)
-    runs: dict[str, list[dict]] = {t: [] for t in args.trees}
+    arms = arms_of(args.trees, args.variant)
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in arms}
     for r in range(args.rounds):
-        for i, tree in enumerate(args.trees):
-            result = run_once(roots[tree], bench_args, out / f"run{i}")
-            runs[tree].append(result)
+        for i, (label, tree, extra) in enumerate(arms):
+            result = run_once(roots[tree], [*bench_args, *extra], out / f"run{i}")
+            runs[label].append(result)
             shown = ", ".join(f"{k} {v:.1f}" if v is not None else f"{k} failed" for k, v in result.items())
-            print(f"round {r + 1}, {tree}: {shown or 'failed'}", flush=True)
-    summary = summarize(args.trees, runs)
+            print(f"round {r + 1}, {label}: {shown or 'failed'}", flush=True)
+    summary = summarize([label for label, _, _ in arms], runs)
     print(table(summary))
-    (out / "ab_trees.json").write_text(json.dumps({"trees": args.trees, "bench_args": bench_args,
-                                                   "runs": runs, "summary": summary}, indent=2) + "\n")
+    (out / "ab_trees.json").write_text(json.dumps({"trees": args.trees, "variants": args.variant,
+                                                   "bench_args": bench_args, "runs": runs,
+                                                   "summary": summary}, indent=2) + "\n")
     print(f"wrote {out / 'ab_trees.json'}")
     return summary
 

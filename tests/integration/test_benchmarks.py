@@ -663,7 +663,7 @@ def test_ab_trees_summary_gives_each_trees_median_and_its_ratio_to_the_first():
     runs = {"old": [{"plain": 100.0, "split": 160.0}, {"plain": 102.0, "split": 170.0},
                     {"plain": 101.0, "split": 150.0}],
             "new": [{"plain": 100.0, "split": 120.0}, {"plain": 100.0, "split": None}, {}]}
-    got = {(s["row"], s["tree"]): s for s in ab.summarize(["old", "new"], runs)}
+    got = {(s["row"], s["arm"]): s for s in ab.summarize(["old", "new"], runs)}
     assert list(got) == [("plain", "old"), ("plain", "new"), ("split", "old"), ("split", "new")]
     old, new = got["split", "old"], got["split", "new"]
     assert old["rounds_ms"] == [160.0, 170.0, 150.0] and old["median_ms"] == 160.0
@@ -672,6 +672,8 @@ def test_ab_trees_summary_gives_each_trees_median_and_its_ratio_to_the_first():
     assert new["rounds_ms"] == [120.0, None, None] and new["median_ms"] == 120.0
     assert new["vs_first"] == 0.75 and new["x_plain"] == 1.2
     assert "failed" in ab.table(list(got.values()))
+    import doctest
+    assert doctest.testmod(ab).failed == 0  # the script's examples (benchmarks/ has no doctest run)
 
 
 def test_ab_trees_runs_each_tree_from_its_own_code_interleaved_sim(tmp_path):
@@ -679,17 +681,32 @@ def test_ab_trees_runs_each_tree_from_its_own_code_interleaved_sim(tmp_path):
     summary = ab.main(["--trees", "HEAD", ".", "--rounds", "2", "--out", str(tmp_path), "--",
                        "--device", "sim", "--no-microbench", "--no-probe", "--rows", "plain",
                        "--layers", "2", "--warmup", "1", "--iters", "1"])
-    assert [(s["row"], s["tree"]) for s in summary] == [("plain", "HEAD"), ("plain", ".")]
+    assert [(s["row"], s["arm"]) for s in summary] == [("plain", "HEAD"), ("plain", ".")]
     assert all(len(s["rounds_ms"]) == 2 and all(t > 0 for t in s["rounds_ms"]) for s in summary)
     assert (tmp_path / "tree0" / "cpu_offload" / "__init__.py").exists()  # HEAD, unpacked
     assert json.loads((tmp_path / "ab_trees.json").read_text())["summary"] == summary
+
+
+def test_ab_trees_compares_options_on_one_tree_sim(tmp_path):
+    """``--variant``: arms of one tree that differ by options, each run with its own."""
+    ab = _benchmark_module("ab_trees")
+    summary = ab.main(["--variant", "one=--iters 1", "--variant", "two=--iters 2", "--rounds", "1",
+                       "--out", str(tmp_path),
+                       "--", "--device", "sim", "--no-microbench", "--no-probe", "--rows", "plain",
+                       "--layers", "2", "--warmup", "1"])
+    assert [s["arm"] for s in summary] == ["one", "two"]
+    runs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("run*/optim_benchmark_sim.json"))]
+    assert [r["args"]["iters"] for r in runs] == [1, 2]
 
 
 def test_ab_trees_refuses_what_it_cannot_compare(tmp_path, capsys):
     ab = _benchmark_module("ab_trees")
     with pytest.raises(SystemExit):
         ab.parse_args(["--trees", "HEAD"])
-    assert "--trees needs at least two trees" in capsys.readouterr().err
+    assert "compare at least two arms" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.parse_args(["--variant", "--iters 2", "--variant", "b=--iters 3"])
+    assert "--variant takes NAME=ARGS, got '--iters 2'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.parse_args(["--trees", "HEAD", ".", "--", "--out", "x"])
     assert "give --out before '--'" in capsys.readouterr().err
