@@ -17,9 +17,9 @@ runs of an arm of its own: every tree runs every variant, in each round.
 
 The table, per benchmark row and arm (a tree, or a tree and a variant): the step ms of each
 round, their median, the median's ratio to the first arm's, and the median of "x plain" (each
-run's step ms over the ``plain`` row of the same run, when ``--rows`` has one). ``--out/ab_trees.json`` keeps every run. On a
-machine without CUDA the benchmark runs on the simulated device (a smoke test: times there mean
-nothing).
+run's step ms over the ``plain`` row of the same run, when ``--rows`` has one).
+``--out/ab_trees.json`` keeps every run. On a machine without CUDA the benchmark runs on the
+simulated device (a smoke test: times there mean nothing).
 """
 from __future__ import annotations
 
@@ -158,8 +158,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
     argv = list(sys.argv[1:] if argv is None else argv)
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                usage="%(prog)s [--trees REV ...] [--variant NAME=ARGS ...] [--rounds N] -- OPTIM_BENCHMARK_ARGS")
+    usage = "%(prog)s [--trees REV ...] [--variant NAME=ARGS ...] [--rounds N] -- OPTIM_BENCHMARK_ARGS"
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
     p.add_argument("--trees", nargs="+", default=["."],
                    help="'.' (the working tree, the default) or git revisions; the first is the baseline")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
