@@ -8,8 +8,9 @@ from two or more source trees, or with two or more sets of options, interleaved,
 
 A host's CPU rate moves up to 1.7x between machines, and between runs on one machine, so step
 times of two trees compare only when measured on one machine with the trees interleaved (A B A
-B ...), not one after the other. Each tree is ``.`` (the working tree) or a git revision of this
-repository (unpacked with ``git archive`` under ``--out``). Each round runs ``optim_benchmark.py``
+B ...), not one after the other. Each tree is ``.`` (the working tree), a git revision of this
+repository (unpacked with ``git archive`` under ``--out``) or a directory holding a tree (where
+``.git`` is absent: ``git archive REV | tar -x -C DIR`` beforehand). Each round runs ``optim_benchmark.py``
 once from each tree's root, in a fresh process (each tree imports its own ``cpu_offload``:
 checked before the first round), with the arguments after ``--``; a tree too old to know one of
 them fails its runs, and the table says so. Each ``--variant NAME=ARGS`` adds ``ARGS`` to the
@@ -42,10 +43,15 @@ PLAIN = "plain"
 
 
 def unpack(rev: str, dest: Path) -> Path:
-    """The tree of git revision ``rev`` of this repository, unpacked into ``dest`` (``.``: the
-    working tree itself, as it is)."""
+    """The tree of git revision ``rev`` of this repository, unpacked into ``dest``; ``.`` is the
+    working tree itself, as it is, and a directory is taken as it is (a tree unpacked beforehand:
+    where no ``.git`` travels, as to a lent GPU machine)."""
     if rev == ".":
         return REPO
+    if Path(rev).is_dir():
+        if not (Path(rev) / "benchmarks" / "optim_benchmark.py").is_file():
+            raise SystemExit(f"--trees: {rev!r} is a directory but holds no benchmarks/optim_benchmark.py")
+        return Path(rev).resolve()
     out = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True)
     if out.returncode:
         raise SystemExit(f"--trees: git archive {rev!r} failed: {out.stderr.decode().strip()}")
@@ -161,7 +167,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
     usage = "%(prog)s [--trees REV ...] [--variant NAME=ARGS ...] [--rounds N] -- OPTIM_BENCHMARK_ARGS"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
     p.add_argument("--trees", nargs="+", default=["."],
-                   help="'.' (the working tree, the default) or git revisions; the first is the baseline")
+                   help="'.' (the working tree, the default), git revisions or directories holding a "
+                        "tree; the first is the baseline")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="more optim_benchmark.py arguments for an arm of their own, e.g. "
                         "'b768=--stream-budget-mib 768'; every tree runs every variant")

@@ -684,6 +684,7 @@ def test_ab_trees_runs_each_tree_from_its_own_code_interleaved_sim(tmp_path):
     assert [(s["row"], s["arm"]) for s in summary] == [("plain", "HEAD"), ("plain", ".")]
     assert all(len(s["rounds_ms"]) == 2 and all(t > 0 for t in s["rounds_ms"]) for s in summary)
     assert (tmp_path / "tree0" / "cpu_offload" / "__init__.py").exists()  # HEAD, unpacked
+    assert ab.unpack(str(tmp_path / "tree0"), tmp_path / "unused") == (tmp_path / "tree0").resolve()
     assert json.loads((tmp_path / "ab_trees.json").read_text())["summary"] == summary
 
 
@@ -714,3 +715,5 @@ def test_ab_trees_refuses_what_it_cannot_compare(tmp_path, capsys):
         ab.check_imports(tmp_path)  # no package there: another copy (or none) would answer
     with pytest.raises(SystemExit, match="git archive 'no-such-revision' failed"):
         ab.unpack("no-such-revision", tmp_path / "t")
+    with pytest.raises(SystemExit, match="holds no benchmarks/optim_benchmark.py"):
+        ab.unpack(str(tmp_path), tmp_path / "t")
