@@ -10,11 +10,11 @@ A host's CPU rate moves up to 1.7x between machines, and between runs on one mac
 times of two trees compare only when measured on one machine with the trees interleaved (A B A
 B ...), not one after the other. Each tree is ``.`` (the working tree), a git revision of this
 repository (unpacked with ``git archive`` under ``--out``) or a directory holding a tree (where
-``.git`` is absent: ``git archive REV | tar -x -C DIR`` beforehand). Each round runs ``optim_benchmark.py``
-once from each tree's root, in a fresh process (each tree imports its own ``cpu_offload``:
-checked before the first round), with the arguments after ``--``; a tree too old to know one of
-them fails its runs, and the table says so. Each ``--variant NAME=ARGS`` adds ``ARGS`` to the
-runs of an arm of its own: every tree runs every variant, in each round.
+``.git`` is absent: ``git archive REV | tar -x -C DIR`` beforehand). Each round runs
+``optim_benchmark.py`` once from each tree's root, in a fresh process (each tree imports its
+own ``cpu_offload``: checked before the first round), with the arguments after ``--``; a tree
+too old to know one of them fails its runs, and the table says so. Each ``--variant NAME=ARGS``
+adds ``ARGS`` to the runs of an arm of its own: every tree runs every variant, in each round.
 
 The table, per benchmark row and arm (a tree, or a tree and a variant): the step ms of each
 round, their median, the median's ratio to the first arm's, and the median of "x plain" (each
@@ -76,9 +76,13 @@ def check_imports(root: Path) -> None:
     """Fail unless a process started as the runs are imports ``cpu_offload`` from ``root``."""
     out = subprocess.run([sys.executable, "-c", "import cpu_offload; print(cpu_offload.__file__)"],
                          cwd=root, env=_env(root), capture_output=True, text=True)
-    where = Path(out.stdout.strip() or ".").resolve()
-    if out.returncode or root.resolve() not in where.parents:
-        raise SystemExit(f"a run from {root} would import cpu_offload from {where or out.stderr}: "
+    if out.returncode:  # no copy at all: say why the import failed
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"a run from {root} would import cpu_offload from nowhere ({why}): "
+                         "give a tree that holds the package")
+    where = Path(out.stdout.strip()).resolve()
+    if root.resolve() not in where.parents:
+        raise SystemExit(f"a run from {root} would import cpu_offload from {where}: "
                          "uninstall the other copy or set PYTHONPATH")
 
 
@@ -122,7 +126,7 @@ def summarize(arms: Sequence[str], runs: dict[str, list[dict]]) -> list[dict]:
             times = [run.get(label) for run in runs[arm]]
             ok = [t for t in times if t is not None]
             median = statistics.median(ok) if ok else None
-            if first is None and arm == arms[0]:
+            if arm == arms[0]:
                 first = median
             ratios = [run[label] / run[PLAIN] for run in runs[arm]
                       if run.get(label) is not None and run.get(PLAIN)]
@@ -162,8 +166,8 @@ def table(summary: Sequence[dict]) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str]]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own, bench_args = argv[:cut], argv[cut + 1:]
     usage = "%(prog)s [--trees REV ...] [--variant NAME=ARGS ...] [--rounds N] -- OPTIM_BENCHMARK_ARGS"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
     p.add_argument("--trees", nargs="+", default=["."],
